@@ -1,0 +1,261 @@
+"""Typed run configuration: YAML (safe-loaded) + dotted `key.sub=value` overrides, validated before any work.
+
+Each section is a flat dataclass; every field's comment is its help text (`twinplane train --help` prints them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the key and is printed as one line."""
+
+
+@dataclass
+class ModelSection:
+    path: str | None = None  # HF model folder (config.json + safetensors + tokenizer); unset = tiny demo model
+    hidden_size: int = 256  # demo model only
+    num_layers: int = 4  # demo model only
+    num_heads: int = 4  # demo model only
+    num_kv_heads: int = 2  # demo model only
+    intermediate_size: int = 768  # demo model only
+    dtype: str = "float32"  # training-plane dtype (master weights)
+    rollout_dtype: str | None = None  # engine dtype; unset = same as dtype
+
+
+@dataclass
+class TaskSection:
+    name: str = "arithmetic"  # built-in synthetic task (the only prompt source in this version)
+    digits: int = 2  # operand digits: a + b with 0 <= a, b < 10**digits
+    heldout_size: int = 500  # problems held out of all training, for evaluation
+    teacher_carry_error: float = 0.6  # warm-start teacher drops each carry with this probability
+
+
+@dataclass
+class WarmStartSection:
+    steps: int = 200  # supervised steps on teacher answers before RL (0 = skip)
+    batch_size: int = 128
+    lr: float = 3e-3
+
+
+@dataclass
+class RolloutSection:
+    prompts_per_step: int = 32  # prompts per RL step
+    n: int = 8  # samples per prompt (the GRPO group)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 8
+    min_new_tokens: int = 0
+    max_num_seqs: int = 512  # sequences decoded together
+
+
+@dataclass
+class TrainSection:
+    steps: int = 80  # RL steps
+    lr: float = 2e-4
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine (after warmup)
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    micro_batch_size: int = 128  # sequences per forward/backward; accumulation never changes the result
+    mini_batches: int = 1  # optimizer steps per rollout batch (>1 makes the PPO clip matter)
+
+
+@dataclass
+class AlgoSection:
+    name: str = "grpo"
+    norm_adv_by_std: bool = True  # false = Dr.GRPO advantages
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO clip-higher
+    kl_coef: float = 0.0  # KL-to-reference loss weight (0 = no reference model)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (low_var_kl)
+    entropy_coef: float = 0.0  # entropy bonus weight
+    recompute_old_logprobs: bool = False  # score old log-probs with the trainer instead of using the engine's
+
+
+@dataclass
+class EvalSection:
+    before: bool = True  # held-out greedy accuracy after the warm start, before RL
+    after: bool = True  # held-out greedy accuracy after RL
+
+
+@dataclass
+class LogSection:
+    progress: bool = True  # one live line per step on the console
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (ROCm GPUs are "cuda" too)
+    threads: int = 0  # torch CPU threads (0 = torch's default)
+    run_dir: str | None = None  # default runs/<timestamp>
+    model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    warmstart: WarmStartSection = field(default_factory=WarmStartSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def validate(self) -> None:
+        checks = [
+            (self.rollout.n >= 1, "rollout.n", "must be >= 1"),
+            (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
+            (self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),
+            (self.rollout.temperature >= 0, "rollout.temperature", "must be >= 0"),
+            (0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
+            (self.train.steps >= 0, "train.steps", "must be >= 0"),
+            (self.train.lr > 0, "train.lr", "must be > 0"),
+            (self.train.schedule in ("constant", "cosine"), "train.schedule", "must be constant or cosine"),
+            (len(self.train.betas) == 2, "train.betas", "must be two numbers"),
+            (self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1"),
+            (self.train.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
+            (self.rollout.prompts_per_step % self.train.mini_batches == 0, "train.mini_batches",
+             "must divide rollout.prompts_per_step (mini-batches hold whole groups)"),
+            (self.algo.name == "grpo", "algo.name", "must be grpo (the only algorithm in this version)"),
+            (self.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator", "must be k1, k2 or k3"),
+            (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
+            (self.task.name == "arithmetic", "task.name", "must be arithmetic"),
+            (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),
+            (0 <= self.task.teacher_carry_error <= 1, "task.teacher_carry_error", "must be in [0, 1]"),
+            (self.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
+             "must be float32, bfloat16 or float16"),
+            (self.model.rollout_dtype in (None, "float32", "bfloat16", "float16"), "model.rollout_dtype",
+             "must be float32, bfloat16 or float16"),
+        ]
+        for ok, key, msg in checks:
+            if not ok:
+                raise ConfigError(f"{key}: {msg}, got {_get(self, key)!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _all_keys(cls, prefix="") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        t = typing.get_type_hints(cls)[f.name]
+        keys += _all_keys(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else [prefix + f.name]
+    return keys
+
+
+def _coerce(value, t, key: str):
+    """Check/convert one value to the annotated type; YAML and CLI strings both arrive here."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if t is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if t is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {t}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = prefix + str(key)
+        if key not in hints:
+            close = difflib.get_close_matches(full, _all_keys(Config), n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"unknown key {full}{hint}")
+        t = hints[key]
+        kwargs[key] = _build(t, value, full + ".") if dataclasses.is_dataclass(t) else _coerce(value, t, full)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    node = base
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _merge(data, key.strip(), value)
+    cfg = _build(Config, data)
+    cfg.validate()
+    return cfg
+
+
+def config_help() -> str:
+    """Every key with its default and help comment, read from this file's source."""
+    import inspect
+
+    lines = []
+    for name in _all_keys(Config):
+        section, _, leaf = name.rpartition(".")
+        cls = typing.get_type_hints(Config)[section] if section else Config
+        src = inspect.getsource(cls).splitlines()
+        comment = next((s.split("#", 1)[1].strip() for s in src if s.strip().startswith(f"{leaf}:") and "#" in s), "")
+        default = _get(Config(), name)
+        lines.append(f"  {name} = {default!r}" + (f"  # {comment}" if comment else ""))
+    return "\n".join(lines)

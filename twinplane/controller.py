@@ -1,0 +1,100 @@
+"""The controller: drives one RL step through the two planes' interfaces and times every phase.
+
+rollout -> reward -> ref log-probs -> (old log-probs) -> advantages -> update -> weight sync.
+It only calls `engine.generate/load_weights/checksum`, `trainer.logprobs/train_step/named_weights` and
+`reference.logprobs`, so the planes can move into other processes without this loop changing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from twinplane.algos import grpo_advantages
+from twinplane.metrics import PhaseTimer
+from twinplane.rewards import RewardFn
+from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.sync import weights_checksum
+from twinplane.tasks import Problem
+from twinplane.tokenizer import Tokenizer
+from twinplane.train import Batch, Reference, Trainer
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+class Controller:
+    def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None, reward_fn: RewardFn,
+                 tokenizer: Tokenizer, sampling: SamplingParams, mini_batches: int = 1,
+                 recompute_old_logprobs: bool = False, norm_adv_by_std: bool = True):
+        self.engine, self.trainer, self.reference = engine, trainer, reference
+        self.reward_fn, self.tokenizer, self.sampling = reward_fn, tokenizer, sampling
+        self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs
+        self.norm_adv_by_std = norm_adv_by_std
+        self.version = engine.weight_version
+
+    def step(self, problems: Sequence[Problem]) -> dict[str, float]:
+        timer = PhaseTimer(self.trainer.device)
+        n = self.sampling.n
+        with timer("step"):
+            with timer("rollout"):
+                prompts = [self.tokenizer.encode(p.prompt) for p in problems]
+                samples = self.engine.generate(prompts, self.sampling)
+            with timer("reward"):
+                completions = self.tokenizer.batch_decode([s.token_ids for s in samples])
+                answers = [problems[s.request_index].answer for s in samples]
+                rewards = torch.tensor(self.reward_fn(completions, answers), dtype=torch.float32)
+            batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples],
+                                  self.tokenizer.pad_token_id, [s.logprobs for s in samples])
+            if self.reference is not None:
+                with timer("ref_logprob"):
+                    batch.ref_logprobs = self.reference.logprobs(batch)
+            if self.recompute_old:
+                with timer("old_logprob"):
+                    batch.old_logprobs = self.trainer.logprobs(batch)
+            adv = grpo_advantages(rewards, n, self.norm_adv_by_std)  # [N]
+            batch.advantages = adv[:, None] * batch.response_mask  # [N, R]: outcome reward on every token
+            with timer("train"):
+                per_mb = len(batch) // self.mini_batches  # whole groups per mini-batch
+                updates = [self.trainer.train_step(batch.select(slice(i, i + per_mb)))
+                           for i in range(0, len(batch), per_mb)]
+            with timer("weight_sync"):
+                self.sync_weights()
+        return self._metrics(samples, rewards, batch, updates, timer.times)
+
+    def sync_weights(self) -> None:
+        """Push the trainer's weights to the engine and verify the engine holds exactly them."""
+        self.version += 1
+        self.engine.load_weights(self.trainer.named_weights(), version=self.version)
+        expected = weights_checksum(self.trainer.named_weights(), dtype=self.engine.dtype)
+        got = self.engine.checksum()
+        if got != expected:
+            raise WeightSyncError(f"weight sync to version {self.version} failed: engine checksum {got} != "
+                                  f"trainer checksum {expected}; refusing to roll out with stale weights")
+
+    def _metrics(self, samples, rewards, batch: Batch, updates: list[dict], times: dict) -> dict[str, float]:
+        n = self.sampling.n
+        lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
+        groups = rewards.view(-1, n)
+        gen_tokens = int(lengths.sum())
+        train_tokens = int(batch.attention_mask.sum())
+        m = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/accuracy": (rewards >= 1.0).float().mean().item(),
+            "rollout/response_length_mean": lengths.mean().item(),
+            "rollout/response_length_max": lengths.max().item(),
+            "rollout/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "rollout/zero_var_groups": (groups.max(1).values == groups.min(1).values).float().mean().item(),
+            "rollout/weight_version": samples[0].weight_version,
+            "perf/rollout_tokens_per_s": gen_tokens / max(times["time/rollout"], 1e-9),
+            "perf/train_tokens_per_s": train_tokens / max(times["time/train"], 1e-9),
+        }
+        # Means over the (equal-sized) mini-batches; the gap only from the first (pre-update) mini-batch.
+        for k in updates[0]:
+            m[k] = sum(u[k] for u in updates) / len(updates)
+        m["actor/logprob_gap"] = updates[0]["actor/logprob_gap"]
+        m["actor/lr"] = updates[-1]["actor/lr"]
+        return m | times

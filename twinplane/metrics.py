@@ -1,0 +1,53 @@
+"""Phase timers, the per-step metrics file and the live console line."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from twinplane.platform import synchronize
+
+
+class PhaseTimer:
+    """`with timer("rollout"): ...` records seconds under `time/rollout` (device work included)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
+
+
+class MetricsLog:
+    """Appends one JSON object per step to `metrics.jsonl`; NaN/inf are written as null."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = path.open("a")
+
+    def write(self, record: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def progress_line(step: int, total: int, m: dict) -> str:
+    phases = " ".join(f"{k[5:]}={v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
+    return (f"step {step}/{total}  reward={m['reward/mean']:.3f} acc={m['reward/accuracy']:.3f} "
+            f"kl={m['actor/kl']:.4f} gap={m['actor/logprob_gap']:.1e} "
+            f"rollout={m['perf/rollout_tokens_per_s']:.0f}tok/s train={m['perf/train_tokens_per_s']:.0f}tok/s  "
+            f"step={m['time/step']:.2f}s [{phases}]")

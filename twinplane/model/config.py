@@ -1,0 +1,182 @@
+"""Model configuration for the Llama/Qwen decoder family, read from and written to HF `config.json`.
+
+Both config forms that exist in the wild are accepted:
+- transformers 4.x (what published checkpoints carry): `rope_theta` + `rope_scaling`;
+- transformers 5.x: `rope_parameters` holding theta, type and scaling together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# model_type -> (q/k/v bias, q/k RMSNorm, HF architecture name)
+FAMILIES = {
+    "llama": (False, False, "LlamaForCausalLM"),
+    "mistral": (False, False, "MistralForCausalLM"),
+    "qwen2": (True, False, "Qwen2ForCausalLM"),
+    "qwen3": (False, True, "Qwen3ForCausalLM"),
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "llama"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict)  # unknown HF keys, written back on save
+
+    def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+    @property
+    def num_params(self) -> int:
+        d, f, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        block = attn + 3 * d * f + 2 * d
+        return L * block + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        model_type = hf.get("model_type", "llama")
+        qkv_bias, qk_norm, _ = FAMILIES.get(model_type, (False, False, None))
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError("qwen2 with use_sliding_window=true is not supported")
+        # 5.x keeps theta and scaling together in rope_parameters; 4.x splits them.
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = rope or dict(hf.get("rope_scaling") or {})
+        if scaling:
+            scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+        bias = bool(hf.get("attention_bias", False))
+        heads = hf["num_attention_heads"]
+        known = {
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "model_type", "rms_norm_eps", "rope_theta", "rope_scaling",
+            "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
+            "sliding_window", "use_sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "architectures",
+        }
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            model_type=model_type,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            qkv_bias=qkv_bias or bias,
+            o_bias=bias and model_type == "llama",
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+            extra={k: v for k, v in hf.items() if k not in known},
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            hf = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no config.json") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON ({e})") from None
+        try:
+            return cls.from_hf(hf)
+        except KeyError as e:
+            raise ValueError(f"{path}: missing key {e}") from None
+
+    def to_hf(self) -> dict:
+        """The transformers 4.x form, which both transformers 4.x and 5.x read."""
+        hf = dict(self.extra)
+        hf.update(
+            architectures=[FAMILIES[self.model_type][2]],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+        if self.model_type == "llama":
+            hf.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.model_type == "mistral":
+            hf.update(sliding_window=self.sliding_window)
+        if self.model_type in ("qwen2", "qwen3"):
+            hf.update(use_sliding_window=False, sliding_window=None)
+        if self.model_type == "qwen3":
+            hf.update(attention_bias=self.qkv_bias)
+        return hf
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (fp32), with `linear` or `llama3` scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
+    s = cfg.rope_scaling or {}
+    kind = s.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq.float()

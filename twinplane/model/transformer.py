@@ -1,0 +1,179 @@
+"""One decoder implementation for the Llama/Mistral/Qwen2/Qwen3 family, serving both planes.
+
+- training plane: `model(input_ids, attention_mask)` over a padded batch (left- or right-padded);
+- rollout plane: the same call with a `KVCache`, for prefill and one-token decode steps.
+Module and parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`),
+so checkpoints load with no renaming and what we save loads in transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twinplane.model.config import ModelConfig, rope_inv_freq
+from twinplane.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 then cast back before the scale, as HF does (keeps bf16 numerics identical).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k before rope
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None):
+        B, T, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, -1, hd)
+        k = self.k_proj(x).view(B, T, -1, hd)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # [B, H_kv, S, hd]
+        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
+        if mask is None:  # unpadded, no cache: the fused causal kernel
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(d, f, bias=b)
+        self.up_proj = nn.Linear(d, f, bias=b)
+        self.down_proj = nn.Linear(f, d, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def build_mask(q_pos, k_pos, k_valid, self_index, window: int | None) -> torch.Tensor:
+    """Boolean mask [B, 1, T, S]: a query sees valid keys at positions <= its own (within the sliding window).
+
+    Each query also sees its own key (`self_index[t]` is its column), so a padding row never has an empty
+    row of keys; an all-masked row would make SDPA return NaN, which would leak into the real rows' grads.
+    """
+    q, k = q_pos[:, :, None], k_pos[:, None, :]  # [B, T, 1], [B, 1, S]
+    mask = k_valid[:, None, :] & (k <= q)
+    if window is not None:
+        mask &= (q - k) < window
+    cols = torch.arange(k_pos.shape[1], device=k_pos.device)
+    mask |= cols[None, None, :] == self_index[None, :, None]
+    return mask[:, None]
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # fp32 and outside the module's buffers, so model.to(bf16) never rounds the rope frequencies.
+        self._inv_freq = {torch.device("cpu"): rope_inv_freq(cfg)}
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = self._inv_freq[torch.device("cpu")].to(positions.device)
+        freqs = positions[..., None].float() * inv_freq  # [B, T, hd/2], fp32 as in HF
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,  # [B, T], 1 = token, 0 = padding
+        cache: KVCache | None = None,
+        logits_start: int = 0,  # only compute logits for positions >= this (the response region)
+    ) -> torch.Tensor:  # logits [B, T - logits_start, V]
+        B, T = input_ids.shape
+        dev = input_ids.device
+        valid = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
+        start = 0 if cache is None else cache.length
+        if cache is not None and start > 0:
+            # continue each row from the number of real tokens it already has
+            positions = cache.valid[:, :start].sum(1, keepdim=True) + valid.long().cumsum(1) - 1
+        else:
+            positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        mask = None
+        if attention_mask is not None or cache is not None:
+            if cache is not None:
+                cache.append_meta(positions, valid)
+                k_pos, k_valid = cache.positions[:, :start + T], cache.valid[:, :start + T]
+            else:
+                k_pos, k_valid = positions, valid
+            self_index = torch.arange(start, start + T, device=dev)
+            mask = build_mask(positions, k_pos, k_valid, self_index, self.config.sliding_window)
+        elif self.config.sliding_window is not None and T > self.config.sliding_window:
+            mask = build_mask(positions, positions, valid, torch.arange(T, device=dev), self.config.sliding_window)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, cache)
+        if cache is not None:
+            cache.advance(T)
+        x = self.model.norm(x[:, logits_start:])
+        return F.linear(x, self.output_weight())
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        p = self.output_weight()
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)

@@ -1,0 +1,104 @@
+"""HF-format safetensors in and out (single file or sharded with an index); one loop over name -> tensor."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from twinplane.model.config import ModelConfig
+from twinplane.model.transformer import Transformer
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Buffers some exporters write that have no parameter here (rope is recomputed from the config).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    if (path / INDEX).exists():
+        index = json.loads((path / INDEX).read_text())
+        return [path / f for f in sorted(set(index["weight_map"].values()))]
+    if (path / SINGLE).exists():
+        return [path / SINGLE]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no {SINGLE}, {INDEX} or *.safetensors")
+    return files
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in checkpoint_files(Path(path)):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+    """Copy named tensors into the model's parameters (casting dtype/device). Used for loading a checkpoint
+    and for the trainer -> engine weight sync alike."""
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in named:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # some tied checkpoints still store a copy of the embedding
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {model.config.model_type} model")
+            if p.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+            p.copy_(tensor)
+            seen.add(name)
+    missing = set(params) - seen
+    if strict and missing:
+        raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def save_pretrained(model: Transformer, out: str | Path, max_shard_bytes: int | None = None) -> None:
+    """Write config.json + safetensors (sharded with an index above `max_shard_bytes`) that transformers loads."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf()
+    cfg["torch_dtype"] = str(model.output_weight().dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    if max_shard_bytes is None or sum(t.nbytes for t in state.values()) <= max_shard_bytes:
+        save_file(state, out / SINGLE, metadata={"format": "pt"})
+        return
+    shards, current, size = [], {}, 0
+    for name, t in state.items():
+        if current and size + t.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += t.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    total = sum(t.nbytes for t in state.values())
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def load_model(path: str | Path, device: str | torch.device | None = None,
+               dtype: torch.dtype | str | None = None) -> Transformer:
+    """Build the model from `path/config.json` and load its safetensors. dtype defaults to fp32."""
+    from twinplane.platform import default_device, resolve_dtype
+
+    cfg = ModelConfig.from_file(path)
+    device = torch.device(device) if device is not None else default_device()
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(resolve_dtype(dtype))
+    load_weights(model, iter_safetensors(path))
+    return model.eval()
+

@@ -1,0 +1,3 @@
+from twinplane.tasks.arithmetic import ALPHABET, ArithmeticTask, Problem, PromptStream, teacher_answer
+
+__all__ = ["ALPHABET", "ArithmeticTask", "Problem", "PromptStream", "teacher_answer"]

@@ -1,0 +1,87 @@
+"""The embedded demo task: integer addition, with an imperfect teacher for the supervised warm start.
+
+Problems are `a+b=` with 0 <= a, b < 10**digits; the answer is the decimal sum. All pairs are enumerated,
+shuffled with the seed, and split: the first `heldout_size` are never used for training (neither warm start
+nor RL), the rest are the training split. The warm-start teacher writes the sum digit by digit and drops each
+carry with probability `carry_error`, so imitation alone learns to (mostly) forget carries; RL with an
+exact-match verifier on training prompts has to fix that, and the held-out accuracy measures whether it did.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+ALPHABET = "0123456789+="
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+def teacher_answer(a: int, b: int, rng: random.Random, carry_error: float) -> str:
+    """Schoolbook addition that forgets each carry with probability `carry_error`."""
+    digits, carry = [], 0
+    while a or b or carry:
+        s = a % 10 + b % 10 + carry
+        digits.append(s % 10)
+        carry = s // 10
+        if carry and rng.random() < carry_error:
+            carry = 0
+        a, b = a // 10, b // 10
+    return "".join(map(str, reversed(digits))) or "0"
+
+
+class ArithmeticTask:
+    def __init__(self, digits: int, heldout_size: int, seed: int):
+        n = 10**digits
+        pairs = [(a, b) for a in range(n) for b in range(n)]
+        random.Random(seed).shuffle(pairs)
+        if heldout_size >= len(pairs):
+            raise ValueError(f"task.heldout_size={heldout_size} leaves no training problems ({len(pairs)} in all)")
+        self.heldout_pairs, self.train_pairs = pairs[:heldout_size], pairs[heldout_size:]
+
+    @staticmethod
+    def problem(a: int, b: int) -> Problem:
+        return Problem(f"{a}+{b}=", str(a + b))
+
+    def heldout(self) -> list[Problem]:
+        return [self.problem(a, b) for a, b in self.heldout_pairs]
+
+    def train_problems(self) -> list[Problem]:
+        return [self.problem(a, b) for a, b in self.train_pairs]
+
+    def teacher_data(self, size: int, carry_error: float, seed: int) -> list[tuple[str, str]]:
+        """`size` (prompt, teacher answer) pairs drawn from the training split."""
+        rng = random.Random(seed)
+        out = []
+        for _ in range(size):
+            a, b = rng.choice(self.train_pairs)
+            out.append((f"{a}+{b}=", teacher_answer(a, b, rng, carry_error)))
+        return out
+
+
+class PromptStream:
+    """Training prompts in seeded shuffled epochs; (epoch, position) is the whole cursor state."""
+
+    def __init__(self, problems: list[Problem], seed: int):
+        self.problems, self.seed = problems, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(len(self.problems)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self, k: int) -> list[Problem]:
+        out = []
+        while len(out) < k:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffle()
+            out.append(self.problems[self._order[self.position]])
+            self.position += 1
+        return out

@@ -1,0 +1,86 @@
+"""The training batch: prompts left-padded to P columns, responses right-padded to R columns.
+
+That layout puts every response token at column P + j in every row, so per-token tensors ([N, R]:
+log-probs, advantages, masks) line up with the logits of one slice, `logits[:, P-1 : P+R-1]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+def pad_rows(rows: Sequence[Sequence], value, dtype, left: bool = False, width: int | None = None) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            t = torch.as_tensor(r, dtype=dtype)
+            if left:
+                out[i, width - len(r):] = t
+            else:
+                out[i, :len(r)] = t
+    return out
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [N, P + R]
+    attention_mask: torch.Tensor  # [N, P + R], 1 = token
+    response_mask: torch.Tensor  # [N, R], 1 = token that counts in the loss
+    prompt_len: int  # P
+    # per-token fields [N, R], filled in as the step goes
+    rollout_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+    @classmethod
+    def collate(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                rollout_logprobs: Sequence[Sequence[float]] | None = None) -> Batch:
+        p = pad_rows(prompts, pad_id, torch.long, left=True)
+        r = pad_rows(responses, pad_id, torch.long)
+        pm = pad_rows([[1] * len(x) for x in prompts], 0, torch.long, left=True)
+        rm = pad_rows([[1] * len(x) for x in responses], 0, torch.long)
+        lp = None if rollout_logprobs is None else pad_rows(rollout_logprobs, 0.0, torch.float32)
+        return cls(torch.cat([p, r], 1), torch.cat([pm, rm], 1), rm.float(), p.shape[1], rollout_logprobs=lp)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_ids(self) -> torch.Tensor:  # [N, R]
+        return self.input_ids[:, self.prompt_len:]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum().item())
+
+    def _map(self, fn_tokens, fn_resp) -> Batch:
+        """Apply fn_tokens to [N, P+R] tensors and fn_resp to [N, R] tensors."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = fn_tokens(v) if f.name in ("input_ids", "attention_mask") else fn_resp(v)
+            out[f.name] = v
+        return Batch(**out)
+
+    def to(self, device: torch.device) -> Batch:
+        return self._map(lambda t: t.to(device), lambda t: t.to(device))
+
+    def select(self, rows: slice | torch.Tensor) -> Batch:
+        """Rows of the batch, with columns that are padding in every selected row cut off."""
+        sub = self._map(lambda t: t[rows], lambda t: t[rows])
+        prompt_cols = sub.attention_mask[:, :sub.prompt_len].any(0)
+        cut = int(prompt_cols.long().argmax()) if prompt_cols.any() else sub.prompt_len - 1
+        cut = min(cut, sub.prompt_len - 1)  # keep the last prompt column: its logits predict token 0
+        resp_cols = sub.attention_mask[:, sub.prompt_len:].any(0)
+        keep_r = int(resp_cols.nonzero().max()) + 1 if resp_cols.any() else 1
+        sub = sub._map(lambda t: t[:, cut:sub.prompt_len + keep_r], lambda t: t[:, :keep_r])
+        return replace(sub, prompt_len=sub.prompt_len - cut)
+
+    def split(self, size: int) -> list[Batch]:
+        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]

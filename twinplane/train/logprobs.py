@@ -1,0 +1,32 @@
+"""Per-token log-probs (and entropy) of a batch's response tokens: the trainer's and the reference's scoring."""
+
+from __future__ import annotations
+
+import torch
+
+from twinplane.model import Transformer
+from twinplane.rollout.sampling import policy_logprobs
+from twinplane.train.batch import Batch
+
+
+def response_logprobs(model: Transformer, batch: Batch, temperature: float,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(y_t | x, y_<t) [N, R] for the response tokens, and the policy's entropy at each position [N, R].
+    Logits are computed only over the response region (column P-1 onwards)."""
+    P = batch.prompt_len
+    logits = model(batch.input_ids, batch.attention_mask, logits_start=P - 1)[:, :-1]  # [N, R, V]
+    lp = policy_logprobs(logits, temperature)  # same function the engine samples from
+    token_lp = lp.gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    entropy = -(lp.exp() * lp).sum(-1) if with_entropy else None
+    return token_lp, entropy
+
+
+@torch.no_grad()
+def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs)."""
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
+    for i in range(0, len(batch), micro_batch_size):
+        mb = batch.select(slice(i, i + micro_batch_size))
+        lp, _ = response_logprobs(model, mb, temperature)
+        out[i:i + len(mb), :lp.shape[1]] = lp * mb.response_mask
+    return out

@@ -1,0 +1,36 @@
+"""Supervised warm start: next-token cross-entropy on response tokens, through the same scoring path as RL."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from twinplane.model import Transformer
+from twinplane.train.batch import Batch
+from twinplane.train.logprobs import response_logprobs
+from twinplane.train.optim import build_optimizer
+
+
+def warm_start(model: Transformer, prompts: Sequence[list[int]], responses: Sequence[list[int]], steps: int,
+               batch_size: int, lr: float, pad_id: int, seed: int, warmup_steps: int = 20) -> list[float]:
+    """`steps` AdamW steps (cosine to 10%) on random batches of (prompt, response) pairs; returns the losses."""
+    rng = random.Random(seed)
+    device = model.output_weight().device
+    opt, sched = build_optimizer(model.parameters(), lr, (0.9, 0.98), 0.0, min(warmup_steps, steps), steps,
+                                 "cosine", 0.1)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        idx = rng.sample(range(len(prompts)), min(batch_size, len(prompts)))
+        batch = Batch.collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id).to(device)
+        lp, _ = response_logprobs(model, batch, temperature=1.0)
+        loss = -(lp * batch.response_mask).sum() / batch.response_mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses

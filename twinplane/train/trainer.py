@@ -1,0 +1,87 @@
+"""The training plane: scores batches and takes optimizer steps on the policy loss.
+
+Interface used by the controller: `logprobs(batch)`, `train_step(batch) -> metrics`, `named_weights()`.
+`Reference` is the frozen reference policy behind the same `logprobs(batch)` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from twinplane.algos import clipped_policy_loss, kl_penalty, token_sum
+from twinplane.config import AlgoSection, TrainSection
+from twinplane.model import Transformer
+from twinplane.train.batch import Batch
+from twinplane.train.logprobs import response_logprobs, score
+from twinplane.train.optim import build_optimizer
+
+
+class Reference:
+    """Frozen reference policy for the KL term."""
+
+    def __init__(self, model: Transformer, temperature: float, micro_batch_size: int):
+        self.model = model.eval().requires_grad_(False)
+        self.temperature, self.micro_batch_size = temperature, micro_batch_size
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        return score(self.model, batch, self.temperature, self.micro_batch_size)
+
+
+class Trainer:
+    def __init__(self, model: Transformer, train: TrainSection, algo: AlgoSection, temperature: float,
+                 total_steps: int):
+        self.model, self.cfg, self.algo, self.temperature = model, train, algo, temperature
+        self.opt, self.sched = build_optimizer(
+            model.parameters(), train.lr, train.betas, train.weight_decay, train.warmup_steps, total_steps,
+            train.schedule, train.min_lr_ratio)
+        self.device = model.output_weight().device
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        return score(self.model, batch.to(self.device), self.temperature, self.cfg.micro_batch_size)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on `batch` (gradient-accumulated over micro-batches).
+
+        The ratio's denominator is `old_logprobs` when recomputed, else the engine's `rollout_logprobs`.
+        Every token-level metric is a token mean over the whole batch; `actor/logprob_gap` compares the
+        engine's log-probs with this forward pass (meaningful on the first mini-batch, before any update).
+        """
+        a = self.algo
+        self.model.train()
+        batch = batch.to(self.device)
+        num_tokens = max(batch.num_response_tokens, 1)  # the global normaliser for every micro-batch
+        sums = dict.fromkeys(("pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"), 0.0)
+        for mb in batch.split(self.cfg.micro_batch_size):
+            lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
+            m = mb.response_mask
+            old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
+            pg, clipped = clipped_policy_loss(lp, old, mb.advantages, a.clip_low, a.clip_high)
+            loss = token_sum(pg, m, num_tokens)
+            stats = {"pg_loss": loss.detach(), "entropy": token_sum(ent.detach(), m, num_tokens),
+                     "clip_frac": token_sum(clipped.float(), m, num_tokens),
+                     "ratio": token_sum(torch.exp(lp.detach() - old), m, num_tokens)}
+            if a.kl_coef > 0:
+                kl = token_sum(kl_penalty(lp, mb.ref_logprobs, a.kl_estimator), m, num_tokens)
+                loss = loss + a.kl_coef * kl
+                stats["kl"] = kl.detach()
+            if a.entropy_coef > 0:
+                loss = loss - a.entropy_coef * token_sum(ent, m, num_tokens)
+            if mb.rollout_logprobs is not None:
+                stats["logprob_gap"] = token_sum((lp.detach() - mb.rollout_logprobs).abs(), m, num_tokens)
+            loss.backward()
+            for k, v in stats.items():
+                sums[k] += float(v)
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": float(grad_norm), "actor/lr": lr}
