@@ -22,11 +22,11 @@ class ConfigError(ValueError):
 @dataclass
 class ModelSection:
     path: str | None = None  # HF model folder (config.json + safetensors + tokenizer); unset = tiny demo model
-    hidden_size: int = 256  # demo model only
+    hidden_size: int = 128  # demo model only
     num_layers: int = 4  # demo model only
     num_heads: int = 4  # demo model only
     num_kv_heads: int = 2  # demo model only
-    intermediate_size: int = 768  # demo model only
+    intermediate_size: int = 512  # demo model only
     dtype: str = "float32"  # training-plane dtype (master weights)
     rollout_dtype: str | None = None  # engine dtype; unset = same as dtype
 
@@ -41,9 +41,9 @@ class TaskSection:
 
 @dataclass
 class WarmStartSection:
-    steps: int = 200  # supervised steps on teacher answers before RL (0 = skip)
+    steps: int = 600  # supervised steps on teacher answers before RL (0 = skip)
     batch_size: int = 128
-    lr: float = 3e-3
+    lr: float = 2e-3
 
 
 @dataclass
@@ -60,8 +60,8 @@ class RolloutSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 80  # RL steps
-    lr: float = 2e-4
+    steps: int = 150  # RL steps
+    lr: float = 1e-4
     warmup_steps: int = 0
     schedule: str = "constant"  # constant | cosine (after warmup)
     min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr

@@ -34,7 +34,7 @@ def build_demo_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) ->
                      pad_token_id=tokenizer.pad_token_id)
     model = Transformer(mc)
     with torch.no_grad():  # GPT-2-style small init keeps the tiny model's first steps stable
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0.0, 0.02)
     return model.to(device)
@@ -76,9 +76,10 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                                   cfg.seed + 1)
         eos = [tokenizer.eos_token_id]
         t0 = time.perf_counter()
-        losses = warm_start(model, [tokenizer.encode(p) for p, _ in pairs], [tokenizer.encode(a) + eos for _, a in pairs],
-                            cfg.warmstart.steps, cfg.warmstart.batch_size, cfg.warmstart.lr, tokenizer.pad_token_id,
-                            cfg.seed)
+        prompts = [tokenizer.encode(p) for p, _ in pairs]
+        answers = [tokenizer.encode(a) + eos for _, a in pairs]
+        ws = cfg.warmstart
+        losses = warm_start(model, prompts, answers, ws.steps, ws.batch_size, ws.lr, tokenizer.pad_token_id, cfg.seed)
         console.print(f"warm start: {cfg.warmstart.steps} steps on imperfect-teacher answers, loss "
                       f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
 

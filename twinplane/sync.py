@@ -13,7 +13,7 @@ _MOD = 2**61 - 1  # keep partial sums well inside int64
 def tensor_checksum(t: torch.Tensor) -> int:
     """Sum of the raw bit patterns weighted by (index mod 65521 + 1), so swapped or shifted values change it."""
     flat = t.detach().contiguous().view(-1)
-    bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32 if flat.element_size() == 4 else torch.uint8)
+    bits = flat.view({2: torch.int16, 4: torch.int32}.get(flat.element_size(), torch.uint8))
     w = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
     return int((bits.to(torch.int64) * w).sum().item()) % _MOD
 

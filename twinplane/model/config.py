@@ -53,7 +53,8 @@ class ModelConfig:
         if self.model_type not in FAMILIES:
             raise ValueError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")

@@ -36,6 +36,7 @@ def teacher_answer(a: int, b: int, rng: random.Random, carry_error: float) -> st
 
 class ArithmeticTask:
     def __init__(self, digits: int, heldout_size: int, seed: int):
+        self.digits = digits
         n = 10**digits
         pairs = [(a, b) for a in range(n) for b in range(n)]
         random.Random(seed).shuffle(pairs)
@@ -43,9 +44,12 @@ class ArithmeticTask:
             raise ValueError(f"task.heldout_size={heldout_size} leaves no training problems ({len(pairs)} in all)")
         self.heldout_pairs, self.train_pairs = pairs[:heldout_size], pairs[heldout_size:]
 
-    @staticmethod
-    def problem(a: int, b: int) -> Problem:
-        return Problem(f"{a}+{b}=", str(a + b))
+    def prompt(self, a: int, b: int) -> str:
+        d = self.digits
+        return f"{a:0{d}d}+{b:0{d}d}="
+
+    def problem(self, a: int, b: int) -> Problem:
+        return Problem(self.prompt(a, b), f"{a + b:0{self.digits + 1}d}")
 
     def heldout(self) -> list[Problem]:
         return [self.problem(a, b) for a, b in self.heldout_pairs]
@@ -59,7 +63,7 @@ class ArithmeticTask:
         out = []
         for _ in range(size):
             a, b = rng.choice(self.train_pairs)
-            out.append((f"{a}+{b}=", teacher_answer(a, b, rng, carry_error)))
+            out.append((self.prompt(a, b), teacher_answer(a, b, rng, carry_error).zfill(self.digits + 1)))
         return out
 
 
