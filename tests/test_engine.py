@@ -95,3 +95,19 @@ def test_weight_sync_and_checksum():
     assert engine.checksum() == weights_checksum(b.named_parameters())
     s = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=3))[0]
     assert s.weight_version == 5 and s.token_ids == greedy_no_cache(b, PROMPTS[0], 3)
+
+
+def test_checksum_detects_small_changes():
+    from twinplane.sync import tensor_checksum, weights_checksum
+
+    t = torch.randn(3_000_000)  # spans several chunks
+    base = tensor_checksum(t)
+    flipped = t.clone()
+    flipped.view(torch.int32)[2_500_000] ^= 1  # one low mantissa bit
+    swapped = t.clone()
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert base == tensor_checksum(t.clone())
+    assert base != tensor_checksum(flipped) and base != tensor_checksum(swapped)
+    named = [("a", t), ("b", t[:5])]
+    assert weights_checksum(named) != weights_checksum([("a", t), ("c", t[:5])])  # names count
+    assert weights_checksum(named, dtype=torch.bfloat16) == weights_checksum([(n, x.bfloat16()) for n, x in named])

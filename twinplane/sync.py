@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
+from functools import lru_cache
 
 import torch
 
-_MOD = 2**61 - 1  # keep partial sums well inside int64
+_MOD = 2**61 - 1
+_CHUNK = 1 << 20  # elements per chunk: bounds the temporary int64 memory whatever the tensor size
+
+
+@lru_cache(maxsize=8)
+def _position_weights(device: torch.device) -> torch.Tensor:
+    return torch.arange(_CHUNK, device=device, dtype=torch.int64) % 65521 + 1
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
-    """Sum of the raw bit patterns weighted by (index mod 65521 + 1), so swapped or shifted values change it."""
+    """Sum of the raw bit patterns weighted by position (index mod 65521 + 1, and chunk number), so changed,
+    swapped or shifted values change it. Integer arithmetic: identical on every device."""
     flat = t.detach().contiguous().view(-1)
     bits = flat.view({2: torch.int16, 4: torch.int32}.get(flat.element_size(), torch.uint8))
-    w = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
-    return int((bits.to(torch.int64) * w).sum().item()) % _MOD
+    w = _position_weights(bits.device)
+    acc = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for i, start in enumerate(range(0, bits.numel(), _CHUNK)):
+        chunk = bits[start:start + _CHUNK].to(torch.int64)
+        acc += (chunk * w[:chunk.numel()]).sum() * (i + 1)
+    return int(acc.item()) % _MOD  # one host sync per tensor
 
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> int:

@@ -49,4 +49,7 @@ class KVCache:
 
     def repeat_interleave(self, n: int) -> None:
         """Expand each row n times: prefill a prompt once, then decode n samples from it."""
-        self.select(torch.arange(self.k.shape[1], device=self.k.device).repeat_interleave(n))
+        self.k = self.k.repeat_interleave(n, dim=1)
+        self.v = self.v.repeat_interleave(n, dim=1)
+        self.valid = self.valid.repeat_interleave(n, dim=0)
+        self.positions = self.positions.repeat_interleave(n, dim=0)

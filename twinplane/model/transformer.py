@@ -153,6 +153,8 @@ class Transformer(nn.Module):
             positions = cache.valid[:, :start].sum(1, keepdim=True) + valid.long().cumsum(1) - 1
         else:
             positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        if attention_mask is not None and cache is None and bool(valid.all()):
+            attention_mask = None  # no padding at all: take the fused causal kernel
         mask = None
         if attention_mask is not None or cache is not None:
             if cache is not None:

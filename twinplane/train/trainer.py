@@ -24,9 +24,10 @@ class Reference:
     def __init__(self, model: Transformer, temperature: float, micro_batch_size: int):
         self.model = model.eval().requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
+        self.device = model.output_weight().device
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
-        return score(self.model, batch, self.temperature, self.micro_batch_size)
+        return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size)
 
 
 class Trainer:
