@@ -144,6 +144,12 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         logits_start: int = 0,  # only compute logits for positions >= this (the response region)
     ) -> torch.Tensor:  # logits [B, T - logits_start, V]
+        h = self.hidden_states(input_ids, attention_mask, cache)
+        return F.linear(h[:, logits_start:], self.output_weight())
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, D] (what the LM head, or a reward head, reads)."""
         B, T = input_ids.shape
         dev = input_ids.device
         valid = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
@@ -172,8 +178,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, cache)
         if cache is not None:
             cache.advance(T)
-        x = self.model.norm(x[:, logits_start:])
-        return F.linear(x, self.output_weight())
+        return self.model.norm(x)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
