@@ -24,9 +24,12 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
 def test_train_end_to_end(tmp_path):
     assert main(["train", "--run-dir", str(tmp_path), *TINY]) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: validation before any update
+    assert set(rows[0]) == {"step"} | {k for k in rows[0] if k.startswith("val/")}
+    rows = rows[1:]
     for key in REQUIRED:
         assert all(r[key] is not None for r in rows), key
+    assert "val/accuracy" in rows[-1] and "val/accuracy" not in rows[0]
     assert all(r["actor/logprob_gap"] < 1e-4 for r in rows)
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]  # samples record the weights that made them
     summary = json.loads((tmp_path / "summary.json").read_text())

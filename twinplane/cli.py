@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from twinplane.config import ConfigError, config_help, load_config
+from twinplane.rollout import RolloutEngine
 
 DESCRIPTION = "twinplane: RL post-training (GRPO) of LLMs on CUDA, ROCm and CPU with the same code."
 TRAIN_HELP = """Run GRPO. With no arguments: the embedded demo (a tiny model learns multi-digit addition on CPU:
 supervised warm start from an imperfect teacher, then GRPO with an exact-match verifier, evaluated on
 held-out problems). Writes config.yaml, metrics.jsonl, summary.json and final/ (an HF model folder)."""
+EVAL_HELP = """Evaluate a model folder: greedy accuracy, and with --n K also pass@k (unbiased estimator) and mean@k
+over K samples per prompt; mean response length and truncation rate. Prints and writes JSON."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,22 +27,49 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
                     help="an optional YAML config file, then dotted overrides such as train.lr=1e-4")
     tp.add_argument("--run-dir", help="where to write the run (default runs/<timestamp>)")
+    ep = sub.add_parser("eval", help="evaluate a model folder on a prompt file", description=EVAL_HELP,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ep.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)")
+    ep.add_argument("--data", required=True, help="JSONL / Parquet / saved datasets folder (data.* keys apply)")
+    ep.add_argument("--reward", required=True, help="gsm8k | math | exact_match | exact_int | module:function")
+    ep.add_argument("--n", type=int, default=1, help="samples per prompt for pass@k and mean@k (default 1)")
+    ep.add_argument("--temperature", type=float, default=1.0, help="sampling temperature when --n > 1")
+    ep.add_argument("--out", default="eval.json", help="where to write the JSON results (default eval.json)")
+    ep.add_argument("args", nargs="*", metavar="key=value", help="config overrides, e.g. data.template=plain")
     ns = parser.parse_args(argv)
     if ns.command is None:
         parser.print_help()
         return 0
+    from twinplane import run
+
     args = list(ns.args)
-    path = args.pop(0) if args and "=" not in args[0] else None
-    if ns.run_dir:
-        args.append(f"run_dir={ns.run_dir}")
+    path = None
+    if ns.command == "train":
+        path = args.pop(0) if args and "=" not in args[0] else None
+        if ns.run_dir:
+            args.append(f"run_dir={ns.run_dir}")
+    else:
+        args = [f"model.path={ns.model}", f"data.train_file={ns.data}", f"data.val_file={ns.data}",
+                f"reward.name={ns.reward}", f"eval.n={ns.n}", f"eval.temperature={ns.temperature}", *args]
     try:
         cfg = load_config(path, args)
-    except ConfigError as e:
-        print(f"twinplane: error: {e}", file=sys.stderr)
+        setup = run.prepare(cfg)
+    except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"twinplane: error: {msg}", file=sys.stderr)
         return 2
-    from twinplane.run import train
-
-    train(cfg)
+    if ns.command == "train":
+        run.train(setup)
+        return 0
+    try:
+        engine = RolloutEngine(setup.model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id,
+                               cfg.rollout.max_num_seqs, seed=cfg.seed)
+        result = run.run_eval(setup, run.build_rollout(cfg, engine, setup.tokenizer), ns.n, ns.temperature)
+    finally:
+        setup.scorer.close()
+    result = {"model": ns.model, "data": ns.data, "reward": ns.reward, "prompts": len(setup.val_prompts), **result}
+    Path(ns.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
     return 0
 
 

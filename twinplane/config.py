@@ -32,8 +32,34 @@ class ModelSection:
 
 
 @dataclass
+class DataSection:
+    train_file: str | None = None  # JSONL, Parquet or a saved `datasets` folder; unset = the built-in task
+    val_file: str | None = None  # held-out prompts for evaluation (the built-in task has its own)
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    system_field: str | None = None  # per-record system prompt
+    template: str = "auto"  # chat | plain | auto (chat when the tokenizer has a chat template)
+    plain_template: str = "{prompt}"  # for template=plain: str.format with {prompt} and {system}
+    system_prompt: str | None = None
+    instruction_suffix: str | None = None  # appended to each question, e.g. asking for '#### <answer>'
+    max_prompt_tokens: int = 512  # longer prompts are dropped and counted, never truncated
+    on_error: str = "fail"  # fail | skip (malformed lines)
+    val_size: int = 0  # evaluate on the first N validation prompts (0 = all)
+
+
+@dataclass
+class RewardSection:
+    name: str = "exact_int"  # gsm8k | math | exact_match | exact_int | module:function | path/file.py:function
+    options: dict = field(default_factory=dict)  # keyword options for the function, e.g. {mode: strict}
+    format_weight: float = 0.0  # bonus for a well-formatted answer ('#### N', \boxed{})
+    timeout_s: float = 10.0  # per sample (per call for batched functions); late samples score 0, in reward/errors
+    model: str | None = None  # local sequence-classification reward model folder
+    model_weight: float = 1.0
+
+
+@dataclass
 class TaskSection:
-    name: str = "arithmetic"  # built-in synthetic task (the only prompt source in this version)
+    name: str = "arithmetic"  # built-in synthetic task, used when data.train_file is unset
     digits: int = 2  # operand digits: a + b with 0 <= a, b < 10**digits
     heldout_size: int = 500  # problems held out of all training, for evaluation
     teacher_carry_error: float = 0.6  # warm-start teacher drops each carry with this probability
@@ -56,6 +82,8 @@ class RolloutSection:
     max_new_tokens: int = 8
     min_new_tokens: int = 0
     max_num_seqs: int = 512  # sequences decoded together
+    tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
+    max_turns: int = 1  # model turns per sample when tools are on
 
 
 @dataclass
@@ -86,8 +114,11 @@ class AlgoSection:
 
 @dataclass
 class EvalSection:
-    before: bool = True  # held-out greedy accuracy after the warm start, before RL
-    after: bool = True  # held-out greedy accuracy after RL
+    before: bool = True  # evaluate before the first RL step (logged as step 0)
+    after: bool = True  # evaluate after the last step
+    every: int = 0  # also every N steps (0 = never), logged as val/*
+    n: int = 1  # samples per prompt for pass@k / mean@k (1 = greedy only)
+    temperature: float = 1.0  # for the sampled evaluation
 
 
 @dataclass
@@ -102,6 +133,8 @@ class Config:
     threads: int = 0  # torch CPU threads (0 = torch's default)
     run_dir: str | None = None  # default runs/<timestamp>
     model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     task: TaskSection = field(default_factory=TaskSection)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -129,6 +162,15 @@ class Config:
             (self.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator", "must be k1, k2 or k3"),
             (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
             (self.task.name == "arithmetic", "task.name", "must be arithmetic"),
+            (self.data.template in ("auto", "chat", "plain"), "data.template", "must be auto, chat or plain"),
+            (self.data.on_error in ("fail", "skip"), "data.on_error", "must be fail or skip"),
+            (self.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1"),
+            (self.data.val_file is None or self.data.train_file is not None, "data.val_file",
+             "needs data.train_file (the built-in task has its own held-out set)"),
+            (self.reward.timeout_s > 0, "reward.timeout_s", "must be > 0"),
+            (set(self.rollout.tools) <= {"calculator", "python"}, "rollout.tools", "must name calculator or python"),
+            (self.rollout.max_turns >= 1, "rollout.max_turns", "must be >= 1"),
+            (self.eval.n >= 1 and self.eval.every >= 0, "eval", "needs eval.n >= 1 and eval.every >= 0"),
             (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),
             (0 <= self.task.teacher_carry_error <= 1, "task.teacher_carry_error", "must be in [0, 1]"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
@@ -166,6 +208,10 @@ def _coerce(value, t, key: str):
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key)
+    if t is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from twinplane.algos import grpo_advantages
+from twinplane.evaluation import Scorer
 from twinplane.metrics import PhaseTimer
-from twinplane.rewards import RewardFn
-from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.prompts import Prompt
+from twinplane.rollout import RolloutEngine, SamplingParams, multi_turn_metrics
 from twinplane.sync import weights_checksum
-from twinplane.tasks import Problem
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer
 
@@ -26,28 +26,33 @@ class WeightSyncError(RuntimeError):
 
 
 class Controller:
-    def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None, reward_fn: RewardFn,
+    """`rollout` generates (the engine itself, or a multi-turn tool driver around it); `engine` takes weights."""
+
+    def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None, scorer: Scorer,
                  tokenizer: Tokenizer, sampling: SamplingParams, mini_batches: int = 1,
-                 recompute_old_logprobs: bool = False, norm_adv_by_std: bool = True):
+                 recompute_old_logprobs: bool = False, norm_adv_by_std: bool = True, rollout=None):
         self.engine, self.trainer, self.reference = engine, trainer, reference
-        self.reward_fn, self.tokenizer, self.sampling = reward_fn, tokenizer, sampling
+        self.rollout = rollout or engine
+        self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
         self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs
         self.norm_adv_by_std = norm_adv_by_std
         self.version = engine.weight_version
 
-    def step(self, problems: Sequence[Problem]) -> dict[str, float]:
+    def step(self, prompts: Sequence[Prompt]) -> dict[str, float]:
         timer = PhaseTimer(self.trainer.device)
         n = self.sampling.n
         with timer("step"):
             with timer("rollout"):
-                prompts = [self.tokenizer.encode(p.prompt) for p in problems]
-                samples = self.engine.generate(prompts, self.sampling)
+                samples = self.rollout.generate([p.ids for p in prompts], self.sampling)
             with timer("reward"):
                 completions = self.tokenizer.batch_decode([s.token_ids for s in samples])
-                answers = [problems[s.request_index].answer for s in samples]
-                rewards = torch.tensor(self.reward_fn(completions, answers), dtype=torch.float32)
+                source = [prompts[s.request_index] for s in samples]
+                rewards, reward_metrics = self.scorer(completions, [p.answer for p in source], [p.text for p in source])
+                rewards = torch.tensor(rewards, dtype=torch.float32)
+                correct = torch.tensor(self.scorer.last_verifier) >= 1.0
             batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples],
-                                  self.tokenizer.pad_token_id, [s.logprobs for s in samples])
+                                  self.tokenizer.pad_token_id, [s.logprobs for s in samples],
+                                  [s.loss_mask for s in samples])
             if self.reference is not None:
                 with timer("ref_logprob"):
                     batch.ref_logprobs = self.reference.logprobs(batch)
@@ -62,7 +67,8 @@ class Controller:
                            for i in range(0, len(batch), per_mb)]
             with timer("weight_sync"):
                 self.sync_weights()
-        return self._metrics(samples, rewards, batch, updates, timer.times)
+        m = self._metrics(samples, rewards, batch, updates, timer.times) | reward_metrics | multi_turn_metrics(samples)
+        return m | {"reward/accuracy": correct.float().mean().item()}
 
     def sync_weights(self) -> None:
         """Push the trainer's weights to the engine and verify the engine holds exactly them."""
@@ -83,7 +89,6 @@ class Controller:
         m = {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "reward/accuracy": (rewards >= 1.0).float().mean().item(),
             "rollout/response_length_mean": lengths.mean().item(),
             "rollout/response_length_max": lengths.max().item(),
             "rollout/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples),

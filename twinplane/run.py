@@ -1,10 +1,15 @@
-"""`twinplane train`: build the planes from a config, warm-start, run GRPO, evaluate, save."""
+"""`twinplane train` and `twinplane eval`: build the planes from a config, warm-start, run GRPO, evaluate, save.
+
+`prepare()` does every check that can fail on bad input (config, data, model folder, reward spec) before any
+training work, so those surface as one-line errors; `train()` then runs.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,12 +19,14 @@ from rich.console import Console
 from twinplane import platform
 from twinplane.config import Config
 from twinplane.controller import Controller
+from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_records
 from twinplane.evaluation import evaluate
 from twinplane.metrics import MetricsLog, progress_line
 from twinplane.model import ModelConfig, Transformer, load_model, save_pretrained
-from twinplane.rewards import exact_int
-from twinplane.rollout import RolloutEngine, SamplingParams
-from twinplane.tasks import ALPHABET, ArithmeticTask, PromptStream
+from twinplane.prompts import Prompt, encode_prompts
+from twinplane.rewards.runner import RewardRunner
+from twinplane.rollout import MultiTurnRollout, RolloutEngine, SamplingParams, build_tools
+from twinplane.tasks import ALPHABET, ArithmeticTask
 from twinplane.tokenizer import Tokenizer, build_char_tokenizer, load_tokenizer
 from twinplane.train import Reference, Trainer
 from twinplane.train.sft import warm_start
@@ -34,7 +41,7 @@ def build_demo_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) ->
                      pad_token_id=tokenizer.pad_token_id)
     model = Transformer(mc)
     with torch.no_grad():  # GPT-2-style small init keeps the tiny model's first steps stable
-        for _name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0.0, 0.02)
     return model.to(device)
@@ -48,81 +55,162 @@ def save_hf_folder(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
-def train(cfg: Config, console: Console | None = None) -> dict:
-    console = console or Console(stderr=True)
-    t_start = time.perf_counter()
+@dataclass
+class Setup:
+    cfg: Config
+    device: torch.device
+    tokenizer: Tokenizer
+    model: Transformer
+    train_prompts: list[Prompt]
+    val_prompts: list[Prompt]
+    task: ArithmeticTask | None  # the built-in task (warm start), when no data file is given
+    scorer: RewardRunner
+    data_stats: dict
+
+
+def load_prompts(cfg: Config, tokenizer: Tokenizer, path: str) -> tuple[list[Prompt], dict]:
+    d = cfg.data
+    records, stats = load_records(path, d.prompt_field, d.answer_field, d.system_field, on_error=d.on_error)
+    prompts, dropped = encode_prompts(records, formatter(cfg).format, tokenizer, d.max_prompt_tokens)
+    if not prompts:
+        raise ValueError(f"{path}: all {len(records)} prompts are longer than data.max_prompt_tokens="
+                         f"{d.max_prompt_tokens}")
+    stats = {"loaded": stats["loaded"], "skipped": stats["skipped"], "too_long": dropped}
+    return prompts, stats
+
+
+def formatter(cfg: Config) -> PromptFormatter:
+    d = cfg.data
+    kw = dict(system_prompt=d.system_prompt, instruction_suffix=d.instruction_suffix, plain_template=d.plain_template)
+    if cfg.model.path and d.template != "plain":
+        try:
+            return PromptFormatter.from_model_dir(cfg.model.path, mode="chat", **kw)
+        except DataError as e:  # auto falls back to plain only when there is no template at all
+            if d.template == "chat" or "no chat template was found" not in str(e):
+                raise
+    elif d.template == "chat":
+        raise ValueError("data.template=chat needs model.path with a chat template (or use data.template=plain)")
+    return PromptFormatter(mode="plain", **kw)
+
+
+def prepare(cfg: Config) -> Setup:
     platform.setup(cfg.seed, cfg.threads or None)
     device = platform.resolve_device(cfg.device)
     dtype = platform.resolve_dtype(cfg.model.dtype)
-    rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
-    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
     if cfg.model.path:
         tokenizer = load_tokenizer(cfg.model.path)
         model = load_model(cfg.model.path, device=device, dtype=dtype)
     else:
         tokenizer = build_char_tokenizer(ALPHABET)
         model = build_demo_model(cfg, tokenizer, device).to(dtype)
-    console.print(f"[bold]twinplane[/] run dir {run_dir} | device {device} | model {model.config.model_type} "
-                  f"{model.config.num_params / 1e6:.2f}M params | {dtype}")
+    task, stats = None, {}
+    if cfg.data.train_file:
+        train_prompts, stats["train"] = load_prompts(cfg, tokenizer, cfg.data.train_file)
+        val_prompts = []
+        if cfg.data.val_file == cfg.data.train_file:  # `twinplane eval` scores the file it was given
+            val_prompts = train_prompts
+        elif cfg.data.val_file:
+            val_prompts, stats["val"] = load_prompts(cfg, tokenizer, cfg.data.val_file)
+    else:
+        task = ArithmeticTask(cfg.task.digits, cfg.task.heldout_size, cfg.seed)
+        fmt = formatter(cfg).format
+        train_prompts, _ = encode_prompts([Record(p.prompt, p.answer) for p in task.train_problems()], fmt,
+                                          tokenizer, cfg.data.max_prompt_tokens)
+        val_prompts, _ = encode_prompts([Record(p.prompt, p.answer) for p in task.heldout()], fmt,
+                                        tokenizer, cfg.data.max_prompt_tokens)
+    if cfg.data.val_size:
+        val_prompts = val_prompts[:cfg.data.val_size]
+    r = cfg.reward
+    scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight)
+    return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats)
 
-    task = ArithmeticTask(cfg.task.digits, cfg.task.heldout_size, cfg.seed)
-    heldout = task.heldout()
-    max_new = cfg.rollout.max_new_tokens
-    if cfg.warmstart.steps > 0:
-        pairs = task.teacher_data(cfg.warmstart.steps * cfg.warmstart.batch_size, cfg.task.teacher_carry_error,
-                                  cfg.seed + 1)
-        eos = [tokenizer.eos_token_id]
-        t0 = time.perf_counter()
-        prompts = [tokenizer.encode(p) for p, _ in pairs]
-        answers = [tokenizer.encode(a) + eos for _, a in pairs]
+
+def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
+    if not cfg.rollout.tools:
+        return engine
+    return MultiTurnRollout(engine, tokenizer, build_tools(cfg.rollout.tools), cfg.rollout.max_turns)
+
+
+def run_eval(s: Setup, rollout, n: int = 1, temperature: float = 0.0) -> dict[str, float]:
+    return evaluate(rollout, s.tokenizer, s.val_prompts, s.scorer, s.cfg.rollout.max_new_tokens, n, temperature,
+                    s.cfg.seed)
+
+
+def train(s: Setup, console: Console | None = None) -> dict:
+    cfg, tokenizer, model = s.cfg, s.tokenizer, s.model
+    console = console or Console(stderr=True)
+    t_start = time.perf_counter()
+    dtype = platform.resolve_dtype(cfg.model.dtype)
+    rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    console.print(f"[bold]twinplane[/] run dir {run_dir} | device {s.device} | model {model.config.model_type} "
+                  f"{model.config.num_params / 1e6:.2f}M params | {dtype} | {len(s.train_prompts)} train prompts, "
+                  f"{len(s.val_prompts)} validation prompts {s.data_stats or ''}")
+
+    if s.task is not None and cfg.warmstart.steps > 0:
         ws = cfg.warmstart
+        pairs = s.task.teacher_data(ws.steps * ws.batch_size, cfg.task.teacher_carry_error, cfg.seed + 1)
+        prompts = [tokenizer.encode(p) for p, _ in pairs]
+        answers = [tokenizer.encode(a) + [tokenizer.eos_token_id] for _, a in pairs]
+        t0 = time.perf_counter()
         losses = warm_start(model, prompts, answers, ws.steps, ws.batch_size, ws.lr, tokenizer.pad_token_id, cfg.seed)
-        console.print(f"warm start: {cfg.warmstart.steps} steps on imperfect-teacher answers, loss "
+        console.print(f"warm start: {ws.steps} steps on imperfect-teacher answers, loss "
                       f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
 
     engine = RolloutEngine(copy.deepcopy(model).to(rollout_dtype), tokenizer.eos_token_id, tokenizer.pad_token_id,
                            cfg.rollout.max_num_seqs, seed=cfg.seed)
-    summary: dict = {"heldout_size": len(heldout)}
-    if cfg.eval.before:
-        ev = evaluate(engine, tokenizer, heldout, exact_int, max_new)
-        summary["warmstart_accuracy"] = ev["accuracy"]
-        console.print(f"held-out greedy accuracy before RL: {ev['accuracy']:.3f} ({len(heldout)} problems)")
-
-    r = cfg.rollout
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=max_new,
-                              min_new_tokens=r.min_new_tokens, n=r.n)
-    trainer = Trainer(model, cfg.train, cfg.algo, r.temperature, total_steps=cfg.train.steps * cfg.train.mini_batches)
-    reference = None
-    if cfg.algo.kl_coef > 0:
-        reference = Reference(copy.deepcopy(model), r.temperature, cfg.train.micro_batch_size)
-    controller = Controller(engine, trainer, reference, exact_int, tokenizer, sampling, cfg.train.mini_batches,
-                            cfg.algo.recompute_old_logprobs or rollout_dtype != dtype, cfg.algo.norm_adv_by_std)
-    stream = PromptStream(task.train_problems(), cfg.seed)
+    rollout = build_rollout(cfg, engine, tokenizer)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    phase_sums: dict[str, float] = {}
+    summary: dict = {"heldout_size": len(s.val_prompts)}
+
+    def validate(step: int) -> dict:
+        ev = {f"val/{k}": v for k, v in run_eval(s, rollout, cfg.eval.n, cfg.eval.temperature).items()}
+        console.print(f"validation at step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()),
+                      highlight=False, soft_wrap=True)
+        return ev
+
+    def due(step: int) -> bool:
+        last = step == cfg.train.steps and cfg.eval.after
+        return bool(s.val_prompts) and (last or (cfg.eval.every > 0 and step % cfg.eval.every == 0))
+
     try:
+        if cfg.eval.before and s.val_prompts:
+            ev = validate(0)
+            log.write({"step": 0, **ev})  # step 0: the policy before any RL update
+            summary["warmstart_accuracy"] = ev["val/accuracy"]
+        r = cfg.rollout
+        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
+        trainer = Trainer(model, cfg.train, cfg.algo, r.temperature, cfg.train.steps * cfg.train.mini_batches)
+        reference = Reference(copy.deepcopy(model), r.temperature, cfg.train.micro_batch_size) \
+            if cfg.algo.kl_coef > 0 else None
+        controller = Controller(engine, trainer, reference, s.scorer, tokenizer, sampling, cfg.train.mini_batches,
+                                cfg.algo.recompute_old_logprobs or rollout_dtype != dtype, cfg.algo.norm_adv_by_std,
+                                rollout=rollout)
+        stream = PromptStream(s.train_prompts, cfg.seed)
+        phase_sums: dict[str, float] = {}
         for step in range(1, cfg.train.steps + 1):
             m = controller.step(stream.next_batch(r.prompts_per_step))
-            log.write({"step": step, **m})
             for k, v in m.items():
                 if k.startswith("time/"):
                     phase_sums[k] = phase_sums.get(k, 0.0) + v
             if cfg.log.progress:
                 console.print(progress_line(step, cfg.train.steps, m), highlight=False, markup=False, soft_wrap=True)
+            if due(step):
+                m |= validate(step)
+            log.write({"step": step, **m})
+        if cfg.eval.after and s.val_prompts:
+            last = validate(0) if cfg.train.steps == 0 else m
+            summary["final_accuracy"] = last["val/accuracy"]
     finally:
         log.close()
-
-    if cfg.eval.after:
-        ev = evaluate(engine, tokenizer, heldout, exact_int, max_new)
-        summary["final_accuracy"] = ev["accuracy"]
-        console.print(f"held-out greedy accuracy after RL: {ev['accuracy']:.3f}")
+        s.scorer.close()
     save_hf_folder(model, tokenizer, run_dir / "final")
     steps = max(cfg.train.steps, 1)
     summary.update(steps=cfg.train.steps, wall_seconds=time.perf_counter() - t_start,
                    phase_seconds_mean={k[5:]: v / steps for k, v in phase_sums.items()})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"summary: {json.dumps(summary)}", highlight=False)
+    console.print(f"summary: {json.dumps(summary)}", highlight=False, soft_wrap=True)
     return summary

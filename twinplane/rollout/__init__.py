@@ -1,4 +1,7 @@
 from twinplane.rollout.engine import RolloutEngine, Sample
+from twinplane.rollout.multi_turn import MultiTurnRollout, MultiTurnSample, multi_turn_metrics
 from twinplane.rollout.sampling import SamplingParams
+from twinplane.rollout.tools import TOOLS, Calculator, PythonTool, Tool, ToolResult, build_tools
 
-__all__ = ["RolloutEngine", "Sample", "SamplingParams"]
+__all__ = ["RolloutEngine", "Sample", "SamplingParams", "MultiTurnRollout", "MultiTurnSample", "multi_turn_metrics",
+           "TOOLS", "Calculator", "PythonTool", "Tool", "ToolResult", "build_tools"]

@@ -24,8 +24,18 @@ class Sample:
     prompt_ids: list[int]
     token_ids: list[int]  # generated tokens, including the stop token when there is one
     logprobs: list[float]  # log pi(token) under the engine's weights, per generated token
-    finish_reason: str  # "stop" (EOS / stop token) or "length" (max_new_tokens)
+    finish_reason: str  # "stop" (EOS / stop token / stop sequence) or "length" (max_new_tokens)
     weight_version: int  # which weight sync generated it
+    # Multi-turn fields (filled by multi_turn.py), here so every consumer reads one type: a plain generation is
+    # one turn of model tokens only.
+    loss_mask: list[int] | None = None  # per token: 1 = model-generated (trained on), 0 = tool output; None = all 1
+    num_turns: int = 1
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.token_ids)
 
 
 class RolloutEngine:
@@ -81,6 +91,8 @@ class RolloutEngine:
         stop_ids = [t for t in [self.eos_token_id, *sp.stop_token_ids] if t is not None]
         stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=dev)
         stop[stop_ids] = True
+        stop_seqs = [torch.tensor(s, dtype=torch.long, device=dev) for s in sp.stop_sequences]
+        longest = max((len(s) for s in sp.stop_sequences), default=0)
         out_tok = torch.full((total, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros(total, max_new, dtype=torch.float32, device=dev)
         lengths = torch.full((total,), max_new, dtype=torch.long, device=dev)
@@ -92,6 +104,8 @@ class RolloutEngine:
             out_tok[rows, step] = tok
             out_lp[rows, step] = lp.gather(-1, tok[:, None]).squeeze(-1)
             done = stop[tok]
+            if stop_seqs and step >= sp.min_new_tokens:  # only with stop sequences: the plain path is untouched
+                done = done | ends_with_any(out_tok[rows, max(0, step + 1 - longest):step + 1], stop_seqs)
             if step + 1 == max_new:
                 break
             if done.any():
@@ -119,3 +133,13 @@ class RolloutEngine:
                 weight_version=self.weight_version,
             ))
         return samples
+
+
+def ends_with_any(tail: torch.Tensor, seqs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Which rows of `tail` [B, W] (the last W generated tokens) end with one of `seqs`: [B] bool.
+    Runs on the device tensor, so stop sequences add no host sync to the decode step."""
+    hit = torch.zeros(tail.shape[0], dtype=torch.bool, device=tail.device)
+    for s in seqs:
+        if len(s) <= tail.shape[1]:
+            hit |= (tail[:, tail.shape[1] - len(s):] == s).all(-1)
+    return hit

@@ -17,6 +17,10 @@ class SamplingParams:
     n: int = 1  # samples per request
     stop_token_ids: list[int] = field(default_factory=list)  # besides the engine's EOS
     seed: int | None = None
+    # Stop once the generated tokens end with one of these token sequences (kept in the output). Like a stop
+    # token, a sequence only counts when its last token is at index >= min_new_tokens. Last field, so
+    # positional construction is unchanged.
+    stop_sequences: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -27,6 +31,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0, n >= 1 and max_new_tokens >= 1")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens} > max_new_tokens={self.max_new_tokens}")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            raise ValueError("stop_sequences must not contain an empty sequence")
 
 
 def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

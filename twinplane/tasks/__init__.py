@@ -1,3 +1,4 @@
-from twinplane.tasks.arithmetic import ALPHABET, ArithmeticTask, Problem, PromptStream, teacher_answer
+from twinplane.data.stream import PromptStream
+from twinplane.tasks.arithmetic import ALPHABET, ArithmeticTask, Problem, teacher_answer
 
 __all__ = ["ALPHABET", "ArithmeticTask", "Problem", "PromptStream", "teacher_answer"]

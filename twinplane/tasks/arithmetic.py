@@ -66,26 +66,3 @@ class ArithmeticTask:
             out.append((self.prompt(a, b), teacher_answer(a, b, rng, carry_error).zfill(self.digits + 1)))
         return out
 
-
-class PromptStream:
-    """Training prompts in seeded shuffled epochs; (epoch, position) is the whole cursor state."""
-
-    def __init__(self, problems: list[Problem], seed: int):
-        self.problems, self.seed = problems, seed
-        self.epoch, self.position = 0, 0
-        self._order = self._shuffle()
-
-    def _shuffle(self) -> list[int]:
-        order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        return order
-
-    def next_batch(self, k: int) -> list[Problem]:
-        out = []
-        while len(out) < k:
-            if self.position == len(self._order):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._shuffle()
-            out.append(self.problems[self._order[self.position]])
-            self.position += 1
-        return out

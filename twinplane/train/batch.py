@@ -39,13 +39,17 @@ class Batch:
 
     @classmethod
     def collate(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-                rollout_logprobs: Sequence[Sequence[float]] | None = None) -> Batch:
+                rollout_logprobs: Sequence[Sequence[float]] | None = None,
+                loss_masks: Sequence[Sequence[int]] | None = None) -> Batch:
+        """`loss_masks` (per response token, 1 = trained on) excludes e.g. tool outputs from the loss while
+        keeping them in the context the model attends to."""
         p = pad_rows(prompts, pad_id, torch.long, left=True)
         r = pad_rows(responses, pad_id, torch.long)
         pm = pad_rows([[1] * len(x) for x in prompts], 0, torch.long, left=True)
         rm = pad_rows([[1] * len(x) for x in responses], 0, torch.long)
+        lm = rm.float() if loss_masks is None else pad_rows(loss_masks, 0, torch.float32)
         lp = None if rollout_logprobs is None else pad_rows(rollout_logprobs, 0.0, torch.float32)
-        return cls(torch.cat([p, r], 1), torch.cat([pm, rm], 1), rm.float(), p.shape[1], rollout_logprobs=lp)
+        return cls(torch.cat([p, r], 1), torch.cat([pm, rm], 1), lm, p.shape[1], rollout_logprobs=lp)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
