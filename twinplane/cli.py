@@ -27,6 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
                     help="an optional YAML config file, then dotted overrides such as train.lr=1e-4")
     tp.add_argument("--run-dir", help="where to write the run (default runs/<timestamp>)")
+    tp.add_argument("--resume", metavar="auto|PATH",
+                    help="continue from the newest complete checkpoint in --run-dir (auto) or from PATH")
+    tp.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                    help="relaunch after a crash or preemption up to K times, resuming (twinplane supervise)")
+    xp = sub.add_parser("export", help="write a run's or checkpoint's policy as a Hugging Face model folder")
+    xp.add_argument("source", help="a run dir (its newest complete checkpoint, else final/) or a checkpoint folder")
+    xp.add_argument("--out", required=True, help="output folder")
+    sp = sub.add_parser("supervise", help="run a command, relaunching it with --resume auto after crashes",
+                        description="twinplane supervise [--max-restarts K] [--backoff S] -- twinplane train ...")
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
     ep = sub.add_parser("eval", help="evaluate a model folder on a prompt file", description=EVAL_HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ep.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)")
@@ -40,6 +50,27 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command is None:
         parser.print_help()
         return 0
+    if ns.command == "supervise":
+        from twinplane.supervise import main as supervise_main
+
+        return supervise_main(ns.rest)
+    if ns.command == "export":
+        from twinplane.export import export
+
+        try:
+            out = export(Path(ns.source), Path(ns.out))
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            print(f"twinplane: error: {e}", file=sys.stderr)
+            return 2
+        print(f"exported {out}")
+        return 0
+    if ns.command == "train" and ns.max_restarts > 0:
+        from twinplane.supervise import supervise
+
+        given = list(argv if argv is not None else sys.argv[1:])
+        child = [a for i, a in enumerate(given) if not a.startswith("--max-restarts")
+                 and not (i > 0 and given[i - 1] == "--max-restarts")]
+        return supervise([sys.executable, "-m", "twinplane.cli", *child], ns.max_restarts)
     from twinplane import run
 
     args = list(ns.args)
@@ -53,13 +84,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"reward.name={ns.reward}", f"eval.n={ns.n}", f"eval.temperature={ns.temperature}", *args]
     try:
         cfg = load_config(path, args)
-        setup = run.prepare(cfg)
+        setup = run.prepare(cfg, ns.resume if ns.command == "train" else None)
     except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"twinplane: error: {msg}", file=sys.stderr)
         return 2
     if ns.command == "train":
-        run.train(setup)
+        try:
+            run.train(setup)
+        except run.Preempted as e:
+            print(f"twinplane: {e}", file=sys.stderr)
+            return run.PREEMPTED
         return 0
     try:
         engine = RolloutEngine(setup.model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id,

@@ -122,6 +122,12 @@ class EvalSection:
 
 
 @dataclass
+class CheckpointSection:
+    every: int = 50  # steps between checkpoints in RUN_DIR/checkpoints (0 = only on preemption); also at the end
+    keep: int = 2  # newest complete checkpoints kept
+
+
+@dataclass
 class LogSection:
     progress: bool = True  # one live line per step on the console
 
@@ -141,6 +147,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
 
     def validate(self) -> None:
@@ -169,6 +176,8 @@ class Config:
              "needs data.train_file (the built-in task has its own held-out set)"),
             (self.reward.timeout_s > 0, "reward.timeout_s", "must be > 0"),
             (set(self.rollout.tools) <= {"calculator", "python"}, "rollout.tools", "must name calculator or python"),
+            (self.checkpoint.every >= 0, "checkpoint.every", "must be >= 0"),
+            (self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1"),
             (self.rollout.max_turns >= 1, "rollout.max_turns", "must be >= 1"),
             (self.eval.n >= 1 and self.eval.every >= 0, "eval", "needs eval.n >= 1 and eval.every >= 0"),
             (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),

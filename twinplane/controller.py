@@ -30,16 +30,17 @@ class Controller:
 
     def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None, scorer: Scorer,
                  tokenizer: Tokenizer, sampling: SamplingParams, mini_batches: int = 1,
-                 recompute_old_logprobs: bool = False, norm_adv_by_std: bool = True, rollout=None):
+                 recompute_old_logprobs: bool = False, norm_adv_by_std: bool = True, rollout=None, on_phase=None):
         self.engine, self.trainer, self.reference = engine, trainer, reference
         self.rollout = rollout or engine
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
         self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs
         self.norm_adv_by_std = norm_adv_by_std
+        self.on_phase = on_phase
         self.version = engine.weight_version
 
     def step(self, prompts: Sequence[Prompt]) -> dict[str, float]:
-        timer = PhaseTimer(self.trainer.device)
+        timer = PhaseTimer(self.trainer.device, self.on_phase)
         n = self.sampling.n
         with timer("step"):
             with timer("rollout"):

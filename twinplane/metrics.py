@@ -16,12 +16,14 @@ from twinplane.platform import synchronize
 class PhaseTimer:
     """`with timer("rollout"): ...` records seconds under `time/rollout` (device work included)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, on_enter=None):
+        self.device, self.on_enter = device, on_enter  # on_enter(phase): a hook (fault injection in tests)
         self.times: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, phase: str):
+        if self.on_enter is not None:
+            self.on_enter(phase)
         synchronize(self.device)
         t0 = time.perf_counter()
         yield
@@ -32,8 +34,19 @@ class PhaseTimer:
 class MetricsLog:
     """Appends one JSON object per step to `metrics.jsonl`; NaN/inf are written as null."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep_through_step: int | None = None):
+        """A fresh log, or on resume the existing one cut back to the records of steps <= `keep_through_step`
+        (a run killed after logging a step but before checkpointing it will log that step again)."""
         self.path = path
+        kept = []
+        if keep_through_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= keep_through_step:
+                        kept.append(line + "\n")
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut short by the kill
+        path.write_text("".join(kept))
         self.file = path.open("a")
 
     def write(self, record: dict) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +18,8 @@ import torch
 import yaml
 from rich.console import Console
 
-from twinplane import platform
-from twinplane.config import Config
+from twinplane import checkpoint, platform, run_state
+from twinplane.config import Config, ConfigError
 from twinplane.controller import Controller
 from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_records
 from twinplane.evaluation import evaluate
@@ -66,6 +68,8 @@ class Setup:
     task: ArithmeticTask | None  # the built-in task (warm start), when no data file is given
     scorer: RewardRunner
     data_stats: dict
+    run_dir: Path
+    resume_from: Path | None = None  # the checkpoint to continue from
 
 
 def load_prompts(cfg: Config, tokenizer: Tokenizer, path: str) -> tuple[list[Prompt], dict]:
@@ -93,7 +97,26 @@ def formatter(cfg: Config) -> PromptFormatter:
     return PromptFormatter(mode="plain", **kw)
 
 
-def prepare(cfg: Config) -> Setup:
+def find_resume(cfg: Config, resume: str | None, log=print) -> Path | None:
+    """The checkpoint to resume from, after checking the config may continue it (one-line errors otherwise)."""
+    if resume is None:
+        return None
+    if resume == "auto" and not cfg.run_dir:
+        raise ConfigError("--resume auto needs --run-dir (the run to continue)")
+    ckpt = checkpoint.resolve(Path(cfg.run_dir or "."), resume, log)
+    if ckpt is None:
+        log(f"--resume auto: no complete checkpoint in {cfg.run_dir}; starting from scratch")
+        return None
+    bad, ok = run_state.config_changes(run_state.read_config(ckpt), cfg.to_dict())
+    if bad:
+        raise ConfigError(f"--resume {ckpt}: {bad[0].split(':')[0]} cannot change on resume ({bad[0]})")
+    for change in ok:
+        log(f"resume: {change}")
+    return ckpt
+
+
+def prepare(cfg: Config, resume: str | None = None) -> Setup:
+    resume_from = find_resume(cfg, resume)
     platform.setup(cfg.seed, cfg.threads or None)
     device = platform.resolve_device(cfg.device)
     dtype = platform.resolve_dtype(cfg.model.dtype)
@@ -122,7 +145,8 @@ def prepare(cfg: Config) -> Setup:
         val_prompts = val_prompts[:cfg.data.val_size]
     r = cfg.reward
     scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight)
-    return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats)
+    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats, run_dir, resume_from)
 
 
 def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
@@ -136,20 +160,44 @@ def run_eval(s: Setup, rollout, n: int = 1, temperature: float = 0.0) -> dict[st
                     s.cfg.seed)
 
 
+PREEMPTED = 75  # exit code after a SIGTERM/SIGINT was handled and an emergency checkpoint written
+
+
+class Preempted(Exception):
+    pass
+
+
+def fault_hook(spec: str | None):
+    """TWINPLANE_FAULT="phase@step[xN],..." sends this process N (default 1) SIGTERMs when `phase` starts at
+    `step` (rollout, reward, train, weight_sync, checkpoint, ...): deterministic preemption points for tests."""
+    points = {}
+    for p in filter(None, (spec or "").split(",")):
+        where, _, count = p.partition("x")
+        points[tuple(where.split("@"))] = int(count or 1)
+    current = {"step": 0}
+
+    def hook(phase: str) -> None:
+        for _ in range(points.get((phase, str(current["step"])), 0)):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook, current
+
+
 def train(s: Setup, console: Console | None = None) -> dict:
-    cfg, tokenizer, model = s.cfg, s.tokenizer, s.model
+    """Run (or continue) the job. Raises `Preempted` after a handled SIGTERM/SIGINT (checkpoint written)."""
+    cfg, tokenizer, model, run_dir = s.cfg, s.tokenizer, s.model, s.run_dir
     console = console or Console(stderr=True)
     t_start = time.perf_counter()
     dtype = platform.resolve_dtype(cfg.model.dtype)
     rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
-    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     console.print(f"[bold]twinplane[/] run dir {run_dir} | device {s.device} | model {model.config.model_type} "
                   f"{model.config.num_params / 1e6:.2f}M params | {dtype} | {len(s.train_prompts)} train prompts, "
                   f"{len(s.val_prompts)} validation prompts {s.data_stats or ''}")
 
-    if s.task is not None and cfg.warmstart.steps > 0:
+    warm = s.task is not None and cfg.warmstart.steps > 0
+    if warm and s.resume_from is None:
         ws = cfg.warmstart
         pairs = s.task.teacher_data(ws.steps * ws.batch_size, cfg.task.teacher_carry_error, cfg.seed + 1)
         prompts = [tokenizer.encode(p) for p, _ in pairs]
@@ -159,11 +207,32 @@ def train(s: Setup, console: Console | None = None) -> dict:
         console.print(f"warm start: {ws.steps} steps on imperfect-teacher answers, loss "
                       f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
 
+    r = cfg.rollout
     engine = RolloutEngine(copy.deepcopy(model).to(rollout_dtype), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                           cfg.rollout.max_num_seqs, seed=cfg.seed)
+                           r.max_num_seqs, seed=cfg.seed)
     rollout = build_rollout(cfg, engine, tokenizer)
-    log = MetricsLog(run_dir / "metrics.jsonl")
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
+    trainer = Trainer(model, cfg.train, cfg.algo, r.temperature, cfg.train.steps * cfg.train.mini_batches)
+    # Built before a restore, so without a warm start the reference is the unchanged source (a pointer);
+    # after a warm start its weights are in the checkpoint.
+    reference = Reference(copy.deepcopy(model), r.temperature, cfg.train.micro_batch_size) \
+        if cfg.algo.kl_coef > 0 else None
+    hook, fault_step = fault_hook(os.environ.get("TWINPLANE_FAULT"))
+    controller = Controller(engine, trainer, reference, s.scorer, tokenizer, sampling, cfg.train.mini_batches,
+                            cfg.algo.recompute_old_logprobs or rollout_dtype != dtype, cfg.algo.norm_adv_by_std,
+                            rollout=rollout, on_phase=hook)
+    stream = PromptStream(s.train_prompts, cfg.seed)
     summary: dict = {"heldout_size": len(s.val_prompts)}
+    phase_sums: dict[str, float] = {}
+    start = 1
+    if s.resume_from is not None:
+        state = run_state.restore(s.resume_from, policy=model, reference=reference and reference.model,
+                                  trainer=trainer, engine=engine, stream=stream)
+        controller.version = engine.weight_version
+        start, summary, phase_sums = state["step"] + 1, state["summary"], state["phase_sums"]
+        console.print(f"resumed from {s.resume_from} (step {state['step']})")
+    log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
 
     def validate(step: int) -> dict:
         ev = {f"val/{k}": v for k, v in run_eval(s, rollout, cfg.eval.n, cfg.eval.temperature).items()}
@@ -175,23 +244,32 @@ def train(s: Setup, console: Console | None = None) -> dict:
         last = step == cfg.train.steps and cfg.eval.after
         return bool(s.val_prompts) and (last or (cfg.eval.every > 0 and step % cfg.eval.every == 0))
 
+    def save_checkpoint(step: int) -> None:
+        t0 = time.perf_counter()
+        extra = {"summary": summary, "phase_sums": phase_sums}
+        ref = reference.model if reference is not None and warm else None
+        path = checkpoint.save(run_dir, step, lambda out: run_state.write(
+            out, config=cfg.to_dict(), policy=model, save_policy_extras=lambda m, d: save_hf_folder(m, tokenizer, d),
+            reference=ref, trainer=trainer, engine=engine, stream=stream, step=step, extra=extra),
+            cfg.checkpoint.keep, before_manifest=lambda: hook("checkpoint"))
+        console.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+
+    signals = {"count": 0}
+
+    def on_signal(signum, frame):
+        signals["count"] += 1
+        if signals["count"] > 1:  # second signal: leave now; a half-written checkpoint has no manifest
+            os._exit(128 + signum)
+        console.print(f"received {signal.Signals(signum).name}: finishing step, then an emergency checkpoint")
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if cfg.eval.before and s.val_prompts:
+        if cfg.eval.before and s.val_prompts and s.resume_from is None:
             ev = validate(0)
             log.write({"step": 0, **ev})  # step 0: the policy before any RL update
             summary["warmstart_accuracy"] = ev["val/accuracy"]
-        r = cfg.rollout
-        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
-        trainer = Trainer(model, cfg.train, cfg.algo, r.temperature, cfg.train.steps * cfg.train.mini_batches)
-        reference = Reference(copy.deepcopy(model), r.temperature, cfg.train.micro_batch_size) \
-            if cfg.algo.kl_coef > 0 else None
-        controller = Controller(engine, trainer, reference, s.scorer, tokenizer, sampling, cfg.train.mini_batches,
-                                cfg.algo.recompute_old_logprobs or rollout_dtype != dtype, cfg.algo.norm_adv_by_std,
-                                rollout=rollout)
-        stream = PromptStream(s.train_prompts, cfg.seed)
-        phase_sums: dict[str, float] = {}
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(start, cfg.train.steps + 1):
+            fault_step["step"] = step
             m = controller.step(stream.next_batch(r.prompts_per_step))
             for k, v in m.items():
                 if k.startswith("time/"):
@@ -200,13 +278,21 @@ def train(s: Setup, console: Console | None = None) -> dict:
                 console.print(progress_line(step, cfg.train.steps, m), highlight=False, markup=False, soft_wrap=True)
             if due(step):
                 m |= validate(step)
+                if step == cfg.train.steps:
+                    summary["final_accuracy"] = m["val/accuracy"]
             log.write({"step": step, **m})
-        if cfg.eval.after and s.val_prompts:
-            last = validate(0) if cfg.train.steps == 0 else m
-            summary["final_accuracy"] = last["val/accuracy"]
+            periodic = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps)
+            if periodic or signals["count"]:
+                save_checkpoint(step)
+            if signals["count"]:
+                raise Preempted(f"preempted at step {step}; resume with --resume auto")
+        if cfg.eval.after and s.val_prompts and cfg.train.steps == 0:
+            summary["final_accuracy"] = validate(0)["val/accuracy"]
     finally:
         log.close()
         s.scorer.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     save_hf_folder(model, tokenizer, run_dir / "final")
     steps = max(cfg.train.steps, 1)
     summary.update(steps=cfg.train.steps, wall_seconds=time.perf_counter() - t_start,

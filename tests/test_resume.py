@@ -1,0 +1,126 @@
+"""Never lose a run: kill/resume equivalence, damaged checkpoints, config changes on resume, export."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from twinplane import checkpoint
+from twinplane.cli import main
+
+ARGS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
+        "train.steps=6", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=12", "train.mini_batches=2",
+        "train.micro_batch_size=6", "algo.kl_coef=0.05", "log.progress=false", "checkpoint.every=2",
+        "checkpoint.keep=2", "eval.every=3", "eval.n=2"]
+
+
+def train(run_dir, *extra, fault=None):
+    os.environ.pop("TWINPLANE_FAULT", None)
+    if fault:
+        os.environ["TWINPLANE_FAULT"] = fault
+    try:
+        return main(["train", "--run-dir", str(run_dir), *ARGS, *extra])
+    finally:
+        os.environ.pop("TWINPLANE_FAULT", None)
+
+
+def outcome(run_dir):
+    weights = (run_dir / "final" / "model.safetensors").read_bytes()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+    return weights, rows
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("uninterrupted")
+    assert train(run) == 0
+    return outcome(run)
+
+
+@pytest.mark.parametrize("fault", ["rollout@2", "train@3", "checkpoint@4", "weight_sync@5", "reward@1"])
+def test_sigterm_then_resume_is_bitwise_identical(fault, tmp_path, reference_run):
+    assert train(tmp_path, fault=fault) == 75  # preempted: emergency checkpoint written
+    assert checkpoint.resolve(tmp_path, "auto") is not None
+    assert train(tmp_path, "--resume", "auto") == 0
+    weights, rows = outcome(tmp_path)
+    assert weights == reference_run[0]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # every step exactly once
+    assert rows == reference_run[1]
+
+
+def test_second_signal_mid_checkpoint_exits_at_once_and_resume_skips_it(tmp_path, reference_run):
+    env = {**os.environ, "TWINPLANE_FAULT": "checkpoint@4x2"}
+    out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *ARGS],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 128 + 15
+    assert [c.name for c in checkpoint.list_checkpoints(tmp_path)] == ["step_00000002"]
+    assert list((tmp_path / "checkpoints").glob(".tmp-*"))  # the half-written one, never picked
+    assert train(tmp_path, "--resume", "auto") == 0
+    assert outcome(tmp_path) == reference_run
+
+
+def test_damaged_checkpoints_are_skipped(tmp_path, capsys):
+    def writer(payload):
+        return lambda out: (out / "weights.bin").write_bytes(payload)
+
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, writer(bytes([step]) * 1000), keep=5)
+    ckpts = checkpoint.list_checkpoints(tmp_path)
+    (ckpts[2] / "weights.bin").write_bytes(b"\x03" * 10)  # truncated
+    data = bytearray((ckpts[1] / "weights.bin").read_bytes())
+    data[5] ^= 0xFF
+    (ckpts[1] / "weights.bin").write_bytes(bytes(data))  # corrupted, same size
+    messages = []
+    assert checkpoint.resolve(tmp_path, "auto", messages.append) == ckpts[0]
+    assert "truncated" in messages[0] and "checksum" in messages[1]
+    (ckpts[0] / checkpoint.MANIFEST).unlink()
+    assert checkpoint.resolve(tmp_path, "auto", messages.append) is None
+    assert "no manifest" in messages[-1]
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        checkpoint.resolve(tmp_path, str(ckpts[2]))
+
+
+def test_pruning_keeps_newest_complete(tmp_path):
+    write = lambda out: (out / "x").write_text("x")  # noqa: E731
+    checkpoint.save(tmp_path, 1, write, keep=1)
+    (tmp_path / "checkpoints" / "step_00000002").mkdir()  # incomplete: no manifest
+    checkpoint.save(tmp_path, 3, write, keep=1)
+    names = [c.name for c in checkpoint.list_checkpoints(tmp_path)]
+    assert "step_00000003" in names and "step_00000001" not in names
+    # a failing write never removes the only complete checkpoint
+    with pytest.raises(RuntimeError):
+        checkpoint.save(tmp_path, 4, lambda out: (_ for _ in ()).throw(RuntimeError("disk full")), keep=1)
+    assert checkpoint.resolve(tmp_path, "auto").name == "step_00000003"
+
+
+def test_resume_config_changes(tmp_path, capsys):
+    assert train(tmp_path, "train.steps=2") == 0
+    capsys.readouterr()
+    assert train(tmp_path, "train.steps=2", "algo.kl_coef=0.1", "--resume", "auto") == 2
+    err = capsys.readouterr().err
+    assert "algo.kl_coef cannot change on resume" in err and len(err.strip().splitlines()) == 1
+    assert train(tmp_path, "train.steps=4", "--resume", "auto") == 0  # more steps: allowed, reported
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert main(["train", *ARGS, "--resume", "auto"]) == 2  # auto needs the run dir
+
+
+def test_export_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    assert train(tmp_path / "run", "train.steps=2") == 0
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (out / name).exists(), name
+    import twinplane
+
+    ours = twinplane.load_model(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.tensor([twinplane.load_tokenizer(out).encode("12+34=")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
+    assert main(["export", str(tmp_path / "nowhere"), "--out", str(out)]) == 2

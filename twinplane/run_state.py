@@ -1,0 +1,99 @@
+"""What a checkpoint holds of a running job, and putting it back: everything needed to continue bitwise."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from twinplane.model import Transformer, iter_safetensors, load_weights
+
+# Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
+MUTABLE = ("train.steps", "log.", "eval.", "checkpoint.", "run_dir", "threads", "device", "reward.timeout_s",
+           "rollout.max_num_seqs", "train.micro_batch_size")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and k != "options" else {prefix + k: v})
+    return out
+
+
+def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(immutable keys that differ, mutable keys that differ), each as 'key: old -> new'."""
+    a, b = _flatten(saved), _flatten(current)
+    bad, ok = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            (ok if key.startswith(MUTABLE) else bad).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
+    return bad, ok
+
+
+def _rng_state() -> tuple[dict, dict]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            tensors[f"torch_cuda_{i}"] = torch.cuda.get_rng_state(i)
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    plain = {"python": [version, list(state), gauss],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    return tensors, plain
+
+
+def _set_rng_state(tensors: dict, plain: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    for key, t in tensors.items():
+        if key.startswith("torch_cuda_") and torch.cuda.is_available():
+            i = int(key.rsplit("_", 1)[1])
+            if i < torch.cuda.device_count():
+                torch.cuda.set_rng_state(t, i)
+    version, state, gauss = plain["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def write(out: Path, *, config: dict, policy: Transformer, save_policy_extras, reference: Transformer | None,
+          trainer, engine, stream, step: int, extra: dict) -> None:
+    """Fill a checkpoint folder (see `twinplane.checkpoint` for the layout)."""
+    save_policy_extras(policy, out / "model")  # HF folder: weights, config, tokenizer, generation config
+    if reference is not None:
+        save_file({n: p.detach().contiguous().cpu() for n, p in reference.named_parameters()},
+                  out / "reference.safetensors")
+    torch.save(trainer.opt.state_dict(), out / "optimizer.pt")
+    tensors, plain = _rng_state()
+    tensors["engine"] = engine.generator.get_state()
+    save_file(tensors, out / "rng.safetensors")
+    state = {"step": step, "scheduler": trainer.sched.state_dict(), "stream": stream.state_dict(),
+             "weight_version": engine.weight_version, "rng": plain, **extra}
+    (out / "state.json").write_text(json.dumps(state))
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def read_config(ckpt: Path) -> dict:
+    return yaml.safe_load((ckpt / "config.yaml").read_text())
+
+
+def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, trainer, engine, stream) -> dict:
+    """Load a checkpoint into freshly built objects (on any device); returns state.json's contents."""
+    state = json.loads((ckpt / "state.json").read_text())
+    load_weights(policy, iter_safetensors(ckpt / "model"))
+    if reference is not None and (ckpt / "reference.safetensors").exists():
+        load_weights(reference, load_file(ckpt / "reference.safetensors").items())
+    engine.load_weights(policy.named_parameters(), version=state["weight_version"])
+    opt_state = torch.load(ckpt / "optimizer.pt", map_location=trainer.device, weights_only=True)
+    trainer.opt.load_state_dict(opt_state)
+    trainer.sched.load_state_dict(state["scheduler"])
+    stream.load_state_dict(state["stream"])
+    tensors = load_file(ckpt / "rng.safetensors")
+    engine.generator.set_state(tensors.pop("engine").to(engine.generator.get_state().device))
+    _set_rng_state(tensors, state["rng"])
+    return state
+
