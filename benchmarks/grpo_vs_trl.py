@@ -39,7 +39,9 @@ import transformers  # noqa: E402
 import twinplane  # noqa: E402
 from twinplane.config import AlgoSection, TrainSection  # noqa: E402
 from twinplane.controller import Controller  # noqa: E402
+from twinplane.prompts import Prompt  # noqa: E402
 from twinplane.rewards import exact_int  # noqa: E402
+from twinplane.rewards.runner import RewardRunner  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from twinplane.tasks import ALPHABET, ArithmeticTask, PromptStream  # noqa: E402
 from twinplane.train import Reference, Trainer  # noqa: E402
@@ -77,12 +79,12 @@ def run_twinplane(args, ckpt: str, batches) -> dict:
     reference = Reference(copy.deepcopy(model), TEMPERATURE, micro_batch_size=args.prompts * args.samples)
     sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=args.new_tokens,
                               min_new_tokens=args.new_tokens, n=args.samples)
-    controller = Controller(engine, trainer, reference, exact_int, tok, sampling, mini_batches=1,
+    controller = Controller(engine, trainer, reference, RewardRunner("exact_int"), tok, sampling, mini_batches=1,
                             recompute_old_logprobs=False, norm_adv_by_std=True)
     steps = []
     for i, problems in enumerate(batches):
         t0 = time.perf_counter()
-        m = controller.step(problems)
+        m = controller.step([Prompt(tok.encode(p.prompt), p.answer, p.prompt) for p in problems])
         if m["rollout/response_length_mean"] != args.new_tokens or m["rollout/response_length_max"] != args.new_tokens:
             raise RuntimeError(f"twinplane responses were not all {args.new_tokens} tokens")
         s = {"step": time.perf_counter() - t0, "rollout": m["time/rollout"], "reward": m["time/reward"],

@@ -124,3 +124,17 @@ def test_export_loads_in_transformers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+
+
+def test_restart_loop_resumes_after_crash_and_stops_on_config_error(tmp_path, reference_run):
+    """A second SIGTERM mid-checkpoint kills the child at once (exit 143, a crash to the supervisor), which
+    relaunches it with --resume auto; the run then ends exactly like the uninterrupted one."""
+    env = {**os.environ, "TWINPLANE_FAULT": "checkpoint@4x2", "TWINPLANE_FAULT_ONCE": str(tmp_path / "fired")}
+    cmd = [sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *ARGS]
+    supervise = [sys.executable, "-m", "twinplane.cli", "supervise", "--max-restarts", "2", "--backoff", "0.1", "--"]
+    out = subprocess.run([*supervise, *cmd], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "restarting with --resume auto" in out.stderr
+    assert outcome(tmp_path) == reference_run
+    bad = subprocess.run([*cmd, "train.lrr=1", "--max-restarts", "3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("unknown key train.lrr") == 1

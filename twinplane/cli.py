@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("supervise", help="run a command, relaunching it with --resume auto after crashes",
                         description="twinplane supervise [--max-restarts K] [--backoff S] -- twinplane train ...")
     sp.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["supervise"]:  # its options precede `--`, which argparse sub-commands can't express
+        from twinplane.supervise import main as supervise_main
+
+        return supervise_main(argv[1:])
     ep = sub.add_parser("eval", help="evaluate a model folder on a prompt file", description=EVAL_HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ep.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)")
@@ -50,10 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command is None:
         parser.print_help()
         return 0
-    if ns.command == "supervise":
-        from twinplane.supervise import main as supervise_main
-
-        return supervise_main(ns.rest)
     if ns.command == "export":
         from twinplane.export import export
 
@@ -67,9 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "train" and ns.max_restarts > 0:
         from twinplane.supervise import supervise
 
-        given = list(argv if argv is not None else sys.argv[1:])
-        child = [a for i, a in enumerate(given) if not a.startswith("--max-restarts")
-                 and not (i > 0 and given[i - 1] == "--max-restarts")]
+        child = [a for i, a in enumerate(argv) if not a.startswith("--max-restarts")
+                 and not (i > 0 and argv[i - 1] == "--max-restarts")]
         return supervise([sys.executable, "-m", "twinplane.cli", *child], ns.max_restarts)
     from twinplane import run
 

@@ -169,15 +169,26 @@ class Preempted(Exception):
 
 def fault_hook(spec: str | None):
     """TWINPLANE_FAULT="phase@step[xN],..." sends this process N (default 1) SIGTERMs when `phase` starts at
-    `step` (rollout, reward, train, weight_sync, checkpoint, ...): deterministic preemption points for tests."""
+    `step` (rollout, reward, train, weight_sync, checkpoint, ...): deterministic preemption points for tests.
+    With TWINPLANE_FAULT_ONCE=FILE a fault fires only if FILE does not exist yet (and creates it), so a
+    relaunched run is not preempted again at the same point."""
     points = {}
     for p in filter(None, (spec or "").split(",")):
         where, _, count = p.partition("x")
         points[tuple(where.split("@"))] = int(count or 1)
     current = {"step": 0}
 
+    once = os.environ.get("TWINPLANE_FAULT_ONCE")
+
     def hook(phase: str) -> None:
-        for _ in range(points.get((phase, str(current["step"])), 0)):
+        count = points.get((phase, str(current["step"])), 0)
+        if count and once:
+            if os.path.exists(once):
+                return
+            Path(once).touch()
+        for i in range(count):
+            if i:
+                time.sleep(1.1)  # a separate request, not a duplicate delivery of the first
             os.kill(os.getpid(), signal.SIGTERM)
 
     return hook, current
@@ -254,12 +265,16 @@ def train(s: Setup, console: Console | None = None) -> dict:
             cfg.checkpoint.keep, before_manifest=lambda: hook("checkpoint"))
         console.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
 
-    signals = {"count": 0}
+    signals = {"count": 0, "first": 0.0}
 
     def on_signal(signum, frame):
+        now = time.monotonic()
+        if signals["count"] and now - signals["first"] < 1.0:
+            return  # the same stop request delivered twice (e.g. Slurm signals every process of the job)
         signals["count"] += 1
-        if signals["count"] > 1:  # second signal: leave now; a half-written checkpoint has no manifest
+        if signals["count"] > 1:  # a second request: leave now; a half-written checkpoint has no manifest
             os._exit(128 + signum)
+        signals["first"] = now
         console.print(f"received {signal.Signals(signum).name}: finishing step, then an emergency checkpoint")
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
