@@ -93,7 +93,11 @@ def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, t
     trainer.sched.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["stream"])
     tensors = load_file(ckpt / "rng.safetensors")
-    engine.generator.set_state(tensors.pop("engine").to(engine.generator.get_state().device))
+    gen = tensors.pop("engine")
+    if gen.numel() == engine.generator.get_state().numel():
+        engine.generator.set_state(gen)
+    else:  # saved on another device type (CPU and CUDA generators differ): continue, but not bitwise
+        engine.generator.manual_seed(int(state["step"]) * 1_000_003 + int(gen.sum()))
     _set_rng_state(tensors, state["rng"])
     return state
 
