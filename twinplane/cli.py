@@ -14,6 +14,7 @@ DESCRIPTION = "twinplane: RL post-training (GRPO) of LLMs on CUDA, ROCm and CPU 
 TRAIN_HELP = """Run GRPO. With no arguments: the embedded demo (a tiny model learns multi-digit addition on CPU:
 supervised warm start from an imperfect teacher, then GRPO with an exact-match verifier, evaluated on
 held-out problems). Writes config.yaml, metrics.jsonl, summary.json and final/ (an HF model folder)."""
+TOOLS = {"report": "PNG charts and report.md of a finished or running run (twinplane report RUN_DIR)"}
 EVAL_HELP = """Evaluate a model folder: greedy accuracy, and with --n K also pass@k (unbiased estimator) and mean@k
 over K samples per prompt; mean response length and truncation rate. Prints and writes JSON."""
 
@@ -37,11 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("supervise", help="run a command, relaunching it with --resume auto after crashes",
                         description="twinplane supervise [--max-restarts K] [--backoff S] -- twinplane train ...")
     sp.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, text in TOOLS.items():
+        sub.add_parser(name, help=text, add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["supervise"]:  # its options precede `--`, which argparse sub-commands can't express
-        from twinplane.supervise import main as supervise_main
+    if argv[:1] == ["supervise"] or (argv and argv[0] in TOOLS):
+        # These own their argument parsing (supervise's options precede `--`, which sub-parsers can't express).
+        import importlib
 
-        return supervise_main(argv[1:])
+        return importlib.import_module(f"twinplane.{argv[0]}").main(argv[1:])
     ep = sub.add_parser("eval", help="evaluate a model folder on a prompt file", description=EVAL_HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ep.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)")

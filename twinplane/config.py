@@ -130,6 +130,9 @@ class CheckpointSection:
 @dataclass
 class LogSection:
     progress: bool = True  # one live line per step on the console
+    backends: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb
+    wandb_project: str = "twinplane"
+    wandb_mode: str = "offline"  # offline | online | disabled
 
 
 @dataclass
@@ -176,6 +179,10 @@ class Config:
              "needs data.train_file (the built-in task has its own held-out set)"),
             (self.reward.timeout_s > 0, "reward.timeout_s", "must be > 0"),
             (set(self.rollout.tools) <= {"calculator", "python"}, "rollout.tools", "must name calculator or python"),
+            (set(self.log.backends) <= {"console", "jsonl", "tensorboard", "wandb"}, "log.backends",
+             "must name console, jsonl, tensorboard or wandb"),
+            (self.log.wandb_mode in ("offline", "online", "disabled"), "log.wandb_mode",
+             "must be offline, online or disabled"),
             (self.checkpoint.every >= 0, "checkpoint.every", "must be >= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1"),
             (self.rollout.max_turns >= 1, "rollout.max_turns", "must be >= 1"),

@@ -13,6 +13,7 @@ import torch
 
 from twinplane.algos import grpo_advantages
 from twinplane.evaluation import Scorer
+from twinplane.flops import forward_flops_per_token, train_flops_per_token
 from twinplane.metrics import PhaseTimer
 from twinplane.prompts import Prompt
 from twinplane.rollout import RolloutEngine, SamplingParams, multi_turn_metrics
@@ -30,13 +31,15 @@ class Controller:
 
     def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None, scorer: Scorer,
                  tokenizer: Tokenizer, sampling: SamplingParams, mini_batches: int = 1,
-                 recompute_old_logprobs: bool = False, norm_adv_by_std: bool = True, rollout=None, on_phase=None):
+                 recompute_old_logprobs: bool = False, norm_adv_by_std: bool = True, rollout=None, on_phase=None,
+                 peak_flops: float | None = None):
         self.engine, self.trainer, self.reference = engine, trainer, reference
         self.rollout = rollout or engine
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
         self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs
         self.norm_adv_by_std = norm_adv_by_std
         self.on_phase = on_phase
+        self.peak_flops = peak_flops  # per device, for MFU; None (unknown device) reports MFU as null
         self.version = engine.weight_version
 
     def step(self, prompts: Sequence[Prompt]) -> dict[str, float]:
@@ -98,6 +101,16 @@ class Controller:
             "perf/rollout_tokens_per_s": gen_tokens / max(times["time/rollout"], 1e-9),
             "perf/train_tokens_per_s": train_tokens / max(times["time/train"], 1e-9),
         }
+        cfg = self.trainer.model.config
+        prompt_lens = [len(s.prompt_ids) for s in samples]
+        mean_prompt = sum(prompt_lens) / len(samples)
+        train_flops = train_flops_per_token(cfg, train_tokens / len(samples)) * train_tokens
+        rollout_flops = (gen_tokens * forward_flops_per_token(cfg, mean_prompt + lengths.mean().item() / 2)
+                         + sum(prompt_lens) / n * forward_flops_per_token(cfg, mean_prompt / 2))  # prefill once
+        for name, flops, t in (("train", train_flops, times["time/train"]), ("rollout", rollout_flops,
+                                                                            times["time/rollout"])):
+            m[f"perf/tflops_{name}"] = flops / max(t, 1e-9) / 1e12
+            m[f"perf/mfu_{name}"] = flops / max(t, 1e-9) / self.peak_flops if self.peak_flops else None
         # Means over the (equal-sized) mini-batches; the gap only from the first (pre-update) mini-batch.
         for k in updates[0]:
             m[k] = sum(u[k] for u in updates) / len(updates)

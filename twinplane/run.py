@@ -23,6 +23,7 @@ from twinplane.config import Config, ConfigError
 from twinplane.controller import Controller
 from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_records
 from twinplane.evaluation import evaluate
+from twinplane.loggers import build_loggers, check_backends
 from twinplane.metrics import MetricsLog, progress_line
 from twinplane.model import ModelConfig, Transformer, load_model, save_pretrained
 from twinplane.prompts import Prompt, encode_prompts
@@ -116,6 +117,7 @@ def find_resume(cfg: Config, resume: str | None, log=print) -> Path | None:
 
 
 def prepare(cfg: Config, resume: str | None = None) -> Setup:
+    check_backends(cfg.log.backends)
     resume_from = find_resume(cfg, resume)
     platform.setup(cfg.seed, cfg.threads or None)
     device = platform.resolve_device(cfg.device)
@@ -244,6 +246,12 @@ def train(s: Setup, console: Console | None = None) -> dict:
         start, summary, phase_sums = state["step"] + 1, state["summary"], state["phase_sums"]
         console.print(f"resumed from {s.resume_from} (step {state['step']})")
     log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
+    sinks = build_loggers(cfg.log.backends, run_dir, cfg.to_dict(), cfg.log.wandb_project, cfg.log.wandb_mode)
+
+    def record(step: int, metrics: dict) -> None:
+        log.write({"step": step, **metrics})
+        for sink in sinks:
+            sink.log(step, metrics)
 
     def validate(step: int) -> dict:
         ev = {f"val/{k}": v for k, v in run_eval(s, rollout, cfg.eval.n, cfg.eval.temperature).items()}
@@ -281,7 +289,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
     try:
         if cfg.eval.before and s.val_prompts and s.resume_from is None:
             ev = validate(0)
-            log.write({"step": 0, **ev})  # step 0: the policy before any RL update
+            record(0, ev)  # step 0: the policy before any RL update
             summary["warmstart_accuracy"] = ev["val/accuracy"]
         for step in range(start, cfg.train.steps + 1):
             fault_step["step"] = step
@@ -289,13 +297,13 @@ def train(s: Setup, console: Console | None = None) -> dict:
             for k, v in m.items():
                 if k.startswith("time/"):
                     phase_sums[k] = phase_sums.get(k, 0.0) + v
-            if cfg.log.progress:
+            if cfg.log.progress and "console" in cfg.log.backends:
                 console.print(progress_line(step, cfg.train.steps, m), highlight=False, markup=False, soft_wrap=True)
             if due(step):
                 m |= validate(step)
                 if step == cfg.train.steps:
                     summary["final_accuracy"] = m["val/accuracy"]
-            log.write({"step": step, **m})
+            record(step, m)
             periodic = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps)
             if periodic or signals["count"]:
                 save_checkpoint(step)
@@ -305,6 +313,8 @@ def train(s: Setup, console: Console | None = None) -> dict:
             summary["final_accuracy"] = validate(0)["val/accuracy"]
     finally:
         log.close()
+        for sink in sinks:
+            sink.close()
         s.scorer.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
