@@ -14,7 +14,8 @@ DESCRIPTION = "twinplane: RL post-training (GRPO) of LLMs on CUDA, ROCm and CPU 
 TRAIN_HELP = """Run GRPO. With no arguments: the embedded demo (a tiny model learns multi-digit addition on CPU:
 supervised warm start from an imperfect teacher, then GRPO with an exact-match verifier, evaluated on
 held-out problems). Writes config.yaml, metrics.jsonl, summary.json and final/ (an HF model folder)."""
-TOOLS = {"report": "PNG charts and report.md of a finished or running run (twinplane report RUN_DIR)"}
+TOOLS = {"report": "PNG charts and report.md of a finished or running run (twinplane report RUN_DIR)",
+         "doctor": "one-screen report of this machine: torch build, devices, backends, measured GEMM/bandwidth"}
 EVAL_HELP = """Evaluate a model folder: greedy accuracy, and with --n K also pass@k (unbiased estimator) and mean@k
 over K samples per prompt; mean response length and truncation rate. Prints and writes JSON."""
 

@@ -234,7 +234,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
     hook, fault_step = fault_hook(os.environ.get("TWINPLANE_FAULT"))
     controller = Controller(engine, trainer, reference, s.scorer, tokenizer, sampling, cfg.train.mini_batches,
                             cfg.algo.recompute_old_logprobs or rollout_dtype != dtype, cfg.algo.norm_adv_by_std,
-                            rollout=rollout, on_phase=hook)
+                            rollout=rollout, on_phase=hook, peak_flops=platform.detect().peak_flops)
     stream = PromptStream(s.train_prompts, cfg.seed)
     summary: dict = {"heldout_size": len(s.val_prompts)}
     phase_sums: dict[str, float] = {}

@@ -1,0 +1,131 @@
+"""Platform decisions on simulated CUDA and ROCm builds (torch.cuda monkeypatched on this CPU machine), plus the
+real CPU path and `twinplane doctor`."""
+
+import json
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from twinplane import doctor, platform
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    platform.reset()
+    yield
+    platform.reset()
+
+
+def simulate_gpu(monkeypatch, name, *, hip=None, count=2, memory=80 * 2**30, cc=(9, 0), arch=None, installed=()):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
+    props = SimpleNamespace(total_memory=memory, major=cc[0], minor=cc[1], name=name)
+    if arch:
+        props.gcnArchName = arch
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.version, "cuda", None if hip else "12.4")
+    monkeypatch.setattr(platform, "_has_module", lambda m: m in installed)
+
+
+def test_rocm_build_mi300x(monkeypatch):
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1")
+    simulate_gpu(monkeypatch, "AMD Instinct MI300X", hip="6.2.41133", count=2, memory=192 * 2**30, cc=(9, 4),
+                 arch="gfx942:sramecc+:xnack-", installed=("flash_attn", "flash_attn_interface"))
+    info = platform.detect()
+    assert info.vendor == "amd" == platform.vendor()
+    assert (info.hip_version, info.cuda_version, info.device_type) == ("6.2.41133", None, "cuda")
+    assert info.device_names == ("AMD Instinct MI300X",) * 2 and info.device_memory == (192 * 2**30,) * 2
+    assert info.dist_backend == "nccl" == platform.dist_backend(info.device)  # RCCL behind the "nccl" name
+    assert info.visible_devices_env == ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+    assert platform.visible_devices_env([2, 3], info) == {
+        "HIP_VISIBLE_DEVICES": "2,3", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
+        "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1"}
+    assert "CUDA_VISIBLE_DEVICES" not in platform.visible_devices_env([0], info)
+    a = info.attention
+    assert a.backend == "sdpa" and "cudnn" not in a.sdpa_kernels
+    assert a.flash_attn_eligible and a.fa3_installed and not a.fa3_eligible  # FA3 is Hopper-only, never ROCm
+    assert info.peak_flops == pytest.approx(1307.4e12) and info.peak_source == "spec:mi300x"
+    assert platform.mfu(653.7e12, info) == pytest.approx(0.5)
+
+
+def test_rocm_fa2_not_eligible_on_unsupported_arch(monkeypatch):
+    simulate_gpu(monkeypatch, "AMD Instinct MI250X", hip="6.2", arch="gfx1100", installed=("flash_attn",))
+    info = platform.detect()
+    assert not info.attention.flash_attn_eligible
+    assert info.peak_flops == pytest.approx(383.0e12)
+
+
+def test_cuda_build_h100(monkeypatch):
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", cc=(9, 0), installed=("flash_attn", "flash_attn_interface"))
+    info = platform.detect()
+    assert info.vendor == "nvidia" and info.cuda_version == "12.4" and info.hip_version is None
+    assert info.compute_capability == (9, 0) and info.bf16 and info.device_count == 2
+    assert info.dist_backend == "nccl"
+    assert platform.visible_devices_env([0, 1], info) == {
+        "CUDA_VISIBLE_DEVICES": "0,1", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    assert info.attention.backend == "sdpa"
+    assert info.attention.flash_attn_eligible and info.attention.fa3_eligible
+    assert info.peak_flops == pytest.approx(989.4e12)
+
+
+@pytest.mark.parametrize("name,cc,fa2,tflops", [("NVIDIA A100-SXM4-80GB", (8, 0), True, 312.0),
+                                                ("NVIDIA L40S", (8, 9), True, 362.05),
+                                                ("NVIDIA H200", (9, 0), True, 989.4),
+                                                ("NVIDIA B200", (10, 0), True, 2250.0),
+                                                ("Tesla V100-SXM2-16GB", (7, 0), False, None)])
+def test_cuda_devices(monkeypatch, name, cc, fa2, tflops):
+    simulate_gpu(monkeypatch, name, cc=cc, installed=("flash_attn", "flash_attn_interface"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        info = platform.detect()
+    assert info.attention.flash_attn_eligible == fa2
+    assert info.attention.fa3_eligible == (cc == (9, 0))
+    assert info.peak_flops == (pytest.approx(tflops * 1e12) if tflops else None)
+
+
+def test_unknown_gpu_has_no_peak_and_null_mfu(monkeypatch):
+    simulate_gpu(monkeypatch, "AMD Radeon Graphics", hip="6.2")
+    with pytest.warns(UserWarning, match="unknown amd device"):
+        info = platform.detect()
+    assert info.vendor == "amd" and info.peak_flops is None and info.peak_source == "unknown"
+    assert platform.mfu(1e12, info) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert platform.detect() is info  # cached: warned once
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_cpu_machine():
+    info = platform.detect()
+    assert info.vendor == "cpu" and info.device_type == "cpu" and info.device == torch.device("cpu")
+    assert info.dist_backend == "gloo" == platform.dist_backend(info.device)
+    assert info.visible_devices_env == () and platform.visible_devices_env([0], info) == {}
+    assert info.attention.backend == "sdpa" and not info.attention.flash_attn_eligible
+    assert info.peak_flops > 0 and info.peak_source == "measured:fp32-gemm"
+    assert 0 < platform.mfu(info.peak_flops / 2, info) < 1
+    assert platform.detect() is info
+
+
+def test_other_accelerator_degrades_to_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match="xpu"):
+        info = platform.detect()
+    assert info.vendor == "unknown" and info.device_type == "cpu" and info.dist_backend == "gloo"
+
+
+def test_doctor_on_this_machine(capsys):
+    d = doctor.report()
+    for key in ("torch", "torch_build", "devices", "collectives_version", "attention", "bf16", "ray_installed",
+                "gemm_tflops", "copy_bandwidth_gb_s", "twinplane", "python", "peak_tflops", "gemm_mfu"):
+        assert key in d
+    assert d["attention"]["backend"] == "sdpa" and d["gemm_tflops"] > 0 and d["copy_bandwidth_gb_s"] > 0
+    text = doctor.format_report(d)
+    assert "sdpa" in text and len(text.splitlines()) < 25
+    assert doctor.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_type"] == platform.detect().device_type
