@@ -15,7 +15,8 @@ TRAIN_HELP = """Run GRPO. With no arguments: the embedded demo (a tiny model lea
 supervised warm start from an imperfect teacher, then GRPO with an exact-match verifier, evaluated on
 held-out problems). Writes config.yaml, metrics.jsonl, summary.json and final/ (an HF model folder)."""
 TOOLS = {"report": "PNG charts and report.md of a finished or running run (twinplane report RUN_DIR)",
-         "doctor": "one-screen report of this machine: torch build, devices, backends, measured GEMM/bandwidth"}
+         "doctor": "one-screen report of this machine: torch build, devices, backends, measured GEMM/bandwidth",
+         "plan": "memory, layouts and cost for a model on N GPUs (twinplane plan --model DIR --gpu mi300x --gpus 8)"}
 EVAL_HELP = """Evaluate a model folder: greedy accuracy, and with --n K also pass@k (unbiased estimator) and mean@k
 over K samples per prompt; mean response length and truncation rate. Prints and writes JSON."""
 

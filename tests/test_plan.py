@@ -1,0 +1,110 @@
+"""Capacity planner: memory formulas against hand counts, layout feasibility, the recommendation, the CLI, and
+the CPU memory estimate against a measured peak (demo model)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from twinplane.devices import BY_KEY
+from twinplane.model import ModelConfig
+from twinplane.plan import (
+    CPU,
+    Cluster,
+    Workload,
+    format_plan,
+    layouts,
+    main,
+    recommend,
+    rollout_memory,
+    training_memory,
+)
+
+QWEN25_7B = {  # published Qwen/Qwen2.5-7B config.json shape
+    "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+}
+W = Workload(prompts_per_step=32, n=8, prompt_len=512, response_len=1024, micro_batch_size=4)
+
+
+@pytest.fixture
+def qwen(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+    return tmp_path
+
+
+def test_training_state_is_16_bytes_per_param_sharded():
+    cfg = ModelConfig.from_hf(QWEN25_7B)
+    p = cfg.num_params
+    assert 7.5e9 < p < 7.7e9
+    for dev in (BY_KEY["h100"], CPU):
+        tm = training_memory(cfg, dev, W, fsdp=8)
+        assert tm.resident == pytest.approx(16 * p / 8)
+    off = training_memory(cfg, BY_KEY["h100"], W, fsdp=8, offload=True)
+    assert off.resident == pytest.approx(4 * p / 8)  # bf16 weights + grads stay
+    ck = training_memory(cfg, BY_KEY["h100"], W, fsdp=8, checkpointing=True)
+    assert ck.activations < training_memory(cfg, BY_KEY["h100"], W, fsdp=8).activations / 5
+
+
+def test_kv_cache_formula():
+    cfg = ModelConfig.from_hf(QWEN25_7B)
+    rm = rollout_memory(cfg, BY_KEY["mi300x"], W, tp=2, seqs=10)
+    assert rm.kv_cache == 2 * 28 * 4 * 128 * 2 * 10 * (512 + 1024) / 2
+    assert rm.weights == cfg.num_params * 2 / 2
+
+
+def test_layouts_fit_and_tp_divides_heads():
+    cfg = ModelConfig.from_hf(QWEN25_7B)
+    dev = BY_KEY["h100"]
+    lays = layouts(cfg, Cluster(dev, 8, 1, 2.0), W)
+    assert lays
+    for x in lays:
+        assert 28 % x.tp == 0 and x.rollout_gpus % x.tp == 0
+        assert max(x.train_mem, x.rollout_mem) <= dev.memory_gb * 1e9 * 0.9
+        assert x.cost_per_m_tokens > 0
+    # on a single 80 GB GPU a 7B model trains only with its optimizer state offloaded
+    one = layouts(cfg, Cluster(dev, 1, 1, 2.0), Workload(1, 1, 512, 1024, 4))
+    assert one and all(x.offload for x in one)
+
+
+def test_qwen7b_mi300x_vs_h100(qwen, capsys):
+    cfg = ModelConfig.from_file(qwen)
+    mi, why_mi = recommend(cfg, Cluster(BY_KEY["mi300x"], 8, 1, 2.0), W)
+    h, why_h = recommend(cfg, Cluster(BY_KEY["h100"], 8, 1, 2.0), W)
+    assert mi.tp == 1 and mi.colocated and not mi.offload and not mi.checkpointing
+    assert h.tp == 1 and (h.offload or h.checkpointing or not h.colocated)  # 80 GB needs a memory concession
+    assert mi.step_s < h.step_s
+    assert "TP=1" in why_mi and ("offload" in why_h or "checkpointing" in why_h)
+    assert main(["--model", str(qwen), "--gpu", "mi300x", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: colocated" in out and "rollout.tp=1" in out and "cluster.colocate=true" in out
+
+
+def test_cli_errors_and_json(qwen, capsys):
+    assert main(["--model", str(qwen), "--gpu", "tpu9", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "mi300x" in err and "h100" in err and len(err.strip().splitlines()) == 1
+    assert main(["--model", str(qwen), "--gpu", "h200", "--gpus", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"]["tp"] == 1 and data["layouts"]
+
+
+def test_format_plan_cpu_demo():
+    cfg = ModelConfig(vocab_size=15, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
+    text = format_plan(cfg, Cluster(CPU, 1), Workload(8, 8, 64, 64, 32))
+    assert "training memory" in text and "rollout memory" in text and "recommendation" in text
+
+
+@pytest.mark.skipif(os.environ.get("TWINPLANE_SKIP_MEMCHECK") == "1", reason="opted out")
+def test_cpu_estimate_within_25_percent_of_measured_peak():
+    """The demo model's training step and generation, each in a fresh subprocess (peak RSS increase)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.plan_memory_check import check
+
+    for plane in ("train", "rollout"):
+        r = check("demo", plane)
+        assert 0.75 <= r["ratio"] <= 1.25, r
