@@ -14,7 +14,8 @@ REQUIRED = [
     "reward/mean", "reward/std", "reward/accuracy", "rollout/response_length_mean", "rollout/response_length_max",
     "rollout/zero_var_groups", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/grad_norm", "actor/lr",
     "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "actor/logprob_gap", "time/rollout", "time/reward",
-    "time/ref_logprob", "time/old_logprob", "time/train", "time/weight_sync", "time/step",
+    "time/ref_logprob", "time/old_logprob", "time/train", "time/weight_sync", "time/step", "perf/tflops_train",
+    "perf/tflops_rollout", "perf/mfu_train", "perf/mfu_rollout", "mem/peak_gb_rollout", "mem/peak_gb_train",
 ]
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
         "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=20", "train.mini_batches=2",

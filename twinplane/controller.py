@@ -72,7 +72,7 @@ class Controller:
             with timer("weight_sync"):
                 self.sync_weights()
         m = self._metrics(samples, rewards, batch, updates, timer.times) | reward_metrics | multi_turn_metrics(samples)
-        return m | {"reward/accuracy": correct.float().mean().item()}
+        return m | timer.memory | {"reward/accuracy": correct.float().mean().item()}
 
     def sync_weights(self) -> None:
         """Push the trainer's weights to the engine and verify the engine holds exactly them."""

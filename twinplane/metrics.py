@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from twinplane.platform import synchronize
+from twinplane.platform import peak_memory_bytes, reset_peak_memory, synchronize
 
 
 class PhaseTimer:
@@ -19,16 +19,20 @@ class PhaseTimer:
     def __init__(self, device: torch.device, on_enter=None):
         self.device, self.on_enter = device, on_enter  # on_enter(phase): a hook (fault injection in tests)
         self.times: dict[str, float] = {}
+        self.memory: dict[str, float] = {}  # peak memory per phase (device memory on GPU, process RSS on CPU)
 
     @contextmanager
     def __call__(self, phase: str):
         if self.on_enter is not None:
             self.on_enter(phase)
         synchronize(self.device)
+        reset_peak_memory(self.device)
         t0 = time.perf_counter()
         yield
         synchronize(self.device)
         self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
+        if phase != "step":  # the step's peak is the max of its phases
+            self.memory[f"mem/peak_gb_{phase}"] = peak_memory_bytes(self.device) / 1e9
 
 
 class MetricsLog:
