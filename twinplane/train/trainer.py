@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from twinplane.algos import clipped_policy_loss, kl_penalty, token_sum
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import Transformer
+from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.logprobs import response_logprobs, score
 from twinplane.train.optim import build_optimizer
@@ -32,8 +34,11 @@ class Reference:
 
 class Trainer:
     def __init__(self, model: Transformer, train: TrainSection, algo: AlgoSection, temperature: float,
-                 total_steps: int):
+                 total_steps: int, group=None):
+        """`group`: the data-parallel process group when `model` is FSDP-sharded (`twinplane.train.fsdp`) and each
+        rank passes its own rows to `train_step`; token means and metrics are then over the global batch."""
         self.model, self.cfg, self.algo, self.temperature = model, train, algo, temperature
+        self.group = group
         self.opt, self.sched = build_optimizer(
             model.parameters(), train.lr, train.betas, train.weight_decay, train.warmup_steps, total_steps,
             train.schedule, train.min_lr_ratio)
@@ -57,9 +62,12 @@ class Trainer:
         a = self.algo
         self.model.train()
         batch = batch.to(self.device)
-        num_tokens = max(batch.num_response_tokens, 1)  # the global normaliser for every micro-batch
+        num_tokens = batch.num_response_tokens
+        if self.group is not None:
+            num_tokens = int(fsdp.all_reduce(num_tokens, self.group))
+        num_tokens = max(num_tokens, 1)  # the global normaliser for every micro-batch
         sums = dict.fromkeys(("pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"), 0.0)
-        for mb in batch.split(self.cfg.micro_batch_size):
+        for mb, weight in fsdp.micro_batches(batch, self.cfg.micro_batch_size, self.group):
             lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
@@ -76,11 +84,15 @@ class Trainer:
                 loss = loss - a.entropy_coef * token_sum(ent, m, num_tokens)
             if mb.rollout_logprobs is not None:
                 stats["logprob_gap"] = token_sum((lp.detach() - mb.rollout_logprobs).abs(), m, num_tokens)
-            loss.backward()
+            (loss * weight).backward()
             for k, v in stats.items():
-                sums[k] += float(v)
+                sums[k] += weight * float(v)
+        if self.group is not None:
+            sums = {k: fsdp.all_reduce(v, self.group) for k, v in sums.items()}
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         lr = self.sched.get_last_lr()[0]
         self.opt.step()
         self.sched.step()

@@ -1,0 +1,92 @@
+"""Data parallelism: an FSDP2 step on 2 CPU ranks (gloo) equals one process on the same global batch."""
+
+import datetime
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import conftest and test_trainer by name
+from conftest import tiny_model  # noqa: E402
+from test_trainer import make_batch  # noqa: E402
+
+from twinplane.config import AlgoSection, TrainSection  # noqa: E402
+from twinplane.train import Trainer  # noqa: E402
+from twinplane.train.fsdp import full_state_dict, shard_model, split_for_rank  # noqa: E402
+
+ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
+METRICS = ("pg_loss", "kl", "entropy", "clip_frac", "ratio", "logprob_gap", "grad_norm")
+
+
+def trainer(model, clip, group=None):
+    train = TrainSection(micro_batch_size=2, lr=1e-3, grad_clip=clip)
+    tr = Trainer(model, train, ALGO, temperature=1.0, total_steps=10, group=group)
+    tr.opt.zero_grad = lambda set_to_none=True: None  # keep the (clipped) grads to compare: Adam's first step
+    return tr  # is nearly sign(grad), blind to a wrong loss scale
+
+
+def full_grads(model):
+    return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+
+
+def _worker(rank, world, tmp, n, clip):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        batch = make_batch(tiny_model(), n=n)
+        local = split_for_rank(batch, rank, world)
+        model = shard_model(tiny_model())
+        metrics = trainer(model, clip, dist.group.WORLD).train_step(local)
+        state, grads = full_state_dict(model), full_grads(model)
+        if rank == 0:
+            torch.save({"state": state, "grads": grads, "metrics": metrics}, f"{tmp}/dp{world}.pt")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    dist.barrier()  # every rank is done with the others
+    os._exit(0)  # skip interpreter teardown: gloo's threads there intermittently abort ("terminate called ...")
+
+
+def spawn(fn, args, nprocs, timeout=90.0):
+    """Run fn(rank, *args) on nprocs spawned processes; kill them and fail past `timeout` seconds."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"workers still running after {timeout} s")
+
+
+# 5 rows: the ranks hold 3 and 2 and differ in micro-batch count; no clipping there, so the grads' scale shows
+@pytest.mark.parametrize(("n", "clip"), [(6, 1.0), (5, 0.0)])
+def test_dp2_fsdp_step_equals_dp1(tmp_path, n, clip):
+    spawn(_worker, (2, str(tmp_path), n, clip), nprocs=2)
+    got = torch.load(tmp_path / "dp2.pt")
+
+    batch = make_batch(tiny_model(), n=n)
+    assert len({int(r.sum()) for r in batch.response_mask}) > 1  # unequal lengths: the global normaliser matters
+    model = tiny_model()
+    want = trainer(model, clip).train_step(batch)
+    diffs = {name: float((got["state"][name] - p.detach()).abs().max()) for name, p in model.named_parameters()}
+    assert set(got["state"]) == set(diffs)
+    assert max(diffs.values()) < 1e-5, diffs
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    for k in METRICS:
+        assert abs(got["metrics"][f"actor/{k}"] - want[f"actor/{k}"]) < 1e-5, k
+
+
+def test_split_for_rank_covers_the_batch_balanced():
+    batch = make_batch(tiny_model(), n=7)
+    parts = [split_for_rank(batch, r, 3) for r in range(3)]
+    assert sorted(len(p) for p in parts) == [2, 2, 3]
+    assert sum(p.num_response_tokens for p in parts) == batch.num_response_tokens
+    rows = sorted(tuple(x for x in row.tolist() if x) for p in parts for row in p.input_ids)
+    assert rows == sorted(tuple(x for x in row.tolist() if x) for row in batch.input_ids)

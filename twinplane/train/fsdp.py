@@ -1,0 +1,76 @@
+"""Data parallelism for the training plane: FSDP2 sharding, the per-rank share of a batch, full-weight gathering.
+
+Each rank trains on its rows of the global batch; `Trainer(..., group=...)` normalises every rank's loss by the
+*global* response-token count and FSDP reduces gradients by SUM (not its default mean over ranks), so the sharded
+step takes the same gradient as one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from twinplane.model import Transformer
+from twinplane.train.batch import Batch
+
+
+def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True) -> Transformer:
+    """FSDP2 in place: one unit per decoder block, then the root (embedding, final norm, LM head, so tied
+    embeddings stay one parameter). On GPU the default policy computes in bf16 over fp32 master weights; on CPU
+    everything stays fp32. `mesh` None is the default process group."""
+    if mp_policy is None:
+        on_gpu = model.output_weight().device.type == "cuda"
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu \
+            else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # the loss is already a global token mean: sum the ranks' gradients
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no AVG/PREMUL_SUM
+    return model
+
+
+def split_for_rank(batch: Batch, rank: int, world: int) -> Batch:
+    """This rank's rows: sequences dealt longest first to the rank with the fewest tokens so far, each rank
+    holding len(batch) // world or one more rows (so micro-batch counts match as closely as possible)."""
+    if len(batch) < world:
+        raise ValueError(f"batch of {len(batch)} rows cannot feed {world} ranks")
+    lengths = batch.attention_mask.sum(1).tolist()
+    cap = [len(batch) // world + (r < len(batch) % world) for r in range(world)]
+    tokens, rows = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(batch)), key=lambda i: (-lengths[i], i)):
+        r = min((r for r in range(world) if len(rows[r]) < cap[r]), key=lambda r: (tokens[r], r))
+        tokens[r] += lengths[i]
+        rows[r].append(i)
+    return batch.select(torch.tensor(sorted(rows[rank])))
+
+
+def all_reduce(x: float | int, group=None, op=dist.ReduceOp.SUM) -> float:
+    t = torch.tensor(float(x), dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=group)
+    return float(t)
+
+
+def micro_batches(batch: Batch, size: int, group=None) -> list[tuple[Batch, float]]:
+    """(micro-batch, loss weight) pairs, as many on every rank: FSDP runs collectives in each forward and backward,
+    so a rank with fewer micro-batches repeats its first row with weight 0 rather than leave the others waiting."""
+    mbs = [(mb, 1.0) for mb in batch.split(size)]
+    if group is not None:
+        n = int(all_reduce(len(mbs), group, dist.ReduceOp.MAX))
+        mbs += [(batch.select(slice(0, 1)), 0.0)] * (n - len(mbs))
+    return mbs
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors by parameter name, the Hugging Face names FSDP2 keeps: for weight sync and
+    checkpoints. A collective: every rank must call it."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = t.full_tensor() if isinstance(t, DTensor) else t
+    return out
