@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from twinplane.data.formatting import filter_by_length
 from twinplane.tokenizer import Tokenizer
 
 
@@ -18,13 +19,8 @@ class Prompt:
 def encode_prompts(items: Sequence, format_fn: Callable[[object], str], tokenizer: Tokenizer,
                    max_prompt_tokens: int) -> tuple[list[Prompt], int]:
     """Format and tokenise records (anything with `.answer`); prompts longer than `max_prompt_tokens` are
-    dropped and counted, never truncated (a truncated question has a different answer)."""
-    out, dropped = [], 0
-    for item in items:
-        text = format_fn(item)
-        ids = tokenizer.encode(text)
-        if len(ids) > max_prompt_tokens:
-            dropped += 1
-            continue
-        out.append(Prompt(ids, item.answer, text))
-    return out, dropped
+    dropped and counted (`filter_by_length`), never truncated."""
+    texts = [format_fn(item) for item in items]
+    ids = [tokenizer.encode(t) for t in texts]
+    kept, dropped = filter_by_length(ids, max_prompt_tokens)
+    return [Prompt(ids[i], items[i].answer, texts[i]) for i in kept], dropped
