@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class RolloutSection:
     max_num_seqs: int = 512  # sequences decoded together
     tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
     max_turns: int = 1  # model turns per sample when tools are on
+    tp: int = 1  # tensor-parallel size of one engine (1 in this version: engines are data parallel)
 
 
 @dataclass
@@ -98,6 +100,9 @@ class TrainSection:
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     micro_batch_size: int = 128  # sequences per forward/backward; accumulation never changes the result
     mini_batches: int = 1  # optimizer steps per rollout batch (>1 makes the PPO clip matter)
+    max_tokens_per_micro_batch: int = 0  # dynamic micro-batches: at most this many (padded) tokens each; 0 = off
+    activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, ~30% more compute
+    optimizer_offload: bool = False  # keep AdamW state in host memory between updates (frees device memory)
 
 
 @dataclass
@@ -110,6 +115,7 @@ class AlgoSection:
     kl_estimator: str = "k3"  # k1 | k2 | k3 (low_var_kl)
     entropy_coef: float = 0.0  # entropy bonus weight
     recompute_old_logprobs: bool = False  # score old log-probs with the trainer instead of using the engine's
+    tis_cap: float = 2.0  # cluster.async: truncated importance-sampling cap on pi_old / pi_rollout per token
 
 
 @dataclass
@@ -136,6 +142,19 @@ class LogSection:
 
 
 @dataclass
+class ClusterSection:
+    backend: str = "local"  # local (one process) | ray (training ranks and rollout engines as Ray actors)
+    address: str | None = None  # Ray cluster to join ("auto" after `ray start`); unset = start a local one
+    train_devices: int = 1  # training ranks (FSDP2 data parallel), one device each
+    rollout_devices: int = 1  # rollout engines (data parallel), one device each; = train_devices when colocated
+    colocate: bool = False  # true: each training rank also hosts an engine and time-shares its device
+    async_: bool = False  # (key cluster.async) roll out step k+1 while step k trains: one-step off-policy
+    timeout_s: float = 600.0  # collectives and worker calls; a worker silent this long stops the run
+    sync_bucket_mb: int = 256  # weight-sync bucket size (MB of engine-dtype weights per broadcast)
+    cpus_per_worker: int = 1  # Ray CPUs per worker (and its torch threads)
+
+
+@dataclass
 class Config:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N (ROCm GPUs are "cuda" too)
@@ -152,6 +171,7 @@ class Config:
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     def validate(self) -> None:
         checks = [
@@ -193,18 +213,42 @@ class Config:
              "must be float32, bfloat16 or float16"),
             (self.model.rollout_dtype in (None, "float32", "bfloat16", "float16"), "model.rollout_dtype",
              "must be float32, bfloat16 or float16"),
+            (self.train.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch", "must be >= 0"),
+            (self.rollout.tp == 1, "rollout.tp", "must be 1 (tensor-parallel engines are not in this version)"),
+            (self.algo.tis_cap >= 1, "algo.tis_cap", "must be >= 1"),
+            (self.cluster.backend in ("local", "ray"), "cluster.backend", "must be local or ray"),
+            (self.cluster.train_devices >= 1 and self.cluster.rollout_devices >= 1, "cluster",
+             "needs train_devices >= 1 and rollout_devices >= 1"),
+            (self.cluster.backend == "ray" or (self.cluster.train_devices, self.cluster.rollout_devices) == (1, 1),
+             "cluster.backend", "must be ray for more than one training rank or engine"),
+            (not self.cluster.colocate or self.cluster.rollout_devices in (1, self.cluster.train_devices),
+             "cluster.rollout_devices", "must equal cluster.train_devices when colocated (one engine per rank)"),
+            (self.cluster.timeout_s > 0 and self.cluster.sync_bucket_mb >= 1 and self.cluster.cpus_per_worker >= 1,
+             "cluster", "needs timeout_s > 0, sync_bucket_mb >= 1 and cpus_per_worker >= 1"),
+            (self.rollout.prompts_per_step * self.rollout.n >= self.cluster.train_devices, "cluster.train_devices",
+             "must be <= rollout.prompts_per_step * rollout.n (every rank needs a sample)"),
+            (not (self.cluster.async_ and self.rollout.tools), "cluster.async", "does not support rollout.tools yet"),
         ]
         for ok, key, msg in checks:
             if not ok:
                 raise ConfigError(f"{key}: {msg}, got {_get(self, key)!r}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self, dict_factory=lambda kv: {_key(k): v for k, v in kv})
+
+
+def _attr(key: str) -> str:
+    """The dataclass field behind a config key: Python keywords (`async`) get a trailing underscore."""
+    return key + "_" if keyword.iskeyword(key) else key
+
+
+def _key(name: str) -> str:
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
 
 
 def _get(cfg, dotted: str):
     for part in dotted.split("."):
-        cfg = getattr(cfg, part)
+        cfg = getattr(cfg, _attr(part))
     return cfg
 
 
@@ -212,7 +256,7 @@ def _all_keys(cls, prefix="") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
         t = typing.get_type_hints(cls)[f.name]
-        keys += _all_keys(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else [prefix + f.name]
+        keys += _all_keys(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else [prefix + _key(f.name)]
     return keys
 
 
@@ -262,7 +306,7 @@ def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
-        full = prefix + str(key)
+        full, key = prefix + str(key), _attr(str(key))
         if key not in hints:
             close = difflib.get_close_matches(full, _all_keys(Config), n=1, cutoff=0.5)
             hint = f" (did you mean {close[0]}?)" if close else ""
@@ -317,7 +361,7 @@ def config_help() -> str:
         section, _, leaf = name.rpartition(".")
         cls = typing.get_type_hints(Config)[section] if section else Config
         src = inspect.getsource(cls).splitlines()
-        comment = next((s.split("#", 1)[1].strip() for s in src if s.strip().startswith(f"{leaf}:") and "#" in s), "")
+        comment = next((s.split("#", 1)[1].strip() for s in src if s.strip().startswith(f"{_attr(leaf)}:") and "#" in s), "")
         default = _get(Config(), name)
         lines.append(f"  {name} = {default!r}" + (f"  # {comment}" if comment else ""))
     return "\n".join(lines)
