@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from twinplane.cluster import build_rollout
 from twinplane.config import ConfigError, config_help, load_config
 from twinplane.rollout import RolloutEngine
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = RolloutEngine(setup.model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id,
                                cfg.rollout.max_num_seqs, seed=cfg.seed)
-        result = run.run_eval(setup, run.build_rollout(cfg, engine, setup.tokenizer), ns.n, ns.temperature)
+        result = run.run_eval(setup, build_rollout(cfg, engine, setup.tokenizer), ns.n, ns.temperature)
     finally:
         setup.scorer.close()
     result = {"model": ns.model, "data": ns.data, "reward": ns.reward, "prompts": len(setup.val_prompts), **result}

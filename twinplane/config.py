@@ -361,7 +361,8 @@ def config_help() -> str:
         section, _, leaf = name.rpartition(".")
         cls = typing.get_type_hints(Config)[section] if section else Config
         src = inspect.getsource(cls).splitlines()
-        comment = next((s.split("#", 1)[1].strip() for s in src if s.strip().startswith(f"{_attr(leaf)}:") and "#" in s), "")
+        field_line = f"{_attr(leaf)}:"
+        comment = next((s.split("#", 1)[1].strip() for s in src if s.strip().startswith(field_line) and "#" in s), "")
         default = _get(Config(), name)
         lines.append(f"  {name} = {default!r}" + (f"  # {comment}" if comment else ""))
     return "\n".join(lines)

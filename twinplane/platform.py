@@ -54,6 +54,20 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def worker_device(name: str | None, assigned_gpus: list[int] | None = None) -> torch.device:
+    """The device of a Ray worker that was given `assigned_gpus` (Ray's ids). Ray normally restricts each actor's
+    visible devices (CUDA_VISIBLE_DEVICES; ROCR/HIP_VISIBLE_DEVICES on AMD) to its own, which torch then calls
+    cuda:0; with Ray's RAY_EXPERIMENTAL_NOSET_* set for this vendor every device stays visible and the id is the
+    index."""
+    dev = resolve_device(name)
+    if dev.type != "cuda" or not assigned_gpus:
+        return dev
+    noset = any(os.environ.get(k) == "1" for k in RAY_NOSET_ENV.get(vendor(), ()))
+    dev = torch.device("cuda", int(assigned_gpus[0]) if noset else 0)
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def dist_backend(device: torch.device) -> str:
     # torch's ROCm build implements RCCL under the "nccl" name.
     return "nccl" if device.type == "cuda" else "gloo"
@@ -75,6 +89,12 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels so phase timers measure work, not launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Return cached allocator blocks to the device (a colocated engine's KV cache, before training runs)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def reset_peak_memory(device: torch.device) -> None:

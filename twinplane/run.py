@@ -19,19 +19,19 @@ import yaml
 from rich.console import Console
 
 from twinplane import checkpoint, platform, run_state
+from twinplane.cluster import WorkerError, build_planes
 from twinplane.config import Config, ConfigError
 from twinplane.controller import Controller
 from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_records
 from twinplane.evaluation import evaluate
 from twinplane.loggers import build_loggers, check_backends
 from twinplane.metrics import MetricsLog, progress_line
-from twinplane.model import ModelConfig, Transformer, load_model, save_pretrained
+from twinplane.model import ModelConfig, Transformer, load_model, load_weights, save_pretrained
 from twinplane.prompts import Prompt, encode_prompts
 from twinplane.rewards.runner import RewardRunner
-from twinplane.rollout import MultiTurnRollout, RolloutEngine, SamplingParams, build_tools
+from twinplane.rollout import SamplingParams
 from twinplane.tasks import ALPHABET, ArithmeticTask
 from twinplane.tokenizer import Tokenizer, build_char_tokenizer, load_tokenizer
-from twinplane.train import Reference, Trainer
 from twinplane.train.sft import warm_start
 
 
@@ -151,12 +151,6 @@ def prepare(cfg: Config, resume: str | None = None) -> Setup:
     return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats, run_dir, resume_from)
 
 
-def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
-    if not cfg.rollout.tools:
-        return engine
-    return MultiTurnRollout(engine, tokenizer, build_tools(cfg.rollout.tools), cfg.rollout.max_turns)
-
-
 def run_eval(s: Setup, rollout, n: int = 1, temperature: float = 0.0) -> dict[str, float]:
     return evaluate(rollout, s.tokenizer, s.val_prompts, s.scorer, s.cfg.rollout.max_new_tokens, n, temperature,
                     s.cfg.seed)
@@ -169,13 +163,18 @@ class Preempted(Exception):
     pass
 
 
-def fault_hook(spec: str | None):
+def fault_hook(spec: str | None, planes=None):
     """TWINPLANE_FAULT="phase@step[xN],..." sends this process N (default 1) SIGTERMs when `phase` starts at
     `step` (rollout, reward, train, weight_sync, checkpoint, ...): deterministic preemption points for tests.
+    "kill:WORKER@phase@step" instead kills a cluster worker (e.g. kill:rollout engine 0@rollout@2).
     With TWINPLANE_FAULT_ONCE=FILE a fault fires only if FILE does not exist yet (and creates it), so a
     relaunched run is not preempted again at the same point."""
-    points = {}
+    points, kills = {}, {}
     for p in filter(None, (spec or "").split(",")):
+        if p.startswith("kill:"):
+            worker, phase, at = p[5:].split("@")
+            kills[(phase, at)] = worker
+            continue
         where, _, count = p.partition("x")
         points[tuple(where.split("@"))] = int(count or 1)
     current = {"step": 0}
@@ -183,6 +182,9 @@ def fault_hook(spec: str | None):
     once = os.environ.get("TWINPLANE_FAULT_ONCE")
 
     def hook(phase: str) -> None:
+        worker = kills.get((phase, str(current["step"])))
+        if worker is not None and planes is not None:
+            planes.kill(worker)
         count = points.get((phase, str(current["step"])), 0)
         if count and once:
             if os.path.exists(once):
@@ -221,29 +223,29 @@ def train(s: Setup, console: Console | None = None) -> dict:
                       f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
 
     r = cfg.rollout
-    engine = RolloutEngine(copy.deepcopy(model).to(rollout_dtype), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                           r.max_num_seqs, seed=cfg.seed)
-    rollout = build_rollout(cfg, engine, tokenizer)
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
-    trainer = Trainer(model, cfg.train, cfg.algo, r.temperature, cfg.train.steps * cfg.train.mini_batches)
-    # Built before a restore, so without a warm start the reference is the unchanged source (a pointer);
-    # after a warm start its weights are in the checkpoint.
-    reference = Reference(copy.deepcopy(model), r.temperature, cfg.train.micro_batch_size) \
-        if cfg.algo.kl_coef > 0 else None
-    hook, fault_step = fault_hook(os.environ.get("TWINPLANE_FAULT"))
-    controller = Controller(engine, trainer, reference, s.scorer, tokenizer, sampling, cfg.train.mini_batches,
-                            cfg.algo.recompute_old_logprobs or rollout_dtype != dtype, cfg.algo.norm_adv_by_std,
-                            rollout=rollout, on_phase=hook, peak_flops=platform.detect().peak_flops)
+    # Taken before a restore, so without a warm start the reference is the unchanged source; after a warm start
+    # its weights are in the checkpoint.
+    reference = copy.deepcopy(model) if cfg.algo.kl_coef > 0 else None
     stream = PromptStream(s.train_prompts, cfg.seed)
     summary: dict = {"heldout_size": len(s.val_prompts)}
     phase_sums: dict[str, float] = {}
-    start = 1
+    start, state = 1, None
     if s.resume_from is not None:
-        state = run_state.restore(s.resume_from, policy=model, reference=reference and reference.model,
-                                  trainer=trainer, engine=engine, stream=stream)
-        controller.version = engine.weight_version
+        state = run_state.restore(s.resume_from, policy=model, reference=reference, stream=stream)
         start, summary, phase_sums = state["step"] + 1, state["summary"], state["phase_sums"]
+    planes = build_planes(cfg, model, reference, tokenizer, log=console.print)
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
+    hook, fault_step = fault_hook(os.environ.get("TWINPLANE_FAULT"), planes)
+    controller = Controller(planes.engine, planes.trainer, planes.reference, s.scorer, tokenizer, sampling,
+                            cfg.train.mini_batches, cfg.algo.recompute_old_logprobs or rollout_dtype != dtype,
+                            cfg.algo.norm_adv_by_std, rollout=planes.rollout, on_phase=hook,
+                            peak_flops=platform.detect().peak_flops, sync=planes.sync, async_=cfg.cluster.async_,
+                            devices=(planes.train_devices, planes.rollout_devices))
+    if state is not None:
+        planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"], state["weight_version"])
+        controller.version = state["weight_version"]
+        controller.load_pending(state.get("pending"))
         console.print(f"resumed from {s.resume_from} (step {state['step']})")
     log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
     sinks = build_loggers(cfg.log.backends, run_dir, cfg.to_dict(), cfg.log.wandb_project, cfg.log.wandb_mode)
@@ -254,7 +256,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
             sink.log(step, metrics)
 
     def validate(step: int) -> dict:
-        ev = {f"val/{k}": v for k, v in run_eval(s, rollout, cfg.eval.n, cfg.eval.temperature).items()}
+        ev = {f"val/{k}": v for k, v in run_eval(s, planes.rollout, cfg.eval.n, cfg.eval.temperature).items()}
         console.print(f"validation at step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()),
                       highlight=False, soft_wrap=True)
         return ev
@@ -263,14 +265,20 @@ def train(s: Setup, console: Console | None = None) -> dict:
         last = step == cfg.train.steps and cfg.eval.after
         return bool(s.val_prompts) and (last or (cfg.eval.every > 0 and step % cfg.eval.every == 0))
 
+    def pull_policy() -> dict:
+        planes_state = planes.state()
+        if planes_state["policy"] is not None:  # the trainer is elsewhere: bring its weights into `model`
+            load_weights(model, planes_state["policy"].items())
+        return planes_state
+
     def save_checkpoint(step: int) -> None:
         t0 = time.perf_counter()
-        extra = {"summary": summary, "phase_sums": phase_sums}
-        ref = reference.model if reference is not None and warm else None
+        planes_state = pull_policy()
+        extra = {"summary": summary, "phase_sums": phase_sums, "pending": controller.pending_state()}
         path = checkpoint.save(run_dir, step, lambda out: run_state.write(
             out, config=cfg.to_dict(), policy=model, save_policy_extras=lambda m, d: save_hf_folder(m, tokenizer, d),
-            reference=ref, trainer=trainer, engine=engine, stream=stream, step=step, extra=extra),
-            cfg.checkpoint.keep, before_manifest=lambda: hook("checkpoint"))
+            reference=reference if warm else None, planes_state=planes_state, stream=stream, step=step,
+            extra=extra), cfg.checkpoint.keep, before_manifest=lambda: hook("checkpoint"))
         console.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
 
     signals = {"count": 0, "first": 0.0}
@@ -293,7 +301,10 @@ def train(s: Setup, console: Console | None = None) -> dict:
             summary["warmstart_accuracy"] = ev["val/accuracy"]
         for step in range(start, cfg.train.steps + 1):
             fault_step["step"] = step
-            m = controller.step(stream.next_batch(r.prompts_per_step))
+            prompts = controller.pending[0] if controller.pending else stream.next_batch(r.prompts_per_step)
+            upcoming = stream.next_batch(r.prompts_per_step) if cfg.cluster.async_ and step < cfg.train.steps \
+                else None
+            m = controller.step(prompts, upcoming)
             for k, v in m.items():
                 if k.startswith("time/"):
                     phase_sums[k] = phase_sums.get(k, 0.0) + v
@@ -311,7 +322,14 @@ def train(s: Setup, console: Console | None = None) -> dict:
                 raise Preempted(f"preempted at step {step}; resume with --resume auto")
         if cfg.eval.after and s.val_prompts and cfg.train.steps == 0:
             summary["final_accuracy"] = validate(0)["val/accuracy"]
+        if cfg.cluster.backend != "local":
+            pull_policy()
+    except WorkerError as e:
+        done = checkpoint.list_checkpoints(run_dir)
+        last = f"last complete checkpoint {done[-1]} (continue with --resume auto)" if done else "no checkpoint yet"
+        raise WorkerError(f"{e}; {last}") from None
     finally:
+        planes.close()
         log.close()
         for sink in sinks:
             sink.close()

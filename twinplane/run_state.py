@@ -61,18 +61,19 @@ def _set_rng_state(tensors: dict, plain: dict) -> None:
 
 
 def write(out: Path, *, config: dict, policy: Transformer, save_policy_extras, reference: Transformer | None,
-          trainer, engine, stream, step: int, extra: dict) -> None:
-    """Fill a checkpoint folder (see `twinplane.checkpoint` for the layout)."""
+          planes_state: dict, stream, step: int, extra: dict) -> None:
+    """Fill a checkpoint folder (see `twinplane.checkpoint` for the layout). `planes_state` is `Planes.state()`:
+    optimizer state by parameter name with full tensors (loadable on any rank count), scheduler, engine RNGs."""
     save_policy_extras(policy, out / "model")  # HF folder: weights, config, tokenizer, generation config
     if reference is not None:
         save_file({n: p.detach().contiguous().cpu() for n, p in reference.named_parameters()},
                   out / "reference.safetensors")
-    torch.save(trainer.opt.state_dict(), out / "optimizer.pt")
+    torch.save(planes_state["optimizer"], out / "optimizer.pt")
     tensors, plain = _rng_state()
-    tensors["engine"] = engine.generator.get_state()
+    tensors |= {f"engine_{i}": g for i, g in enumerate(planes_state["engine_rng"])}
     save_file(tensors, out / "rng.safetensors")
-    state = {"step": step, "scheduler": trainer.sched.state_dict(), "stream": stream.state_dict(),
-             "weight_version": engine.weight_version, "rng": plain, **extra}
+    state = {"step": step, "scheduler": planes_state["scheduler"], "stream": stream.state_dict(),
+             "weight_version": planes_state["weight_version"], "rng": plain, **extra}
     (out / "state.json").write_text(json.dumps(state))
     (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -81,23 +82,17 @@ def read_config(ckpt: Path) -> dict:
     return yaml.safe_load((ckpt / "config.yaml").read_text())
 
 
-def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, trainer, engine, stream) -> dict:
-    """Load a checkpoint into freshly built objects (on any device); returns state.json's contents."""
+def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:
+    """Load a checkpoint's weights into freshly built models (on any device), the data cursor and the process
+    RNGs; returns state.json's contents plus `optimizer` and `engine_rng`, for `Planes.load_state`."""
     state = json.loads((ckpt / "state.json").read_text())
     load_weights(policy, iter_safetensors(ckpt / "model"))
     if reference is not None and (ckpt / "reference.safetensors").exists():
         load_weights(reference, load_file(ckpt / "reference.safetensors").items())
-    engine.load_weights(policy.named_parameters(), version=state["weight_version"])
-    opt_state = torch.load(ckpt / "optimizer.pt", map_location=trainer.device, weights_only=True)
-    trainer.opt.load_state_dict(opt_state)
-    trainer.sched.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["stream"])
     tensors = load_file(ckpt / "rng.safetensors")
-    gen = tensors.pop("engine")
-    if gen.numel() == engine.generator.get_state().numel():
-        engine.generator.set_state(gen)
-    else:  # saved on another device type (CPU and CUDA generators differ): continue, but not bitwise
-        engine.generator.manual_seed(int(state["step"]) * 1_000_003 + int(gen.sum()))
+    engines = sorted((k for k in tensors if k.startswith("engine_")), key=lambda k: int(k.split("_")[1]))
+    state["engine_rng"] = [tensors.pop(k) for k in engines]
     _set_rng_state(tensors, state["rng"])
+    state["optimizer"] = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
     return state
-

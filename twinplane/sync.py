@@ -1,9 +1,15 @@
-"""Weight-sync verification: a position-sensitive checksum of a model's tensors, computed on their device."""
+"""Weight sync: a position-sensitive checksum of a model's tensors (computed on their device), and the bucketed
+broadcast that moves full weights from training rank 0 to rollout engines over a torch.distributed group.
+
+Both ends derive the same bucket plan from the same (name, shape) list, so only the flat buffers travel.
+"""
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -33,8 +39,71 @@ def tensor_checksum(t: torch.Tensor) -> int:
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> int:
     """Checksum of (name, tensor) pairs in name order; `dtype` casts first, to compare against a
     copy held in another precision (e.g. a bf16 engine fed from fp32 master weights)."""
+    return combine_checksums({name: tensor_checksum(t if dtype is None else t.to(dtype)) for name, t in named})
+
+
+def combine_checksums(per_tensor: dict[str, int]) -> int:
+    """The model checksum from per-tensor checksums (so a sender can checksum each bucket as it goes)."""
     total = 0
-    for name, t in sorted(named, key=lambda kv: kv[0]):
-        t = t if dtype is None else t.to(dtype)
-        total = (total * 1_000_003 + zlib.crc32(name.encode()) + tensor_checksum(t)) % _MOD
+    for name in sorted(per_tensor):
+        total = (total * 1_000_003 + zlib.crc32(name.encode()) + per_tensor[name]) % _MOD
     return total
+
+
+Shapes = list[tuple[str, torch.Size]]
+
+
+def bucket_plan(shapes: Shapes, element_size: int, bucket_bytes: int) -> list[Shapes]:
+    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    buckets: list[Shapes] = [[]]
+    used = 0
+    for name, shape in shapes:
+        size = shape.numel() * element_size
+        if buckets[-1] and used + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append((name, shape))
+        used += size
+    return [b for b in buckets if b]
+
+
+def broadcast_bucket(tensors: list[torch.Tensor] | None, bucket: Shapes, dtype: torch.dtype, device: torch.device,
+                     src: int, group) -> list[tuple[str, torch.Tensor]]:
+    """One bucket from global rank `src` to every rank of `group`: the sender passes `tensors` (in bucket order,
+    already in `dtype`), receivers pass None. Returns the bucket's (name, tensor) views of the flat buffer."""
+    import torch.distributed as dist
+
+    if tensors is not None:
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    else:
+        flat = torch.empty(sum(s.numel() for _, s in bucket), dtype=dtype, device=device)
+    dist.broadcast(flat, src=src, group=group)
+    out, offset = [], 0
+    for name, shape in bucket:
+        out.append((name, flat[offset:offset + shape.numel()].view(shape)))
+        offset += shape.numel()
+    return out
+
+
+@dataclass
+class SyncReport:
+    """One weight sync: the trainer's checksum of what it sent, each engine's checksum of what it holds after."""
+    version: int
+    expected: int
+    checksums: dict[str, int]  # engine name -> checksum
+    bytes: int  # payload: the model in the engine dtype (per engine)
+    seconds: float  # the sender's time for gather + transfer
+
+    def mismatched(self) -> list[str]:
+        return [name for name, c in self.checksums.items() if c != self.expected]
+
+
+def sync_in_process(engine, trainer, version: int) -> SyncReport:
+    """Colocated in one process: the engine copies the trainer's tensors directly."""
+    t0 = time.perf_counter()
+    engine.load_weights(trainer.named_weights(), version=version)
+    seconds = time.perf_counter() - t0
+    named = list(trainer.named_weights())
+    payload = sum(t.numel() for _, t in named) * engine.dtype.itemsize
+    return SyncReport(version, weights_checksum(named, dtype=engine.dtype), {"engine 0": engine.checksum()},
+                      payload, seconds)

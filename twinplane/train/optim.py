@@ -31,3 +31,38 @@ def build_optimizer(params, lr: float, betas, weight_decay: float, warmup_steps:
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=tuple(betas))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, total_steps, schedule, min_ratio))
     return opt, sched
+
+
+def named_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """AdamW state keyed by parameter name with full (unsharded) CPU tensors, so a checkpoint loads on any rank
+    count or device. A collective when `model` is FSDP-sharded: every rank must call it."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for name, p in model.named_parameters():
+        if p in opt.state:
+            state[name] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                           if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_named_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict) -> None:
+    """Inverse of `named_optimizer_state`: each rank keeps its shard of every full tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(model.named_parameters())
+    unknown = sorted(set(saved["state"]) - set(params))
+    if unknown:
+        raise ValueError(f"optimizer state names parameters this model does not have: {unknown[:3]}")
+    for name, st in saved["state"].items():
+        p = params[name]
+        out = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and k != "step":
+                v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements) if isinstance(p, DTensor) \
+                    else v.to(p.device)
+            out[k] = v
+        opt.state[p] = out
+    for group, g in zip(opt.param_groups, saved["param_groups"], strict=True):
+        group.update(g)

@@ -1,0 +1,29 @@
+"""Where the planes run: this process (`cluster.backend=local`) or Ray actors across devices and nodes."""
+
+from __future__ import annotations
+
+from twinplane.cluster.planes import LocalPlanes, WorkerError, build_rollout
+from twinplane.config import Config, ConfigError
+from twinplane.model import Transformer
+from twinplane.tokenizer import Tokenizer
+
+
+def build_planes(cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer, log=print):
+    """`model` and `reference` hold the starting weights (after any warm start or restore)."""
+    total_steps = cfg.train.steps * cfg.train.mini_batches
+    tis_cap = cfg.algo.tis_cap if cfg.cluster.async_ else None
+    if cfg.cluster.backend == "local":
+        return LocalPlanes(cfg, model, reference, tokenizer, total_steps, tis_cap)
+    try:
+        from twinplane.cluster.ray_planes import RayPlanes
+    except ImportError as e:
+        raise ConfigError(f"cluster.backend=ray needs Ray ({e}): pip install 'twinplane[cluster]'") from None
+
+    def cpu_state(m: Transformer) -> dict:
+        return {n: p.detach().cpu() for n, p in m.named_parameters()}
+
+    return RayPlanes(cfg, model.config, tokenizer, cpu_state(model), reference and cpu_state(reference),
+                     total_steps, tis_cap, log)
+
+
+__all__ = ["LocalPlanes", "WorkerError", "build_planes", "build_rollout"]

@@ -1,0 +1,237 @@
+"""Both planes as Ray actors: training ranks (FSDP2) and rollout engines, placed by a Ray placement group.
+
+Disaggregated (`cluster.colocate=false`): N training actors + M engine actors, one device each; weights go from
+training rank 0 to the engines by bucketed broadcast over a torch.distributed group. Colocated: N training actors,
+each also running an engine on its device (time-shared: the KV cache is freed after each rollout), loaded
+in-process. Every call waits at most `cluster.timeout_s`; a dead or silent worker raises `WorkerError` naming it,
+and `close()` kills the actors, removes the placement group and stops a Ray instance this process started.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from twinplane import platform
+from twinplane.cluster.planes import WorkerError
+from twinplane.cluster.workers import RolloutWorker, TrainWorker, WorkerSpec
+from twinplane.config import Config
+from twinplane.model import ModelConfig
+from twinplane.rollout import SamplingParams
+from twinplane.sync import SyncReport
+from twinplane.tokenizer import Tokenizer
+from twinplane.train import Batch
+from twinplane.train.balance import assign_rows
+
+
+def _actor_class(cls):
+    class Actor(cls):  # Ray scopes each actor's visible GPUs; the worker learns its ids here
+        def __init__(self, spec: WorkerSpec, rank: int):
+            super().__init__(spec, rank, [int(g) for g in ray.get_gpu_ids()])
+
+    Actor.__name__ = Actor.__qualname__ = cls.__name__
+    return ray.remote(max_restarts=0)(Actor)
+
+
+class RayPlanes:
+    def __init__(self, cfg: Config, model_config: ModelConfig, tokenizer: Tokenizer, policy: dict[str, torch.Tensor],
+                 reference: dict[str, torch.Tensor] | None, total_steps: int, tis_cap: float | None, log=print):
+        c = cfg.cluster
+        self.cfg, self.timeout = cfg, c.timeout_s
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
+        self.pg, self.actors = None, {}
+        try:
+            self._start(cfg, model_config, tokenizer, policy, reference, total_steps, tis_cap, log)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg, model_config, tokenizer, policy, reference, total_steps, tis_cap, log) -> None:
+        c = cfg.cluster
+        spec = WorkerSpec(cfg, model_config, tokenizer, total_steps, tis_cap)
+        self.train_devices, self.rollout_devices = spec.num_train, spec.num_engines
+        use_gpu = cfg.device != "cpu" and (cfg.device != "auto" or ray.cluster_resources().get("GPU", 0) > 0)
+        bundle = {"CPU": c.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
+        self.pg = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.timeout)
+        if not ready:
+            raise WorkerError(f"cluster: could not place {spec.world_size} workers of {bundle} within "
+                              f"{self.timeout:.0f} s (cluster.timeout_s); the Ray cluster has "
+                              f"{ray.cluster_resources()}")
+
+        def make(cls, rank: int):
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+            return _actor_class(cls).options(num_cpus=c.cpus_per_worker, num_gpus=1 if use_gpu else 0,
+                                             scheduling_strategy=strategy).remote(spec, rank)
+
+        engine_label = " (and engine {})" if c.colocate else ""
+        self.trainers = [make(TrainWorker, r) for r in range(spec.num_train)]
+        self.actors = {f"training rank {r}" + engine_label.format(r): a for r, a in enumerate(self.trainers)}
+        self.engines = self.trainers if c.colocate else \
+            [make(RolloutWorker, spec.num_train + i) for i in range(spec.num_engines)]
+        if not c.colocate:
+            self.actors |= {f"rollout engine {i}": a for i, a in enumerate(self.engines)}
+        self.names = {id(a): n for n, a in self.actors.items()}
+        where = self._wait([(a, a.address.remote()) for a in self.actors.values()], "start")
+        pids = self._wait([(a, a.pid.remote()) for a in self.actors.values()], "start")
+        self.names = {id(a): f"{n} (pid {pid} on {host})"
+                      for (n, a), (host, _), pid in zip(self.actors.items(), where, pids, strict=True)}
+        addr, port = where[0]
+        policy_ref = ray.put(policy)
+        ref_ref = ray.put(reference) if reference is not None else None
+        calls = [(t, t.setup.remote(addr, port, policy_ref, ref_ref)) for t in self.trainers]
+        if not c.colocate:
+            calls += [(e, e.setup.remote(addr, port, policy_ref, i)) for i, e in enumerate(self.engines)]
+        self._wait(calls, "setup")
+        self.engine_names = [self._name(e) for e in self.engines]
+        self.trainer = _TrainerProxy(self, model_config)
+        self.reference = _ReferenceProxy(self) if reference is not None else None
+        self.engine = self.rollout = _EngineProxy(self, platform.resolve_dtype(cfg.model.rollout_dtype
+                                                                               or cfg.model.dtype))
+        log(f"ray: {spec.num_train} training rank(s) + {spec.num_engines} engine(s) "
+            f"{'colocated' if c.colocate else 'disaggregated'}, {bundle} each, on {len(ray.nodes())} node(s)")
+
+    # --- calls ------------------------------------------------------------------------------------------------
+    def _name(self, actor) -> str:
+        return self.names.get(id(actor), "a worker")
+
+    def _wait(self, calls: list[tuple[object, ray.ObjectRef]], what: str) -> list:
+        """Results in call order. A dead actor is reported in preference to the errors it causes in its
+        collective peers (which follow within seconds), so the message names the cause."""
+        pending = {ref: actor for actor, ref in calls}
+        results, failure = {}, None
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                if failure is not None:
+                    break
+                late = ", ".join(self._name(a) for a in pending.values())
+                raise WorkerError(f"{late}: no answer to {what} within {self.timeout:.0f} s (cluster.timeout_s)")
+            ref = ready[0]
+            actor = pending.pop(ref)
+            try:
+                results[ref] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                raise WorkerError(f"{self._name(actor)} died during {what}: {_first_line(e)}") from None
+            except ray.exceptions.RayError as e:
+                if failure is None:
+                    failure = (actor, e)
+                    deadline = min(deadline, time.monotonic() + 10.0)  # time for a dead peer to show itself
+        if failure is not None:
+            actor, e = failure
+            raise WorkerError(f"{self._name(actor)} failed during {what}: {_first_line(e)}")
+        return [results[ref] for _, ref in calls]
+
+    def _per_rank(self, method: str, batch: Batch) -> tuple[list, list[list[int]]]:
+        rows = assign_rows(batch.attention_mask.sum(1).tolist(), len(self.trainers))
+        calls = [(t, getattr(t, method).remote(batch.select(torch.tensor(r))))
+                 for t, r in zip(self.trainers, rows, strict=True)]
+        return self._wait(calls, method), rows
+
+    def sync(self, version: int) -> SyncReport:
+        calls = [(t, t.push_weights.remote(version)) for t in self.trainers]
+        if not self.cfg.cluster.colocate:
+            calls += [(e, e.receive_weights.remote(version)) for e in self.engines]
+        results = self._wait(calls, "weight sync")
+        sent = results[0]
+        engine_results = results if self.cfg.cluster.colocate else results[len(self.trainers):]
+        self.engine.weight_version = version
+        return SyncReport(version, sent["expected"], {n: r["checksum"] for n, r in zip(self.engine_names,
+                                                                                       engine_results, strict=True)},
+                          sent["bytes"], max(r["seconds"] for r in results[:len(self.trainers)]))
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        trained = self._wait([(t, t.state.remote()) for t in self.trainers], "checkpoint")[0]
+        engines = self._wait([(e, e.engine_state.remote()) for e in self.engines], "checkpoint")
+        return trained | {"engine_rng": [g for g, _ in engines], "weight_version": engines[0][1]}
+
+    def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int) -> None:
+        self._wait([(t, t.load_state.remote(optimizer, scheduler)) for t in self.trainers], "restore")
+        exact = len(engine_rng) == len(self.engines)
+        self._wait([(e, e.set_engine_state.remote(engine_rng[i] if exact else None, version))
+                    for i, e in enumerate(self.engines)], "restore")
+        self.engine.weight_version = version
+
+    def kill(self, name: str) -> None:
+        """Fault injection for tests: kill the worker whose name starts with `name`."""
+        ray.kill(next(a for n, a in self.actors.items() if n.startswith(name)), no_restart=True)
+
+    def close(self) -> None:
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        self.actors = {}
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+class _TrainerProxy:
+    """The training plane's interface over N ranks: each takes its token-balanced share of the rows."""
+
+    def __init__(self, planes: RayPlanes, config: ModelConfig):
+        self.planes, self.config, self.device = planes, config, torch.device("cpu")
+
+    def logprobs(self, batch: Batch, method: str = "logprobs") -> torch.Tensor:
+        parts, rows = self.planes._per_rank(method, batch)
+        out = torch.zeros(len(batch), batch.response_mask.shape[1])  # [N, R]; parts are column-trimmed
+        for part, r in zip(parts, rows, strict=True):
+            out[torch.tensor(r), :part.shape[1]] = part
+        return out
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return self.planes._per_rank("train_step", batch)[0][0]  # metrics are global reductions: equal on all
+
+
+class _ReferenceProxy:
+    def __init__(self, planes: RayPlanes):
+        self.planes = planes
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        return self.planes.trainer.logprobs(batch, "ref_logprobs")
+
+
+class _Pending:
+    """A rollout in flight on the engines (the one-step off-policy mode waits for it a step later)."""
+
+    def __init__(self, planes: RayPlanes, calls: list, shares: list[list[int]]):
+        self.planes, self.calls, self.shares = planes, calls, shares
+
+    def result(self) -> list:
+        samples = []
+        for share, part in zip(self.shares, self.planes._wait(self.calls, "rollout"), strict=True):
+            for s in part:  # each engine numbered its own requests 0..k-1
+                s.request_index = share[s.request_index]
+            samples += part
+        return sorted(samples, key=lambda s: s.request_index)  # stable: a request's n samples keep their order
+
+
+class _EngineProxy:
+    """M data-parallel engines, fed by load: requests dealt longest first to the least-loaded engine."""
+
+    def __init__(self, planes: RayPlanes, dtype: torch.dtype):
+        self.planes, self.dtype, self.weight_version = planes, dtype, 0
+
+    def submit(self, requests, sampling: SamplingParams) -> _Pending:
+        loads = [len(r) + sampling.max_new_tokens for r in requests]
+        shares = assign_rows(loads, len(self.planes.engines), balance_counts=False)
+        busy = [(e, share) for e, share in zip(self.planes.engines, shares, strict=True) if share]
+        calls = [(e, e.generate.remote([list(requests[i]) for i in share], sampling)) for e, share in busy]
+        return _Pending(self.planes, calls, [share for _, share in busy])
+
+    def generate(self, requests, sampling: SamplingParams) -> list:
+        return self.submit(requests, sampling).result()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return next((ln for ln in reversed(lines) if "Error" in ln), lines[0] if lines else type(e).__name__)

@@ -1,0 +1,227 @@
+"""The processes of a cluster run: a training rank (an FSDP2 shard of the policy with its optimizer and reference
+shard; when colocated also an engine on the same device) and a rollout engine.
+
+Plain classes: `ray_planes` runs them as Ray actors. Global ranks: training 0..N-1, then (disaggregated) engines
+N..N+M-1. Two process groups: the training group (FSDP2 collectives) and the sync group {trainer rank 0, engines}
+over which full weights are broadcast in buckets. Colocated, each rank loads its own engine in-process instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from twinplane import platform
+from twinplane.config import Config
+from twinplane.model import ModelConfig, Transformer, load_weights
+from twinplane.rollout import MultiTurnRollout, RolloutEngine, SamplingParams, build_tools
+from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
+from twinplane.tokenizer import Tokenizer
+from twinplane.train import Reference, Trainer
+from twinplane.train.fsdp import shard_model
+from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker of one run is built from (the weights travel separately, as Ray objects)."""
+    cfg: Config
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    total_steps: int  # optimizer steps, for the LR schedule
+    tis_cap: float | None
+
+    @property
+    def num_train(self) -> int:
+        return self.cfg.cluster.train_devices
+
+    @property
+    def num_engines(self) -> int:
+        c = self.cfg.cluster
+        return c.train_devices if c.colocate else c.rollout_devices
+
+    @property
+    def world_size(self) -> int:
+        return self.num_train + (0 if self.cfg.cluster.colocate else self.num_engines)
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port for the process-group rendezvous."""
+    host = socket.gethostbyname(socket.gethostname())
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return host, s.getsockname()[1]
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, rank: int, gpu_ids: list[int] | None = None):
+        self.spec, self.rank = spec, rank
+        self.device = platform.worker_device(spec.cfg.device, gpu_ids)
+        platform.setup(spec.cfg.seed, spec.cfg.cluster.cpus_per_worker)
+
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _init_groups(self, addr: str, port: int) -> None:
+        s = self.spec
+        timeout = datetime.timedelta(seconds=s.cfg.cluster.timeout_s)
+        dist.init_process_group(platform.dist_backend(self.device), init_method=f"tcp://{addr}:{port}",
+                                rank=self.rank, world_size=s.world_size, timeout=timeout)
+        # Every process creates every group, in the same order (torch.distributed requires it).
+        if s.cfg.cluster.colocate:
+            self.train_group, self.sync_group = dist.group.WORLD, None
+        else:
+            self.train_group = dist.new_group(list(range(s.num_train)), timeout=timeout)
+            self.sync_group = dist.new_group([0, *range(s.num_train, s.world_size)], timeout=timeout)
+
+    def _build_engine(self, policy: dict[str, torch.Tensor], index: int) -> None:
+        s, r = self.spec, self.spec.cfg.rollout
+        dtype = platform.resolve_dtype(s.cfg.model.rollout_dtype or s.cfg.model.dtype)
+        model = build_model(s.model_config, policy, self.device, dtype)
+        # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
+        self.engine = RolloutEngine(model, s.tokenizer.eos_token_id, s.tokenizer.pad_token_id, r.max_num_seqs,
+                                    seed=s.cfg.seed + 1_000_003 * index)
+        self.rollout = MultiTurnRollout(self.engine, s.tokenizer, build_tools(r.tools), r.max_turns) \
+            if r.tools else self.engine
+        self.engine_dtype = dtype
+
+    # --- the engine's side (a RolloutWorker, or a colocated TrainWorker) ----------------------------------------
+    def generate(self, requests: list[list[int]], sampling: SamplingParams):
+        samples = self.rollout.generate(requests, sampling)
+        if self.spec.cfg.cluster.colocate:
+            platform.empty_cache(self.device)  # hand the KV cache's memory back to the training plane
+        return samples
+
+    def engine_state(self) -> tuple[torch.Tensor, int]:
+        return self.engine.generator.get_state(), self.engine.weight_version
+
+    def set_engine_state(self, generator_state: torch.Tensor | None, version: int) -> None:
+        if generator_state is not None:
+            self.engine.generator.set_state(generator_state)
+        self.engine.weight_version = version
+
+    def checksum(self) -> int:
+        return self.engine.checksum()
+
+
+class RolloutWorker(_Worker):
+    """One data-parallel rollout engine on its own device."""
+
+    def setup(self, addr: str, port: int, policy: dict[str, torch.Tensor], index: int) -> None:
+        self._init_groups(addr, port)
+        self._build_engine(policy, index)
+
+    def receive_weights(self, version: int) -> dict:
+        """The receiving end of `TrainWorker.push_weights`; returns this engine's checksum afterwards."""
+        params = dict(self.engine.model.named_parameters())
+        shapes = [(n, p.shape) for n, p in params.items()]
+        bucket_bytes = self.spec.cfg.cluster.sync_bucket_mb << 20
+        with torch.no_grad():
+            for bucket in bucket_plan(shapes, self.engine_dtype.itemsize, bucket_bytes):
+                for name, t in broadcast_bucket(None, bucket, self.engine_dtype, self.device, 0, self.sync_group):
+                    params[name].copy_(t)
+        self.engine.weight_version = version
+        return {"checksum": self.engine.checksum()}
+
+
+class TrainWorker(_Worker):
+    """One training rank; with `cluster.colocate` it also hosts engine `rank` on the same device."""
+
+    def setup(self, addr: str, port: int, policy: dict[str, torch.Tensor],
+              reference: dict[str, torch.Tensor] | None) -> None:
+        self._init_groups(addr, port)
+        s, cfg = self.spec, self.spec.cfg
+        group = self.train_group if s.num_train > 1 else None  # one rank: the plain model, as the local backend
+        dtype = platform.resolve_dtype(cfg.model.dtype)
+        t = cfg.train
+        model = self._shard(build_model(s.model_config, policy, self.device, dtype), group)
+        self.trainer = Trainer(model, t, cfg.algo, cfg.rollout.temperature, s.total_steps, group, tis_cap=s.tis_cap)
+        self.reference = None
+        if reference is not None:
+            ref = self._shard(build_model(s.model_config, reference, self.device, dtype), group)
+            self.reference = Reference(ref, cfg.rollout.temperature, t.micro_batch_size, group=group,
+                                       max_tokens=t.max_tokens_per_micro_batch)
+        if cfg.cluster.colocate:
+            self._build_engine(policy, self.rank)
+
+    def _shard(self, model: Transformer, group) -> Transformer:
+        if group is None:
+            return model
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return shard_model(model, mesh=DeviceMesh.from_group(group, self.device.type))
+
+    def logprobs(self, batch):
+        return self.trainer.logprobs(batch).cpu()
+
+    def ref_logprobs(self, batch):
+        return self.reference.logprobs(batch).cpu()
+
+    def train_step(self, batch) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    def push_weights(self, version: int) -> dict | None:
+        """Full weights, gathered from the FSDP shards one bucket at a time (every rank takes part in each
+        gather), cast to the engine dtype; rank 0 broadcasts each bucket to the engines, or (colocated) every rank
+        loads its own engine. Returns the sender's checksum of what it sent, bytes and seconds."""
+        cluster = self.spec.cfg.cluster
+        dtype = platform.resolve_dtype(self.spec.cfg.model.rollout_dtype or self.spec.cfg.model.dtype)
+        params = dict(self.trainer.model.named_parameters())
+        shapes = [(n, p.shape) for n, p in params.items()]  # a DTensor's shape is the full one
+        per_tensor, sent = {}, 0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for bucket in bucket_plan(shapes, dtype.itemsize, cluster.sync_bucket_mb << 20):
+                full = [_full(params[n]).to(dtype) for n, _ in bucket]  # a collective per sharded tensor
+                if cluster.colocate:
+                    load_weights(self.engine.model, [(n, x) for (n, _), x in zip(bucket, full, strict=True)])
+                elif self.rank == 0:
+                    broadcast_bucket(full, bucket, dtype, self.device, 0, self.sync_group)
+                if cluster.colocate or self.rank == 0:
+                    per_tensor.update({n: tensor_checksum(x) for (n, _), x in zip(bucket, full, strict=True)})
+                    sent += sum(x.numel() for x in full) * dtype.itemsize
+        platform.synchronize(self.device)
+        out = {"expected": combine_checksums(per_tensor), "bytes": sent, "seconds": time.perf_counter() - t0}
+        if cluster.colocate:
+            self.engine.weight_version = version
+            return out | {"checksum": self.engine.checksum()}
+        return out if self.rank == 0 else None
+
+    def state(self) -> dict | None:
+        """Full policy weights and named optimizer state (collectives: every rank calls), returned by rank 0."""
+        tr = self.trainer
+        policy = {n: _full(p).detach().cpu().clone() for n, p in tr.model.named_parameters()}
+        opt = named_optimizer_state(tr.model, tr.opt)
+        return {"policy": policy, "optimizer": opt, "scheduler": tr.sched.state_dict()} if self.rank == 0 else None
+
+    def load_state(self, optimizer: dict, scheduler: dict) -> None:
+        load_named_optimizer_state(self.trainer.model, self.trainer.opt, optimizer)
+        self.trainer.sched.load_state_dict(scheduler)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
+                dtype: torch.dtype) -> Transformer:
+    model = Transformer(copy.deepcopy(config))
+    load_weights(model, state.items())
+    return model.to(device=device, dtype=dtype)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    p = p.detach()
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
