@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from twinplane.cluster import build_rollout
+from twinplane.cluster import WorkerError, build_rollout
 from twinplane.config import ConfigError, config_help, load_config
 from twinplane.rollout import RolloutEngine
 
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         except run.Preempted as e:
             print(f"twinplane: {e}", file=sys.stderr)
             return run.PREEMPTED
+        except WorkerError as e:  # a crash, not bad input: exit 1 lets `supervise` resume from the checkpoint
+            print(f"twinplane: error: {e}", file=sys.stderr)
+            return 1
         return 0
     try:
         engine = RolloutEngine(setup.model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id,

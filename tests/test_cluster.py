@@ -1,0 +1,162 @@
+"""Scale-out on CPU: Ray actors (local cluster, 2 CPUs), gloo collectives, bucketed weight sync, worker failure."""
+
+import json
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from twinplane.cli import main
+from twinplane.config import ConfigError, load_config
+from twinplane.sync import SyncReport, bucket_plan, weights_checksum
+from twinplane.train.balance import assign_rows
+
+ray = pytest.importorskip("ray")
+
+ARGS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
+        "train.steps=2", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=8", "eval.before=false",
+        "log.progress=false", "checkpoint.every=1", "threads=1", "train.micro_batch_size=6", "algo.kl_coef=0.05",
+        "cluster.sync_bucket_mb=1", "cluster.timeout_s=60"]
+RAY = ["cluster.backend=ray"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def run(run_dir, *extra, fault=None, monkeypatch=None):
+    if fault:
+        monkeypatch.setenv("TWINPLANE_FAULT", fault)
+    return main(["train", "--run-dir", str(run_dir), *ARGS, *extra])
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir):
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def measured(row):  # timings, throughput and memory are measurements; the rest is the computation
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "mem/", "sync/gb_per_s"))}
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("local")
+    assert run(d) == 0
+    return d
+
+
+@pytest.fixture(scope="module")
+def disaggregated_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ray")
+    assert run(d, *RAY) == 0
+    return d
+
+
+def test_disaggregated_run_equals_local(local_run, disaggregated_run):
+    """1 trainer actor + 1 engine actor: the same computation as one process (engine 0 samples from the run's
+    seed; one rank trains unsharded), with the weights crossing processes by broadcast."""
+    got, want = rows(disaggregated_run), rows(local_run)
+    assert [r["step"] for r in got] == [1, 2]
+    for g, w in zip(got, want, strict=True):
+        assert g["rollout/weight_version"] == g["step"] - 1  # samples carry the version that generated them
+        assert g["sync/bytes"] == w["sync/bytes"] > 0 and g["sync/gb_per_s"] > 0
+        for k, v in measured(w).items():
+            assert g[k] == pytest.approx(v, abs=1e-5), k
+    a, b = weights(disaggregated_run), weights(local_run)
+    assert max(float((a[n] - b[n]).abs().max()) for n in b) < 1e-5
+
+
+def test_engine_checksums_equal_trainer_after_each_sync(tmp_path):
+    """Planes driven directly: after each sync every engine's own checksum equals the trainer's, and equals an
+    independent checksum of the trainer's gathered weights; samples carry the new version."""
+    from twinplane import run as run_mod
+    from twinplane.cluster import build_planes
+    from twinplane.rollout import SamplingParams
+
+    cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
+                             "cluster.rollout_devices=2", f"run_dir={tmp_path}"])
+    setup = run_mod.prepare(cfg)
+    planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
+    try:
+        prompts = [p.ids for p in setup.train_prompts[:5]]
+        for version in (1, 2):
+            samples = planes.engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
+            assert [s.request_index for s in samples] == [i for i in range(5) for _ in range(2)]
+            assert {s.weight_version for s in samples} == {version - 1}
+            report = planes.sync(version)
+            assert [n.split(" (pid")[0] for n in report.checksums] == ["training rank 0 (and engine 0)",
+                                                                        "training rank 1 (and engine 1)"]
+            assert report.mismatched() == [] and report.bytes > 0
+            policy = planes.state()["policy"]
+            independent = weights_checksum(policy.items())
+            assert set(report.checksums.values()) == {independent}
+    finally:
+        planes.close()
+        setup.scorer.close()
+
+
+def test_colocated_fsdp2_run(tmp_path):
+    """2 training ranks (FSDP2 over gloo), each hosting an engine: a 2-step run with checkpoints."""
+    assert run(tmp_path, *RAY, "cluster.colocate=true", "cluster.train_devices=2", "cluster.rollout_devices=2") == 0
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2]
+    assert all(r["sync/bytes"] > 0 and r["rollout/weight_version"] == r["step"] - 1 for r in got)
+    assert (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").exists()
+
+
+def test_killed_engine_names_worker_and_checkpoint_then_resumes(tmp_path, monkeypatch, capsys,
+                                                              disaggregated_run):
+    t0 = time.monotonic()
+    assert run(tmp_path, *RAY, fault="kill:rollout engine 0@rollout@2", monkeypatch=monkeypatch) == 1
+    assert time.monotonic() - t0 < 60 + 30  # within cluster.timeout_s (and nothing hangs)
+    err = capsys.readouterr().err
+    assert "rollout engine 0 (pid" in err and "died during rollout" in err, err
+    assert "last complete checkpoint" in err and "step_00000001" in err, err
+    monkeypatch.delenv("TWINPLANE_FAULT")
+    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *RAY, "--resume", "auto"]) == 0
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2]
+    a, b = weights(tmp_path), weights(disaggregated_run)
+    assert all(torch.equal(a[n], b[n]) for n in b)  # resumed exactly: same weights as the uninterrupted run
+
+
+def test_assign_rows_balances_load():
+    loads = [9, 1, 1, 1, 8, 2]
+    shares = assign_rows(loads, 2)
+    assert sorted(i for s in shares for i in s) == list(range(6))
+    assert [len(s) for s in shares] == [3, 3]
+    assert abs(sum(loads[i] for i in shares[0]) - sum(loads[i] for i in shares[1])) <= 2
+    free = assign_rows([10, 1, 1, 1], 2, balance_counts=False)  # engines: by load only
+    assert free == [[0], [1, 2, 3]]
+
+
+def test_bucket_plan_covers_every_tensor_in_order():
+    shapes = [("a", torch.Size([10])), ("b", torch.Size([300])), ("c", torch.Size([5])), ("d", torch.Size([5]))]
+    plan = bucket_plan(shapes, 4, 100 * 4)
+    assert [[n for n, _ in b] for b in plan] == [["a"], ["b"], ["c", "d"]]
+    assert [x for b in plan for x in b] == shapes
+
+
+def test_sync_report_names_mismatched_engines():
+    r = SyncReport(3, 7, {"rollout engine 0": 7, "rollout engine 1": 8}, 10, 0.1)
+    assert r.mismatched() == ["rollout engine 1"]
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    (["cluster.train_devices=2"], "cluster.backend"),
+    (["cluster.backend=slurm"], "cluster.backend"),
+    (["cluster.backend=ray", "cluster.colocate=true", "cluster.train_devices=2", "cluster.rollout_devices=3"],
+     "cluster.rollout_devices"),
+    (["rollout.tp=2"], "rollout.tp"),
+    (["cluster.async=true", "rollout.tools=[calculator]"], "cluster.async"),
+])
+def test_bad_cluster_config_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        load_config(None, override)
