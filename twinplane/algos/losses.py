@@ -22,6 +22,15 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weights [N, R] = min(pi_old / pi_rollout, cap), detached: they correct for
+    the rollout engine sampling from a policy that differs from the trainer's pi_old (a one-step weight lag in
+    asynchronous training, or kernel/precision mismatch), as in Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training", and verl's TIS. They multiply the per-token policy loss.
+    exp may overflow to inf for a wild token; the cap then takes it to `cap`."""
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence"):
     with log-ratio x = log pi - log pi_ref,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from twinplane.model.config import ModelConfig, rope_inv_freq
@@ -88,7 +89,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache):
+    def forward(self, x, cos, sin, mask, cache, recompute: bool = False):
+        """`recompute`: activation checkpointing. It sits inside the block's forward so that FSDP2's unshard hooks
+        (on this module's call) stay outside the recomputed region, the arrangement torchtitan uses."""
+        if recompute:  # no dropout anywhere, so there is no RNG state to replay
+            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, mask, cache, use_reentrant=False,
+                                                     preserve_rng_state=False)
+        return self.block(x, cos, sin, mask, cache)
+
+    def block(self, x, cos, sin, mask, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -120,6 +129,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        # Recompute each decoder block in backward instead of storing its activations (training forwards only).
+        self.activation_checkpointing = False
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -174,8 +185,9 @@ class Transformer(nn.Module):
             mask = build_mask(positions, positions, valid, torch.arange(T, device=dev), self.config.sliding_window)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache)
+            x = layer(x, cos, sin, mask, cache, recompute)
         if cache is not None:
             cache.advance(T)
         return self.model.norm(x)

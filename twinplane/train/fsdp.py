@@ -56,10 +56,34 @@ def all_reduce(x: float | int, group=None, op=dist.ReduceOp.SUM) -> float:
     return float(t)
 
 
-def micro_batches(batch: Batch, size: int, group=None) -> list[tuple[Batch, float]]:
-    """(micro-batch, loss weight) pairs, as many on every rank: FSDP runs collectives in each forward and backward,
-    so a rank with fewer micro-batches repeats its first row with weight 0 rather than leave the others waiting."""
-    mbs = [(mb, 1.0) for mb in batch.split(size)]
+def row_groups(batch: Batch, size: int, max_tokens: int = 0) -> list[slice]:
+    """Consecutive row ranges, one per micro-batch: at most `size` rows each and, with `max_tokens` > 0, at most
+    `max_tokens` padded tokens (rows x the width `Batch.select` trims the group to); a lone row may exceed it."""
+    if max_tokens <= 0:
+        return [slice(i, min(i + size, len(batch))) for i in range(0, len(batch), size)]
+    P = batch.prompt_len
+    prompt_valid = batch.attention_mask[:, :P].bool()
+    resp_valid = batch.attention_mask[:, P:].bool()
+    # the columns `select` keeps for each row alone: prompt from its first token (at least the last column),
+    # response up to its last token (at least one column); a group's width is the sum of the two maxima
+    cols = torch.arange(batch.attention_mask.shape[1] - P, device=resp_valid.device)
+    prompt_w = (P - prompt_valid.long().argmax(1)).where(prompt_valid.any(1), 1).clamp(min=1).tolist()
+    resp_w = ((cols + 1) * resp_valid).amax(1).clamp(min=1).tolist() if resp_valid.shape[1] else [1] * len(batch)
+    groups, start, pw, rw = [], 0, 0, 0
+    for i in range(len(batch)):
+        npw, nrw = max(pw, prompt_w[i]), max(rw, resp_w[i])
+        if i > start and (i - start == size or (i + 1 - start) * (npw + nrw) > max_tokens):
+            groups.append(slice(start, i))
+            start, npw, nrw = i, prompt_w[i], resp_w[i]
+        pw, rw = npw, nrw
+    return groups + [slice(start, len(batch))] if len(batch) else groups
+
+
+def micro_batches(batch: Batch, size: int, group=None, max_tokens: int = 0) -> list[tuple[Batch, float]]:
+    """(micro-batch, loss weight) pairs (see `row_groups`), as many on every rank: FSDP runs collectives in each
+    forward and backward, so a rank with fewer micro-batches repeats its first row with weight 0 rather than leave
+    the others waiting."""
+    mbs = [(batch.select(s), 1.0) for s in row_groups(batch, size, max_tokens)]
     if group is not None:
         n = int(all_reduce(len(mbs), group, dist.ReduceOp.MAX))
         mbs += [(batch.select(slice(0, 1)), 0.0)] * (n - len(mbs))

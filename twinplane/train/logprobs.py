@@ -6,6 +6,7 @@ import torch
 
 from twinplane.model import Transformer
 from twinplane.rollout.sampling import policy_logprobs
+from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 
 
@@ -22,11 +23,17 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float,
 
 
 @torch.no_grad()
-def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs)."""
+def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size: int, group=None,
+          max_tokens: int = 0) -> torch.Tensor:
+    """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs).
+
+    With an FSDP `group`, every rank runs as many forwards (padding micro-batches, weight 0, are scored and
+    dropped): each forward all-gathers the parameters, so a rank that stopped early would hang the others."""
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
-    for i in range(0, len(batch), micro_batch_size):
-        mb = batch.select(slice(i, i + micro_batch_size))
+    i = 0
+    for mb, weight in fsdp.micro_batches(batch, micro_batch_size, group, max_tokens):
         lp, _ = response_logprobs(model, mb, temperature)
-        out[i:i + len(mb), :lp.shape[1]] = lp * mb.response_mask
+        if weight:  # real micro-batches come first, in row order
+            out[i:i + len(mb), :lp.shape[1]] = lp * mb.response_mask
+            i += len(mb)
     return out

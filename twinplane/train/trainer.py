@@ -1,6 +1,6 @@
 """The training plane: scores batches and takes optimizer steps on the policy loss.
 
-Interface used by the controller: `logprobs(batch)`, `train_step(batch) -> metrics`, `named_weights()`.
+Interface used by the controller: `logprobs(batch)`, `train_step(batch) -> metrics`, `named_weights()`, `config`.
 `Reference` is the frozen reference policy behind the same `logprobs(batch)` call.
 """
 
@@ -11,42 +11,56 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from twinplane.algos import clipped_policy_loss, kl_penalty, token_sum
+from twinplane.algos import clipped_policy_loss, kl_penalty, token_sum, truncated_is_weights
 from twinplane.config import AlgoSection, TrainSection
-from twinplane.model import Transformer
+from twinplane.model import ModelConfig, Transformer
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.logprobs import response_logprobs, score
+from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
 
 
 class Reference:
     """Frozen reference policy for the KL term."""
 
-    def __init__(self, model: Transformer, temperature: float, micro_batch_size: int):
+    def __init__(self, model: Transformer, temperature: float, micro_batch_size: int, group=None,
+                 max_tokens: int = 0):
+        """`group`: the data-parallel process group when `model` is FSDP-sharded; `max_tokens`: the micro-batch
+        token budget (0 = off), as `train.max_tokens_per_micro_batch`."""
         self.model = model.eval().requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
+        self.group, self.max_tokens = group, max_tokens
         self.device = model.output_weight().device
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
-        return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size)
+        return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
+                     self.max_tokens)
 
 
 class Trainer:
     def __init__(self, model: Transformer, train: TrainSection, algo: AlgoSection, temperature: float,
-                 total_steps: int, group=None):
+                 total_steps: int, group=None, *, tis_cap: float | None = None):
         """`group`: the data-parallel process group when `model` is FSDP-sharded (`twinplane.train.fsdp`) and each
-        rank passes its own rows to `train_step`; token means and metrics are then over the global batch."""
+        rank passes its own rows to `train_step`; token means and metrics are then over the global batch.
+        `tis_cap`: truncated importance sampling (`algos.truncated_is_weights`) for batches that carry both
+        `old_logprobs` and `rollout_logprobs`, i.e. when the engine's weights may lag the trainer's; None = off."""
         self.model, self.cfg, self.algo, self.temperature = model, train, algo, temperature
-        self.group = group
+        self.group, self.tis_cap = group, tis_cap
+        model.activation_checkpointing = train.activation_checkpointing
         self.opt, self.sched = build_optimizer(
             model.parameters(), train.lr, train.betas, train.weight_decay, train.warmup_steps, total_steps,
             train.schedule, train.min_lr_ratio)
         self.device = model.output_weight().device
 
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
     def logprobs(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
-        return score(self.model, batch.to(self.device), self.temperature, self.cfg.micro_batch_size)
+        return score(self.model, batch.to(self.device), self.temperature, self.cfg.micro_batch_size, self.group,
+                     self.cfg.max_tokens_per_micro_batch)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
@@ -58,6 +72,8 @@ class Trainer:
         The ratio's denominator is `old_logprobs` when recomputed, else the engine's `rollout_logprobs`.
         Every token-level metric is a token mean over the whole batch; `actor/logprob_gap` compares the
         engine's log-probs with this forward pass (meaningful on the first mini-batch, before any update).
+        With `tis_cap` and both old and rollout log-probs, each token's clipped loss is weighted by
+        min(pi_old / pi_rollout, tis_cap), reported as `actor/tis_weight_mean` and `actor/tis_clip_frac`.
         """
         a = self.algo
         self.model.train()
@@ -66,16 +82,25 @@ class Trainer:
         if self.group is not None:
             num_tokens = int(fsdp.all_reduce(num_tokens, self.group))
         num_tokens = max(num_tokens, 1)  # the global normaliser for every micro-batch
-        sums = dict.fromkeys(("pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"), 0.0)
-        for mb, weight in fsdp.micro_batches(batch, self.cfg.micro_batch_size, self.group):
+        tis = self.tis_cap is not None and batch.old_logprobs is not None and batch.rollout_logprobs is not None
+        keys = ["pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"]
+        sums = dict.fromkeys(keys + (["tis_weight_mean", "tis_clip_frac"] if tis else []), 0.0)
+        mbs = fsdp.micro_batches(batch, self.cfg.micro_batch_size, self.group, self.cfg.max_tokens_per_micro_batch)
+        for mb, weight in mbs:
             lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
             pg, clipped = clipped_policy_loss(lp, old, mb.advantages, a.clip_low, a.clip_high)
+            stats = {}
+            if tis:
+                w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap)  # [n, R]
+                pg = pg * w
+                stats |= {"tis_weight_mean": token_sum(w, m, num_tokens),
+                          "tis_clip_frac": token_sum((w >= self.tis_cap).float(), m, num_tokens)}
             loss = token_sum(pg, m, num_tokens)
-            stats = {"pg_loss": loss.detach(), "entropy": token_sum(ent.detach(), m, num_tokens),
-                     "clip_frac": token_sum(clipped.float(), m, num_tokens),
-                     "ratio": token_sum(torch.exp(lp.detach() - old), m, num_tokens)}
+            stats |= {"pg_loss": loss.detach(), "entropy": token_sum(ent.detach(), m, num_tokens),
+                      "clip_frac": token_sum(clipped.float(), m, num_tokens),
+                      "ratio": token_sum(torch.exp(lp.detach() - old), m, num_tokens)}
             if a.kl_coef > 0:
                 kl = token_sum(kl_penalty(lp, mb.ref_logprobs, a.kl_estimator), m, num_tokens)
                 loss = loss + a.kl_coef * kl
@@ -94,7 +119,11 @@ class Trainer:
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         lr = self.sched.get_last_lr()[0]
+        if self.cfg.optimizer_offload:  # the moments visit the device only for the update
+            move_optimizer_state(self.opt, self.device)
         self.opt.step()
+        if self.cfg.optimizer_offload:
+            move_optimizer_state(self.opt, "cpu")
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": float(grad_norm), "actor/lr": lr}
