@@ -193,3 +193,31 @@ def test_async_resume_is_exact(async_local_run, tmp_path, monkeypatch):
     a, b = weights(tmp_path), weights(async_local_run)
     assert all(torch.equal(a[n], b[n]) for n in b)
     assert [measured(r) for r in rows(tmp_path)] == [measured(r) for r in rows(async_local_run)]
+
+
+def test_silent_worker_times_out_with_its_name():
+    from types import SimpleNamespace
+
+    from twinplane.cluster import WorkerError
+    from twinplane.cluster.ray_planes import RayPlanes
+
+    @ray.remote(num_cpus=0)
+    class Sleeper:
+        def sleep(self, s):
+            time.sleep(s)
+
+    actor = Sleeper.remote()
+    fake = SimpleNamespace(timeout=1.0, _name=lambda a: "rollout engine 3")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"^rollout engine 3: no answer to rollout within 1 s"):
+        RayPlanes._wait(fake, [(actor, actor.sleep.remote(30))], "rollout")
+    assert time.monotonic() - t0 < 5
+    ray.kill(actor)
+
+
+def test_unplaceable_cluster_is_a_clear_error_and_releases_resources(tmp_path, capsys):
+    before = ray.available_resources().get("CPU")
+    assert run(tmp_path, *RAY, "cluster.train_devices=2", "cluster.rollout_devices=2", "cluster.timeout_s=2") == 1
+    assert "could not place 4 workers of {'CPU': 1}" in capsys.readouterr().err
+    time.sleep(1)  # resource accounting is asynchronous
+    assert ray.available_resources().get("CPU") == before  # the placement group was removed

@@ -225,8 +225,8 @@ class Config:
              "cluster.rollout_devices", "must equal cluster.train_devices when colocated (one engine per rank)"),
             (self.cluster.timeout_s > 0 and self.cluster.sync_bucket_mb >= 1 and self.cluster.cpus_per_worker >= 1,
              "cluster", "needs timeout_s > 0, sync_bucket_mb >= 1 and cpus_per_worker >= 1"),
-            (self.rollout.prompts_per_step * self.rollout.n >= self.cluster.train_devices, "cluster.train_devices",
-             "must be <= rollout.prompts_per_step * rollout.n (every rank needs a sample)"),
+            (self.rollout.prompts_per_step * self.rollout.n // self.train.mini_batches >= self.cluster.train_devices,
+             "cluster.train_devices", "must be <= the samples per mini-batch (every rank needs a sample)"),
             (not (self.cluster.async_ and self.rollout.tools), "cluster.async", "does not support rollout.tools yet"),
         ]
         for ok, key, msg in checks:

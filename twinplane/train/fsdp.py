@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from twinplane.model import Transformer
+from twinplane.train.balance import assign_rows
 from twinplane.train.batch import Batch
 
 
@@ -40,14 +41,8 @@ def split_for_rank(batch: Batch, rank: int, world: int) -> Batch:
     holding len(batch) // world or one more rows (so micro-batch counts match as closely as possible)."""
     if len(batch) < world:
         raise ValueError(f"batch of {len(batch)} rows cannot feed {world} ranks")
-    lengths = batch.attention_mask.sum(1).tolist()
-    cap = [len(batch) // world + (r < len(batch) % world) for r in range(world)]
-    tokens, rows = [0] * world, [[] for _ in range(world)]
-    for i in sorted(range(len(batch)), key=lambda i: (-lengths[i], i)):
-        r = min((r for r in range(world) if len(rows[r]) < cap[r]), key=lambda r: (tokens[r], r))
-        tokens[r] += lengths[i]
-        rows[r].append(i)
-    return batch.select(torch.tensor(sorted(rows[rank])))
+    rows = assign_rows(batch.attention_mask.sum(1).tolist(), world)
+    return batch.select(torch.tensor(rows[rank]))
 
 
 def all_reduce(x: float | int, group=None, op=dist.ReduceOp.SUM) -> float:
@@ -76,7 +71,9 @@ def row_groups(batch: Batch, size: int, max_tokens: int = 0) -> list[slice]:
             groups.append(slice(start, i))
             start, npw, nrw = i, prompt_w[i], resp_w[i]
         pw, rw = npw, nrw
-    return groups + [slice(start, len(batch))] if len(batch) else groups
+    if len(batch):
+        groups.append(slice(start, len(batch)))
+    return groups
 
 
 def micro_batches(batch: Batch, size: int, group=None, max_tokens: int = 0) -> list[tuple[Batch, float]]:

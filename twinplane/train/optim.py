@@ -41,7 +41,8 @@ def named_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) ->
     state = {}
     for name, p in model.named_parameters():
         if p in opt.state:
-            state[name] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+            # (an offloaded shard goes back to the parameter's device first: the gather runs there)
+            state[name] = {k: (v.to(p.device).full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
                            if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"state": state, "param_groups": groups}
