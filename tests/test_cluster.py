@@ -221,3 +221,31 @@ def test_unplaceable_cluster_is_a_clear_error_and_releases_resources(tmp_path, c
     assert "could not place 4 workers of {'CPU': 1}" in capsys.readouterr().err
     time.sleep(1)  # resource accounting is asynchronous
     assert ray.available_resources().get("CPU") == before  # the placement group was removed
+
+
+def test_checkpoint_loads_on_another_rank_count(disaggregated_run):
+    """A 1-rank checkpoint (named full-tensor optimizer state) loads into 2 FSDP2 ranks, which shard it; gathered
+    back it is the same state, and the weights are the checkpoint's."""
+    from twinplane import run as run_mod
+    from twinplane import run_state
+    from twinplane.cluster import build_planes
+    from twinplane.data import PromptStream
+
+    ckpt = sorted((disaggregated_run / "checkpoints").iterdir())[-1]
+    cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
+                             "cluster.rollout_devices=2"])
+    setup = run_mod.prepare(cfg)
+    saved = run_state.restore(ckpt, policy=setup.model, reference=None, stream=PromptStream(setup.train_prompts, 0))
+    planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
+    try:
+        planes.load_state(saved["optimizer"], saved["scheduler"], saved["engine_rng"], saved["weight_version"])
+        got = planes.state()
+        assert got["weight_version"] == saved["weight_version"] == 2
+        assert set(got["optimizer"]["state"]) == set(saved["optimizer"]["state"])
+        for name, st in saved["optimizer"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(got["optimizer"]["state"][name][k], v), (name, k)
+        assert all(torch.equal(got["policy"][n], p) for n, p in setup.model.named_parameters())
+    finally:
+        planes.close()
+        setup.scorer.close()

@@ -144,7 +144,8 @@ class Layout:
         return self.rollout_gpus // self.tp
 
     def overrides(self) -> str:
-        return (f"cluster.train_devices={self.train_gpus} cluster.rollout_devices={self.rollout_gpus} "
+        return (f"cluster.backend=ray cluster.train_devices={self.train_gpus} "
+                f"cluster.rollout_devices={self.rollout_gpus} "
                 f"cluster.colocate={str(self.colocated).lower()} rollout.tp={self.tp} "
                 f"train.activation_checkpointing={str(self.checkpointing).lower()} "
                 f"train.optimizer_offload={str(self.offload).lower()}")
@@ -475,9 +476,9 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
                   f"${cluster.price_per_gpu_hour:g}/GPU-hour",
                   f"  overrides: {best['overrides']} rollout.prompts_per_step={w.prompts_per_step} "
                   f"rollout.n={w.n} rollout.max_new_tokens={w.response_len} "
-                  f"train.micro_batch_size={w.micro_batch_size}",
-                  "  (cluster.*, rollout.tp and the train.* memory switches are the intended keys; they arrive "
-                  "with multi-device support)"]
+                  f"train.micro_batch_size={w.micro_batch_size}"]
+    if best["overrides"].count("rollout.tp=1 ") == 0:
+        lines.append("  (rollout.tp > 1 is not in this version: pick the best layout with rollout.tp=1 from the list)")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from twinplane import platform
+from twinplane.cluster.planes import restore_generator
 from twinplane.config import Config
 from twinplane.model import ModelConfig, Transformer, load_weights
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, SamplingParams, build_tools
@@ -107,8 +108,8 @@ class _Worker:
         return self.engine.generator.get_state(), self.engine.weight_version
 
     def set_engine_state(self, generator_state: torch.Tensor | None, version: int) -> None:
-        if generator_state is not None:
-            self.engine.generator.set_state(generator_state)
+        """None (the checkpoint had another engine count): reseed, so the run continues but not bitwise."""
+        restore_generator(self.engine.generator, generator_state, version + self.rank)
         self.engine.weight_version = version
 
     def checksum(self) -> int:
