@@ -120,6 +120,8 @@ def test_killed_engine_names_worker_and_checkpoint_then_resumes(tmp_path, monkey
     err = capsys.readouterr().err
     assert "rollout engine 0 (pid" in err and "died during rollout" in err, err
     assert "last complete checkpoint" in err and "step_00000001" in err, err
+    time.sleep(1)  # resource accounting is asynchronous
+    assert ray.available_resources().get("CPU") == 2  # the surviving actor and the placement group were released
     monkeypatch.delenv("TWINPLANE_FAULT")
     assert main(["train", "--run-dir", str(tmp_path), *ARGS, *RAY, "--resume", "auto"]) == 0
     assert [r["step"] for r in rows(tmp_path)] == [1, 2]

@@ -129,3 +129,24 @@ def test_doctor_on_this_machine(capsys):
     assert "sdpa" in text and len(text.splitlines()) < 25
     assert doctor.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["device_type"] == platform.detect().device_type
+
+
+@pytest.mark.parametrize(("hip", "noset", "want"), [
+    (None, {}, 0),  # NVIDIA, Ray restricted CUDA_VISIBLE_DEVICES to the actor's GPU: it is cuda:0
+    (None, {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, 5),  # every GPU visible: Ray's id is the index
+    ("6.2", {}, 0),  # AMD, Ray set ROCR/HIP visibility
+    ("6.2", {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1"}, 5),
+    ("6.2", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, 0),  # the other vendor's switch changes nothing
+])
+def test_ray_worker_device_both_vendors(monkeypatch, hip, noset, want):
+    simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H100 80GB HBM3", hip=hip, count=8)
+    for k in ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES",
+              "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in noset.items():
+        monkeypatch.setenv(k, v)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    dev = platform.worker_device("auto", [5])
+    assert dev == torch.device("cuda", want) and chosen == [dev]
+    assert platform.worker_device("cpu", [5]) == torch.device("cpu")
