@@ -58,6 +58,12 @@ class RayPlanes:
         self.train_devices, self.rollout_devices = spec.num_train, spec.num_engines
         use_gpu = cfg.device != "cpu" and (cfg.device != "auto" or ray.cluster_resources().get("GPU", 0) > 0)
         bundle = {"CPU": c.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
+        have = ray.cluster_resources()
+        short = {k: v * spec.world_size for k, v in bundle.items() if v * spec.world_size > have.get(k, 0)}
+        if short:  # a placement group that can never fit would wait forever: say so now
+            raise WorkerError(f"cluster: {spec.world_size} workers of {bundle} need {short}, the Ray cluster has "
+                              f"{ {k: have.get(k, 0) for k in short} } in all (cluster.train_devices + "
+                              f"rollout_devices, or cluster.cpus_per_worker, too large)")
         self.pg = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=self.timeout)
         if not ready:
