@@ -182,7 +182,8 @@ def training_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, fsdp: int
     """Peak bytes per device of the training plane.
 
     Params, grads, master weights and moments are divided by `fsdp` (plus one gathered layer of bf16 weights
-    per device while it computes, ignored). `offload` moves master weights and moments to host memory.
+    per device while it computes, ignored). `offload` (`train.optimizer_offload`) keeps the AdamW moments in
+    host memory between updates; master weights stay on the device.
     Activations: one micro-batch of `micro_batch_size` x seq_len tokens; with `checkpointing`, each layer keeps
     only its input (d elements per token) and one layer's activations are live during recompute.
     """
@@ -198,7 +199,7 @@ def training_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, fsdp: int
     return TrainMemory(
         params=p * dt.param / fsdp,
         grads=p * dt.grad / fsdp,
-        master=0.0 if offload else p * dt.master / fsdp,
+        master=p * dt.master / fsdp,
         moments=0.0 if offload else p * dt.moments / fsdp,
         activations=float(act),
         logits=logits_bytes(cfg, w.micro_batch_size * w.response_len, dt.act),
@@ -270,12 +271,12 @@ def rollout_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, engines: 
 def train_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, gpus: int, checkpointing: bool,
                   offload: bool) -> float:
     """Training FLOPs of the step (all prompt + response tokens) at MFU; checkpointing recomputes the forward
-    (x4/3); offload adds moving this device's grads and weights over PCIe (fp32 grads out, bf16 weights in)."""
+    (x4/3); offload adds moving this device's share of the moments over PCIe, in before the update and out after."""
     tokens = w.sequences * w.seq_len
     f = train_flops_per_token(cfg, w.seq_len) * tokens * (4 / 3 if checkpointing else 1.0)
     s = f / (gpus * device.bf16_tflops * 1e12 * MFU)
     if offload:
-        s += cfg.num_params * (4 + 2) / gpus / (HOST_LINK_GB_S * GB)
+        s += 2 * cfg.num_params * Dtypes.for_device(device).moments / gpus / (HOST_LINK_GB_S * GB)
     return s
 
 

@@ -120,7 +120,8 @@ def prepare(cfg: Config, resume: str | None = None) -> Setup:
     check_backends(cfg.log.backends)
     resume_from = find_resume(cfg, resume)
     platform.setup(cfg.seed, cfg.threads or None)
-    device = platform.resolve_device(cfg.device)
+    # With Ray the workers take the devices; this process only holds a host copy (warm start, checkpoints).
+    device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
     dtype = platform.resolve_dtype(cfg.model.dtype)
     if cfg.model.path:
         tokenizer = load_tokenizer(cfg.model.path)

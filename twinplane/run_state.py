@@ -14,8 +14,12 @@ from safetensors.torch import load_file, save_file
 from twinplane.model import Transformer, iter_safetensors, load_weights
 
 # Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
+# Where the planes run and how memory is traded for compute are mutable too: checkpoints hold full tensors by name.
 MUTABLE = ("train.steps", "log.", "eval.", "checkpoint.", "run_dir", "threads", "device", "reward.timeout_s",
-           "rollout.max_num_seqs", "train.micro_batch_size")
+           "rollout.max_num_seqs", "train.micro_batch_size", "train.max_tokens_per_micro_batch",
+           "train.activation_checkpointing", "train.optimizer_offload", "cluster.backend", "cluster.address",
+           "cluster.train_devices", "cluster.rollout_devices", "cluster.colocate", "cluster.timeout_s",
+           "cluster.sync_bucket_mb", "cluster.cpus_per_worker")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
