@@ -23,9 +23,11 @@ RAY = ["cluster.backend=ray"]
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
+    threads = torch.get_num_threads()  # threads=1 (as in the 1-CPU actors) must not leak into later tests
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
+    torch.set_num_threads(threads)
 
 
 def run(run_dir, *extra, fault=None, monkeypatch=None):
