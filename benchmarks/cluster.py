@@ -2,7 +2,7 @@
 with the planes in one process vs as Ray actors.
 
   python benchmarks/cluster.py sync [--hidden 128 --layers 4] [--repeats 10]
-  python benchmarks/cluster.py steps [--steps 40] [--runs 3]
+  python benchmarks/cluster.py steps [--steps 40] [--runs 3] [--layout NAME ...]
 
 `sync` starts a local Ray instance, places 1 training actor + 1 engine actor (disaggregated) and times
 `RayPlanes.sync` (gather + bucketed gloo broadcast + the engine's checksum check) for the given model shape.
@@ -25,6 +25,7 @@ LAYOUTS = {
     "local": [],
     "ray 1 trainer + 1 engine": ["cluster.backend=ray"],
     "ray colocated, 1 rank": ["cluster.backend=ray", "cluster.colocate=true"],
+    "ray colocated, 1 rank, 2 CPUs": ["cluster.backend=ray", "cluster.colocate=true", "cluster.cpus_per_worker=2"],
     "ray 1 + 1, async": ["cluster.backend=ray", "cluster.async=true"],
 }
 
@@ -66,10 +67,12 @@ def bench_sync(hidden: int, layers: int, repeats: int, bucket_mb: int) -> None:
         ray.shutdown()
 
 
-def bench_steps(steps: int, runs: int) -> None:
+def bench_steps(steps: int, runs: int, only: list[str] | None) -> None:
     base = [f"train.steps={steps}", "eval.before=false", "eval.after=false", "checkpoint.every=0",
             "log.progress=false", "warmstart.steps=100"]
     for name, extra in LAYOUTS.items():
+        if only and name not in only:
+            continue
         medians, phases = [], {}
         for _ in range(runs):
             with tempfile.TemporaryDirectory() as d:
@@ -96,11 +99,12 @@ def main() -> None:
     t = sub.add_parser("steps")
     t.add_argument("--steps", type=int, default=40)
     t.add_argument("--runs", type=int, default=3)
+    t.add_argument("--layout", action="append", choices=LAYOUTS, help="only these (repeatable)")
     a = p.parse_args()
     if a.what == "sync":
         bench_sync(a.hidden, a.layers, a.repeats, a.bucket_mb)
     else:
-        bench_steps(a.steps, a.runs)
+        bench_steps(a.steps, a.runs, a.layout)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ class Controller:
         m = self._metrics(samples, rewards, batch, updates, timer.times) | reward_metrics | multi_turn_metrics(samples)
         m |= {"sync/bytes": report.bytes, "sync/gb_per_s": report.bytes / max(timer.times["time/weight_sync"], 1e-9)
               / 1e9, "rollout/staleness": self.version - 1 - min(s.weight_version for s in samples)}
-        return m | timer.memory | {"reward/accuracy": correct.float().mean().item()}
+        memory = {} if getattr(self.trainer, "remote", False) else timer.memory  # remote: rank 0 reports its own
+        return m | memory | {"reward/accuracy": correct.float().mean().item()}
 
     def _rollout(self, prompts: Sequence[Prompt], next_prompts: Sequence[Prompt] | None) -> list:
         if self.pending is not None:

@@ -184,6 +184,8 @@ class RayPlanes:
 class _TrainerProxy:
     """The training plane's interface over N ranks: each takes its token-balanced share of the rows."""
 
+    remote = True  # this process's memory says nothing about the workers': the controller doesn't report it
+
     def __init__(self, planes: RayPlanes, config: ModelConfig):
         self.planes, self.config, self.device = planes, config, torch.device("cpu")
 

@@ -170,7 +170,9 @@ class TrainWorker(_Worker):
         return self.reference.logprobs(batch).cpu()
 
     def train_step(self, batch) -> dict[str, float]:
-        return self.trainer.train_step(batch)
+        platform.reset_peak_memory(self.device)
+        m = self.trainer.train_step(batch)
+        return m | {"mem/peak_gb_train": platform.peak_memory_bytes(self.device) / 1e9}  # this rank's device
 
     def push_weights(self, version: int) -> dict | None:
         """Full weights, gathered from the FSDP shards one bucket at a time (every rank takes part in each
