@@ -160,6 +160,7 @@ def test_sync_report_names_mismatched_engines():
      "cluster.rollout_devices"),
     (["rollout.tp=2"], "rollout.tp"),
     (["cluster.async=true", "rollout.tools=[calculator]"], "cluster.async"),
+    (["rollout.tools=[calculator]"], "rollout.tools"),
 ])
 def test_bad_cluster_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"^{key}"):
@@ -261,3 +262,31 @@ def test_checkpoint_loads_on_another_rank_count(disaggregated_run):
     finally:
         planes.close()
         setup.scorer.close()
+
+
+def test_tool_rollouts_on_ray_equal_local(tmp_path):
+    """Multi-turn tool rollouts run inside the engine actor (tokenizer and tools travel with the worker spec)."""
+    import string
+
+    from twinplane.model import ModelConfig, Transformer
+    from twinplane.run import save_hf_folder
+    from twinplane.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(string.printable[:95])  # covers the tool-call markup
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
+                                    num_heads=2, num_kv_heads=1, head_dim=16, eos_token_id=tok.eos_token_id,
+                                    pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id))
+    save_hf_folder(model, tok, tmp_path / "model")
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} plus {i}?", "answer": f"#### {2 * i}"}) + "\n"
+                            for i in range(1, 5)))
+    args = [f"model.path={tmp_path / 'model'}", f"data.train_file={data}", "reward.name=gsm8k",
+            "rollout.tools=[calculator]", "rollout.max_turns=2", "rollout.max_new_tokens=6", "train.steps=2",
+            "rollout.prompts_per_step=2", "rollout.n=2", "log.progress=false", "eval.before=false",
+            "checkpoint.every=0", "threads=1"]
+    for name, extra in (("local", []), ("ray", RAY)):
+        assert main(["train", "--run-dir", str(tmp_path / name), *args, *extra]) == 0
+    got, want = rows(tmp_path / "ray"), rows(tmp_path / "local")
+    assert "rollout/turns_mean" in got[0]
+    assert [measured(r) for r in got] == [measured(r) for r in want]

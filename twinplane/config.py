@@ -228,6 +228,8 @@ class Config:
             (self.rollout.prompts_per_step * self.rollout.n // self.train.mini_batches >= self.cluster.train_devices,
              "cluster.train_devices", "must be <= the samples per mini-batch (every rank needs a sample)"),
             (not (self.cluster.async_ and self.rollout.tools), "cluster.async", "does not support rollout.tools yet"),
+            (not self.rollout.tools or self.model.path, "rollout.tools",
+             "needs model.path (the built-in demo's digit vocabulary cannot spell tool calls)"),
         ]
         for ok, key, msg in checks:
             if not ok:

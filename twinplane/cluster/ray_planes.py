@@ -9,6 +9,7 @@ and `close()` kills the actors, removes the placement group and stops a Ray inst
 
 from __future__ import annotations
 
+import re
 import time
 
 import ray
@@ -241,5 +242,11 @@ class _EngineProxy:
 
 
 def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return next((ln for ln in reversed(lines) if "Error" in ln), lines[0] if lines else type(e).__name__)
+    """The worker's own exception (`RayTaskError.cause`) in one line, else the last line of Ray's message."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayError):
+        text = f"{type(cause).__name__}: {cause}"
+    else:
+        text = str(e)
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
