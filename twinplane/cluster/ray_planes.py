@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from twinplane import platform
 from twinplane.cluster.planes import WorkerError
-from twinplane.cluster.workers import RolloutWorker, TrainWorker, WorkerSpec
+from twinplane.cluster.workers import RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config
 from twinplane.model import ModelConfig
 from twinplane.rollout import SamplingParams
@@ -30,9 +30,12 @@ from twinplane.train.balance import assign_rows
 
 
 def _actor_class(cls):
-    class Actor(cls):  # Ray scopes each actor's visible GPUs; the worker learns its ids here
-        def __init__(self, spec: WorkerSpec, rank: int):
+    class Actor(cls):
+        def __init__(self, spec: WorkerSpec, rank: int):  # Ray scopes each actor's visible GPUs: pass their ids
             super().__init__(spec, rank, [int(g) for g in ray.get_gpu_ids()])
+
+        def address(self) -> tuple[str, int]:  # the node's IP as Ray (and so the other nodes) sees it
+            return free_address(ray.util.get_node_ip_address())
 
     Actor.__name__ = Actor.__qualname__ = cls.__name__
     return ray.remote(max_restarts=0)(Actor)

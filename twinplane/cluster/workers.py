@@ -54,12 +54,12 @@ class WorkerSpec:
         return self.num_train + (0 if self.cfg.cluster.colocate else self.num_engines)
 
 
-def free_address() -> tuple[str, int]:
-    """This node's address and a free TCP port for the process-group rendezvous."""
-    host = socket.gethostbyname(socket.gethostname())
+def free_address(host: str | None = None) -> tuple[str, int]:
+    """`host` (this node's address as the other nodes reach it; default: what the hostname resolves to, which
+    may be a loopback address) and a free TCP port, for the process-group rendezvous."""
     with socket.socket() as s:
         s.bind(("", 0))
-        return host, s.getsockname()[1]
+        return host or socket.gethostbyname(socket.gethostname()), s.getsockname()[1]
 
 
 class _Worker:
