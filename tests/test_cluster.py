@@ -290,3 +290,13 @@ def test_tool_rollouts_on_ray_equal_local(tmp_path):
     got, want = rows(tmp_path / "ray"), rows(tmp_path / "local")
     assert "rollout/turns_mean" in got[0]
     assert [measured(r) for r in got] == [measured(r) for r in want]
+
+
+def test_sigterm_on_ray_checkpoints_and_resumes_exactly(tmp_path, monkeypatch, disaggregated_run):
+    """Preemption of the driver: the step finishes, the checkpoint gathers state from the actors, exit 75."""
+    assert run(tmp_path, *RAY, "checkpoint.every=0", fault="weight_sync@1", monkeypatch=monkeypatch) == 75
+    monkeypatch.delenv("TWINPLANE_FAULT")
+    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *RAY, "checkpoint.every=0", "--resume", "auto"]) == 0
+    a, b = weights(tmp_path), weights(disaggregated_run)
+    assert all(torch.equal(a[n], b[n]) for n in b)
+    assert [measured(r) for r in rows(tmp_path)] == [measured(r) for r in rows(disaggregated_run)]
