@@ -300,3 +300,12 @@ def test_sigterm_on_ray_checkpoints_and_resumes_exactly(tmp_path, monkeypatch, d
     a, b = weights(tmp_path), weights(disaggregated_run)
     assert all(torch.equal(a[n], b[n]) for n in b)
     assert [measured(r) for r in rows(tmp_path)] == [measured(r) for r in rows(disaggregated_run)]
+
+
+def test_ray_backend_without_ray_is_a_config_error(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *RAY]) == 2
+    assert "cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'" in capsys.readouterr().err

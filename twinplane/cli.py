@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         except WorkerError as e:  # a crash, not bad input: exit 1 lets `supervise` resume from the checkpoint
             print(f"twinplane: error: {e}", file=sys.stderr)
             return 1
+        except ConfigError as e:  # found only when the planes start (e.g. an unreachable cluster.address)
+            print(f"twinplane: error: {e}", file=sys.stderr)
+            return 2
         return 0
     try:
         engine = RolloutEngine(setup.model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id,

@@ -7,6 +7,7 @@ training work, so those surface as one-line errors; `train()` then runs.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import signal
@@ -118,6 +119,8 @@ def find_resume(cfg: Config, resume: str | None, log=print) -> Path | None:
 
 def prepare(cfg: Config, resume: str | None = None) -> Setup:
     check_backends(cfg.log.backends)
+    if cfg.cluster.backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'")
     resume_from = find_resume(cfg, resume)
     platform.setup(cfg.seed, cfg.threads or None)
     # With Ray the workers take the devices; this process only holds a host copy (warm start, checkpoints).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from twinplane.cluster.planes import LocalPlanes, WorkerError, build_rollout
-from twinplane.config import Config, ConfigError
+from twinplane.config import Config
 from twinplane.model import Transformer
 from twinplane.tokenizer import Tokenizer
 
@@ -14,10 +14,7 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
     tis_cap = cfg.algo.tis_cap if cfg.cluster.async_ else None
     if cfg.cluster.backend == "local":
         return LocalPlanes(cfg, model, reference, tokenizer, total_steps, tis_cap)
-    try:
-        from twinplane.cluster.ray_planes import RayPlanes
-    except ImportError as e:
-        raise ConfigError(f"cluster.backend=ray needs Ray ({e}): pip install 'twinplane[cluster]'") from None
+    from twinplane.cluster.ray_planes import RayPlanes  # Ray's presence is checked by `run.prepare`
 
     def cpu_state(m: Transformer) -> dict:
         return {n: p.detach().cpu() for n, p in m.named_parameters()}

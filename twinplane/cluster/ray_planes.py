@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from twinplane import platform
 from twinplane.cluster.planes import WorkerError
 from twinplane.cluster.workers import RolloutWorker, TrainWorker, WorkerSpec, free_address
-from twinplane.config import Config
+from twinplane.config import Config, ConfigError
 from twinplane.model import ModelConfig
 from twinplane.rollout import SamplingParams
 from twinplane.sync import SyncReport
@@ -48,7 +48,10 @@ class RayPlanes:
         self.cfg, self.timeout = cfg, c.timeout_s
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
+            try:
+                ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"cluster.address={c.address}: cannot start or join Ray ({_first_line(e)})") from None
         self.pg, self.actors = None, {}
         try:
             self._start(cfg, model_config, tokenizer, policy, reference, total_steps, tis_cap, log)
