@@ -222,11 +222,14 @@ class _Pending:
         self.planes, self.calls, self.shares = planes, calls, shares
 
     def result(self) -> list:
-        samples = []
-        for share, part in zip(self.shares, self.planes._wait(self.calls, "rollout"), strict=True):
+        samples, busy = [], []
+        for share, (part, seconds) in zip(self.shares, self.planes._wait(self.calls, "rollout"), strict=True):
             for s in part:  # each engine numbered its own requests 0..k-1
                 s.request_index = share[s.request_index]
             samples += part
+            busy.append(seconds)
+        self.planes.engine.last_metrics = {"rollout/engine_busy_s_max": max(busy),
+                                           "rollout/engine_busy_s_min": min(busy)}
         return sorted(samples, key=lambda s: s.request_index)  # stable: a request's n samples keep their order
 
 
@@ -235,6 +238,7 @@ class _EngineProxy:
 
     def __init__(self, planes: RayPlanes, dtype: torch.dtype):
         self.planes, self.dtype, self.weight_version = planes, dtype, 0
+        self.last_metrics: dict[str, float] = {}  # of the last rollout collected
 
     def submit(self, requests, sampling: SamplingParams) -> _Pending:
         loads = [len(r) + sampling.max_new_tokens for r in requests]

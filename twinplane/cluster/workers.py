@@ -98,11 +98,14 @@ class _Worker:
         self.engine_dtype = dtype
 
     # --- the engine's side (a RolloutWorker, or a colocated TrainWorker) ----------------------------------------
-    def generate(self, requests: list[list[int]], sampling: SamplingParams):
+    def generate(self, requests: list[list[int]], sampling: SamplingParams) -> tuple[list, float]:
+        """Samples, and this engine's busy seconds (the driver reports the spread: load imbalance)."""
+        t0 = time.perf_counter()
         samples = self.rollout.generate(requests, sampling)
+        platform.synchronize(self.device)
         if self.spec.cfg.cluster.colocate:
             platform.empty_cache(self.device)  # hand the KV cache's memory back to the training plane
-        return samples
+        return samples, time.perf_counter() - t0
 
     def engine_state(self) -> tuple[torch.Tensor, int]:
         return self.engine.generator.get_state(), self.engine.weight_version
