@@ -78,30 +78,47 @@ def test_disaggregated_run_equals_local(local_run, disaggregated_run):
     assert max(float((a[n] - b[n]).abs().max()) for n in b) < 1e-5
 
 
-def test_engine_checksums_equal_trainer_after_each_sync(tmp_path):
-    """Planes driven directly: after each sync every engine's own checksum equals the trainer's, and equals an
-    independent checksum of the trainer's gathered weights; samples carry the new version."""
+def test_fsdp2_ranks_on_ray_train_like_one_process_and_engines_follow(tmp_path):
+    """Planes driven directly, 2 colocated FSDP2 ranks: each update equals one process's on the same batch
+    (rows dealt to ranks by token count, log-probs reassembled), and after each sync every engine's checksum
+    equals the trainer's and an independent checksum of the gathered weights; samples carry the new version."""
+    import copy
+
     from twinplane import run as run_mod
     from twinplane.cluster import build_planes
     from twinplane.rollout import SamplingParams
+    from twinplane.train import Batch, Trainer
 
     cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
-                             "cluster.rollout_devices=2", f"run_dir={tmp_path}"])
+                             "cluster.rollout_devices=2", f"run_dir={tmp_path}", "train.lr=1e-2"])
     setup = run_mod.prepare(cfg)
     planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
+    local = Trainer(copy.deepcopy(setup.model), cfg.train, cfg.algo, 1.0, 10)
     try:
         prompts = [p.ids for p in setup.train_prompts[:5]]
+        checksums = set()
         for version in (1, 2):
             samples = planes.engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
             assert [s.request_index for s in samples] == [i for i in range(5) for _ in range(2)]
             assert {s.weight_version for s in samples} == {version - 1}
+            batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], 0,
+                                  [s.logprobs for s in samples])
+            batch.advantages = torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask
+            batch.ref_logprobs = (batch.rollout_logprobs - 0.1) * batch.response_mask  # a KL term with gradient
+            assert torch.allclose(planes.trainer.logprobs(batch), local.logprobs(batch), atol=1e-5)
+            got, want = planes.trainer.train_step(batch), local.train_step(batch)
+            for k, v in want.items():
+                assert got[k] == pytest.approx(v, abs=1e-5), k
             report = planes.sync(version)
             assert [n.split(" (pid")[0] for n in report.checksums] == ["training rank 0 (and engine 0)",
                                                                         "training rank 1 (and engine 1)"]
             assert report.mismatched() == [] and report.bytes > 0
             policy = planes.state()["policy"]
-            independent = weights_checksum(policy.items())
-            assert set(report.checksums.values()) == {independent}
+            assert set(report.checksums.values()) == {weights_checksum(policy.items())}
+            checksums.add(report.expected)
+            for n, p in local.model.named_parameters():
+                assert torch.allclose(policy[n], p, atol=1e-5), n
+        assert len(checksums) == 2  # the updates changed the weights the engines hold
     finally:
         planes.close()
         setup.scorer.close()
