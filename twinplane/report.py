@@ -231,6 +231,27 @@ def plot_kl_entropy(rows: list[dict], fig) -> bool:
     return True
 
 
+def plot_weight_sync(rows: list[dict], fig) -> bool:
+    rows = _train_rows(rows)
+    gbps, secs = Series(rows, "sync/gb_per_s"), Series(rows, "time/weight_sync")
+    if not gbps:
+        return False
+    ax = fig.add_subplot()
+    _line(ax, gbps, "GB/s", "C0")
+    ax.set(title="Weight sync trainer → engines", xlabel="step", ylabel="GB/s (engine-dtype weights)")
+    ax.set_ylim(bottom=0)
+    axes = [ax]
+    if secs:
+        ax2 = ax.twinx()
+        _line(ax2, secs, "seconds", "C1")
+        ax2.lines[-1].set_linestyle("--")
+        ax2.set_ylabel("seconds per sync")
+        ax2.set_ylim(bottom=0)
+        axes.append(ax2)
+    _legend(*axes)
+    return True
+
+
 @dataclass
 class Chart:
     name: str
@@ -245,6 +266,7 @@ CHARTS = [
     Chart("throughput.png", plot_throughput, "rollout and train tokens/s, with MFU when the device's peak is known"),
     Chart("response_length.png", plot_response_length, "mean and max response length, and the truncation rate"),
     Chart("kl_entropy.png", plot_kl_entropy, "KL to the reference, policy entropy, clip fraction, log-prob gap"),
+    Chart("weight_sync.png", plot_weight_sync, "weight-sync bandwidth (GB/s) and seconds per sync"),
 ]
 
 
