@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from twinplane import platform
-from twinplane.cluster.planes import restore_generator
+from twinplane.cluster.planes import build_rollout, restore_generator
 from twinplane.config import Config
 from twinplane.model import ModelConfig, Transformer, load_weights
-from twinplane.rollout import MultiTurnRollout, RolloutEngine, SamplingParams, build_tools
+from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
@@ -93,8 +93,7 @@ class _Worker:
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
         self.engine = RolloutEngine(model, s.tokenizer.eos_token_id, s.tokenizer.pad_token_id, r.max_num_seqs,
                                     seed=s.cfg.seed + 1_000_003 * index)
-        self.rollout = MultiTurnRollout(self.engine, s.tokenizer, build_tools(r.tools), r.max_turns) \
-            if r.tools else self.engine
+        self.rollout = build_rollout(s.cfg, self.engine, s.tokenizer)
         self.engine_dtype = dtype
 
     # --- the engine's side (a RolloutWorker, or a colocated TrainWorker) ----------------------------------------
