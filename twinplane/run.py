@@ -246,11 +246,6 @@ def train(s: Setup, console: Console | None = None) -> dict:
                             cfg.algo.norm_adv_by_std, rollout=planes.rollout, on_phase=hook,
                             peak_flops=platform.detect().peak_flops, sync=planes.sync, async_=cfg.cluster.async_,
                             devices=(planes.train_devices, planes.rollout_devices))
-    if state is not None:
-        planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"], state["weight_version"])
-        controller.version = state["weight_version"]
-        controller.load_pending(state.get("pending"))
-        console.print(f"resumed from {s.resume_from} (step {state['step']})")
     log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
     sinks = build_loggers(cfg.log.backends, run_dir, cfg.to_dict(), cfg.log.wandb_project, cfg.log.wandb_mode)
 
@@ -299,6 +294,11 @@ def train(s: Setup, console: Console | None = None) -> dict:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if state is not None:
+            planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"], state["weight_version"])
+            controller.version = state["weight_version"]
+            controller.load_pending(state.get("pending"))
+            console.print(f"resumed from {s.resume_from} (step {state['step']})")
         if cfg.eval.before and s.val_prompts and s.resume_from is None:
             ev = validate(0)
             record(0, ev)  # step 0: the policy before any RL update
