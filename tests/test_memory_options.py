@@ -4,16 +4,15 @@ micro-batches, optimizer-state offload; and scoring that stays in lockstep acros
 import datetime
 import os
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import conftest and test_trainer by name
 from conftest import tiny_model  # noqa: E402
+from test_fsdp import spawn  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
 
 import twinplane.train.trainer as trainer_module  # noqa: E402
@@ -160,17 +159,6 @@ def test_move_optimizer_state_round_trip_gpu():
     p = opt.param_groups[0]["params"][0]
     p.grad = torch.randn_like(p)
     opt.step()  # the optimizer accepts the moved state
-
-
-def spawn(fn, args, nprocs, timeout=90.0):
-    """Run fn(rank, *args) on nprocs spawned processes; kill them and fail past `timeout` seconds."""
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"workers still running after {timeout} s")
 
 
 def _worker(rank, world, tmp):
