@@ -139,6 +139,8 @@ class Controller:
 
     def _metrics(self, samples, rewards, batch: Batch, updates: list[dict], times: dict) -> dict[str, float]:
         n = self.sampling.n
+        # Remote engines report their own busy time: with an overlapped rollout the phase timer only saw the wait.
+        rollout_s = getattr(self.rollout, "last_metrics", {}).get("rollout/engine_busy_s_max", times["time/rollout"])
         lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
         groups = rewards.view(-1, n)
         gen_tokens = int(lengths.sum())
@@ -151,7 +153,7 @@ class Controller:
             "rollout/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout/zero_var_groups": (groups.max(1).values == groups.min(1).values).float().mean().item(),
             "rollout/weight_version": samples[0].weight_version,
-            "perf/rollout_tokens_per_s": gen_tokens / max(times["time/rollout"], 1e-9),
+            "perf/rollout_tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
             "perf/train_tokens_per_s": train_tokens / max(times["time/train"], 1e-9),
         }
         cfg = self.trainer.config
@@ -161,7 +163,7 @@ class Controller:
         rollout_flops = (gen_tokens * forward_flops_per_token(cfg, mean_prompt + lengths.mean().item() / 2)
                          + sum(prompt_lens) / n * forward_flops_per_token(cfg, mean_prompt / 2))  # prefill once
         for name, flops, t, devices in (("train", train_flops, times["time/train"], self.devices[0]),
-                                        ("rollout", rollout_flops, times["time/rollout"], self.devices[1])):
+                                        ("rollout", rollout_flops, rollout_s, self.devices[1])):
             m[f"perf/tflops_{name}"] = flops / max(t, 1e-9) / 1e12
             peak = self.peak_flops * devices if self.peak_flops else None
             m[f"perf/mfu_{name}"] = flops / max(t, 1e-9) / peak if peak else None
