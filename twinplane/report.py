@@ -93,6 +93,17 @@ def _legend(*axes) -> None:
         axes[-1].legend(handles, labels, loc="best", fontsize=8, framealpha=0.9)
 
 
+def _right_axis(ax, lines: list[tuple], ylabel: str):
+    """A dashed second y axis (from 0) sharing the step axis: `lines` are (series, label, color)."""
+    ax2 = ax.twinx()
+    for s, label, color in lines:
+        _line(ax2, s, label, color)
+        ax2.lines[-1].set_linestyle("--")
+    ax2.set_ylabel(ylabel)
+    ax2.set_ylim(bottom=0)
+    return ax2
+
+
 def _train_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["step"] > 0]
 
@@ -172,13 +183,8 @@ def plot_throughput(rows: list[dict], fig) -> bool:
     ax.set(title="Throughput", xlabel="step", ylabel="tokens / s")
     ax.set_ylim(bottom=0)
     if mfu:
-        ax2 = ax.twinx()
-        for i, (k, s) in enumerate(mfu):
-            _line(ax2, s.scaled(100), f"MFU {k}", f"C{i + 2}")
-            ax2.lines[-1].set_linestyle("--")
-        ax2.set_ylabel("MFU (%)")
-        ax2.set_ylim(bottom=0)
-        _legend(ax, ax2)
+        _legend(ax, _right_axis(ax, [(s.scaled(100), f"MFU {k}", f"C{i + 2}") for i, (k, s) in enumerate(mfu)],
+                                "MFU (%)"))
     else:
         ax.text(0.99, 0.02, "MFU unknown for this device", transform=ax.transAxes, ha="right", va="bottom",
                 fontsize=8, color="gray")
@@ -201,12 +207,7 @@ def plot_response_length(rows: list[dict], fig) -> bool:
     ax.set_ylim(bottom=0)
     axes = [ax]
     if trunc:
-        ax2 = ax.twinx()
-        _line(ax2, trunc.scaled(100), "truncated", "C3")
-        ax2.lines[-1].set_linestyle("--")
-        ax2.set_ylabel("truncated (% of responses)")
-        ax2.set_ylim(bottom=0)
-        axes.append(ax2)
+        axes.append(_right_axis(ax, [(trunc.scaled(100), "truncated", "C3")], "truncated (% of responses)"))
     _legend(*axes)
     return True
 
@@ -242,12 +243,7 @@ def plot_weight_sync(rows: list[dict], fig) -> bool:
     ax.set_ylim(bottom=0)
     axes = [ax]
     if secs:
-        ax2 = ax.twinx()
-        _line(ax2, secs, "seconds", "C1")
-        ax2.lines[-1].set_linestyle("--")
-        ax2.set_ylabel("seconds per sync")
-        ax2.set_ylim(bottom=0)
-        axes.append(ax2)
+        axes.append(_right_axis(ax, [(secs, "seconds", "C1")], "seconds per sync"))
     _legend(*axes)
     return True
 
