@@ -1,7 +1,9 @@
 """One decoder implementation for the Llama/Mistral/Qwen2/Qwen3 family, serving both planes.
 
-- training plane: `model(input_ids, attention_mask)` over a padded batch (left- or right-padded);
+- training plane: `model(input_ids, attention_mask)` over a padded batch (left- or right-padded), or
+  `model(input_ids, meta=AttentionMetadata.packed(lengths))` over packed sequences;
 - rollout plane: the same call with a `KVCache`, for prefill and one-token decode steps.
+Attention only sees an `AttentionMetadata` (twinplane.model.attention): the layout of the tokens is the caller's.
 Module and parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`),
 so checkpoints load with no renaming and what we save loads in transformers.
 """
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from twinplane.model.attention import AttentionMetadata, attention, build_mask
 from twinplane.model.config import ModelConfig, rope_inv_freq
 from twinplane.model.kv_cache import KVCache
 
@@ -48,7 +51,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache | None):
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         q = self.q_proj(x).view(B, T, -1, hd)
@@ -61,11 +64,7 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # [B, H_kv, S, hd]
-        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
-        if mask is None:  # unpadded, no cache: the fused causal kernel
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = attention(q, k, v, meta)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -89,16 +88,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, recompute: bool = False):
+    def forward(self, x, cos, sin, meta, cache, recompute: bool = False):
         """`recompute`: activation checkpointing. It sits inside the block's forward so that FSDP2's unshard hooks
         (on this module's call) stay outside the recomputed region, the arrangement torchtitan uses."""
         if recompute:  # no dropout anywhere, so there is no RNG state to replay
-            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, mask, cache, use_reentrant=False,
+            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, meta, cache, use_reentrant=False,
                                                      preserve_rng_state=False)
-        return self.block(x, cos, sin, mask, cache)
+        return self.block(x, cos, sin, meta, cache)
 
-    def block(self, x, cos, sin, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def block(self, x, cos, sin, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -108,21 +107,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-def build_mask(q_pos, k_pos, k_valid, self_index, window: int | None) -> torch.Tensor:
-    """Boolean mask [B, 1, T, S]: a query sees valid keys at positions <= its own (within the sliding window).
-
-    Each query also sees its own key (`self_index[t]` is its column), so a padding row never has an empty
-    row of keys; an all-masked row would make SDPA return NaN, which would leak into the real rows' grads.
-    """
-    q, k = q_pos[:, :, None], k_pos[:, None, :]  # [B, T, 1], [B, 1, S]
-    mask = k_valid[:, None, :] & (k <= q)
-    if window is not None:
-        mask &= (q - k) < window
-    cols = torch.arange(k_pos.shape[1], device=k_pos.device)
-    mask |= cols[None, None, :] == self_index[None, :, None]
-    return mask[:, None]
 
 
 class Transformer(nn.Module):
@@ -154,13 +138,28 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B, T], 1 = token, 0 = padding
         cache: KVCache | None = None,
         logits_start: int = 0,  # only compute logits for positions >= this (the response region)
+        meta: AttentionMetadata | None = None,  # the caller's token layout (packed rows); None = from the mask
     ) -> torch.Tensor:  # logits [B, T - logits_start, V]
-        h = self.hidden_states(input_ids, attention_mask, cache)
+        h = self.hidden_states(input_ids, attention_mask, cache, meta)
         return F.linear(h[:, logits_start:], self.output_weight())
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      cache: KVCache | None = None) -> torch.Tensor:
+                      cache: KVCache | None = None, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, D] (what the LM head, or a reward head, reads)."""
+        if meta is None:
+            meta = self.dense_metadata(input_ids, attention_mask, cache)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(meta.positions, x.dtype)
+        recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta, cache, recompute)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return self.model.norm(x)
+
+    def dense_metadata(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       cache: KVCache | None) -> AttentionMetadata:
+        """Metadata for padded rows [B, T] (and the static KV cache): positions count real tokens only."""
         B, T = input_ids.shape
         dev = input_ids.device
         valid = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
@@ -183,14 +182,7 @@ class Transformer(nn.Module):
             mask = build_mask(positions, k_pos, k_valid, self_index, self.config.sliding_window)
         elif self.config.sliding_window is not None and T > self.config.sliding_window:
             mask = build_mask(positions, positions, valid, torch.arange(T, device=dev), self.config.sliding_window)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
-        recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache, recompute)
-        if cache is not None:
-            cache.advance(T)
-        return self.model.norm(x)
+        return AttentionMetadata(positions, mask=mask, window=self.config.sliding_window)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
