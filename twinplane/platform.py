@@ -297,3 +297,35 @@ def mfu(flops_per_second: float, info: PlatformInfo | None = None) -> float | No
     """Model FLOPs utilisation of one device; None (never 0) when its peak is unknown."""
     peak = (info or detect()).peak_flops
     return flops_per_second / peak if peak else None
+
+
+# --- rollout engine: paged attention backend, KV budget, graphs ----------------------------------------------------
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the automatic KV budget on CPU hosts: 1 GiB (capped by what a generate call needs)
+FLASH_PAGE_SIZE = 256  # flash-attn's paged KV needs page_block_size % 256 == 0
+
+
+def paged_attention_backend(device: torch.device) -> tuple[str, int]:
+    """(backend, block size) for the rollout engine's paged KV cache: flash-attn's paged varlen kernel where it is
+    installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350), else the portable gather + SDPA with 16-token
+    blocks (small blocks waste less of the pool on partly filled last blocks)."""
+    if device.type == "cuda" and detect().attention.flash_attn_eligible:
+        return "flash", FLASH_PAGE_SIZE
+    return "sdpa", 16
+
+
+def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float) -> int:
+    """Bytes the rollout engine may give its KV pool: `kv_cache_bytes` when set, else on GPUs a fraction of the
+    memory free now (after the weights), else CPU_KV_CACHE_BYTES."""
+    if kv_cache_bytes > 0:
+        return int(kv_cache_bytes)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * gpu_memory_utilization)
+    return CPU_KV_CACHE_BYTES
+
+
+def decode_graphs_supported(device: torch.device) -> bool:
+    """CUDA graphs (HIP graphs on ROCm, same torch.cuda API) for decode steps; they need the fused paged kernel,
+    whose shapes do not change with context length (the portable gather does)."""
+    return device.type == "cuda" and paged_attention_backend(device)[0] == "flash"

@@ -1,8 +1,7 @@
-from twinplane.model.attention import AttentionMetadata, attention
+from twinplane.model.attention import AttentionMetadata, PagedKV, attention
 from twinplane.model.config import ModelConfig
-from twinplane.model.kv_cache import KVCache
 from twinplane.model.transformer import Transformer
 from twinplane.model.weights import iter_safetensors, load_model, load_weights, save_pretrained
 
-__all__ = ["AttentionMetadata", "KVCache", "ModelConfig", "Transformer", "attention", "iter_safetensors", "load_model",
+__all__ = ["AttentionMetadata", "PagedKV", "ModelConfig", "Transformer", "attention", "iter_safetensors", "load_model",
            "load_weights", "save_pretrained"]

@@ -6,6 +6,10 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
 - dense: tokens [B, T] with an optional boolean mask [B, 1, T, S] (None = plain causal, the fused SDPA kernel);
 - varlen (packed): one row [1, T] holding several sequences back to back, delimited by `cu_seqlens`; each token
   attends causally within its own sequence only. Portable path: SDPA with a block-diagonal causal mask.
+- paged (the rollout engine): one row [1, T] mixing prefill chunks and one-token decodes of many sequences whose
+  earlier keys/values live in a block pool (`PagedKV`). Each layer writes its new k/v to the pool at
+  `slot_mapping` and attends over its sequence's blocks. Portable path: gather each sequence's slots + SDPA;
+  fused path (GPUs with flash-attn): `flash_attn_varlen_func(..., block_table=...)` reads the pool in place.
 Backends for a layout are chosen by the platform module (`meta.backend`); every fast path keeps the portable one.
 """
 
@@ -26,6 +30,7 @@ class AttentionMetadata:
     max_seqlen: int = 0  # varlen: longest sequence (what fused varlen kernels size their tiles by)
     window: int | None = None  # sliding-window size (Mistral/Qwen2 configs), None = full causal
     backend: str = "sdpa"  # which kernel runs this layout (decided in twinplane.platform)
+    paged: PagedKV | None = None  # paged layout (B == 1): the KV pool and where each sequence's tokens are
 
     @property
     def varlen(self) -> bool:
@@ -46,8 +51,12 @@ class AttentionMetadata:
                    backend=backend)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, H_kv, S, D] (GQA when H_kv < H) -> [B, H, T, D]."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+              layer: int = 0) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, H_kv, S, D] (GQA when H_kv < H) -> [B, H, T, D]. `layer` picks the paged pool's
+    layer (paged layout only)."""
+    if meta.paged is not None:
+        return paged_attention(q, k, v, meta, layer)
     gqa = q.shape[1] != k.shape[1]
     if meta.varlen:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=varlen_mask(meta), enable_gqa=gqa)
@@ -82,3 +91,106 @@ def build_mask(q_pos, k_pos, k_valid, self_index, window: int | None) -> torch.T
     cols = torch.arange(k_pos.shape[1], device=k_pos.device)
     mask |= cols[None, None, :] == self_index[None, :, None]
     return mask[:, None]
+
+
+# --- paged layout (the rollout engine's KV pool) ------------------------------------------------------------------
+
+@dataclass
+class PagedKV:
+    """Where the tokens of one paged forward come from and go to. The model reads only these tensors; the block
+    pool's bookkeeping (free list, reference counts, copy-on-write) stays in twinplane.rollout.
+
+    Sequence order: the first `num_decodes` sequences contribute one token each (decodes), the rest a prefill
+    chunk each; token t of the row belongs to the sequence whose [cu_seqlens_q[s], cu_seqlens_q[s+1]) holds it.
+    """
+
+    k_cache: torch.Tensor  # [L, N, bs, H_kv, D] block pool (keys)
+    v_cache: torch.Tensor  # [L, N, bs, H_kv, D] block pool (values)
+    slot_mapping: torch.Tensor  # [T] long: pool slot (block * bs + offset) each new token's k/v is written to
+    block_tables: torch.Tensor  # [S, M] int32: blocks of each sequence in order (padded with block 0)
+    context_lens: torch.Tensor  # [S] int32: tokens of each sequence in the pool once this forward wrote its own
+    cu_seqlens_q: torch.Tensor  # [S + 1] int32: query starts in the row
+    query_lens: list[int]  # host copy of the query lengths (the portable path's loop bounds)
+    num_decodes: int  # leading sequences with exactly one query token
+    max_context: int  # longest context (fused kernels size their tiles by it)
+    _plan: list | None = None  # portable path: per-group gather slots and masks, built once per forward
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[2]
+
+    def plan(self, window: int | None) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+        """(first query, last query + 1, key slots [G, S_k], mask [G, 1, Q, S_k] or None = causal) per group:
+        all decodes as one group (always first), each prefill chunk as its own. Shared by every layer."""
+        if self._plan is not None:
+            return self._plan
+        bs, dev = self.block_size, self.block_tables.device
+        lens = self.context_lens.tolist()
+        offsets = torch.arange(bs, device=dev)
+        self._plan = []
+        d = self.num_decodes
+        if d:
+            width = max(lens[:d])
+            slots = (self.block_tables[:d, :, None].long() * bs + offsets).flatten(1)[:, :width]  # [d, S_k]
+            k_pos = torch.arange(width, device=dev)[None]
+            ctx = self.context_lens[:d, None].long()
+            mask = k_pos < ctx
+            if window is not None:
+                mask &= (ctx - 1 - k_pos) < window
+            self._plan.append((0, d, slots, mask[:, None, None]))  # [d, 1, 1, S_k]
+        start = d
+        for s in range(d, len(self.query_lens)):
+            q_len, ctx = self.query_lens[s], lens[s]
+            slots = (self.block_tables[s, :, None].long() * bs + offsets).flatten()[:ctx][None]  # [1, ctx]
+            mask = None
+            if q_len != ctx or window is not None:  # a later chunk (earlier context in the pool) or a window
+                q_pos = torch.arange(ctx - q_len, ctx, device=dev)[:, None]
+                k_pos = torch.arange(ctx, device=dev)[None]
+                m = k_pos <= q_pos
+                if window is not None:
+                    m &= (q_pos - k_pos) < window
+                mask = m[None, None]
+            self._plan.append((start, start + q_len, slots, mask))
+            start += q_len
+        return self._plan
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                    layer: int) -> torch.Tensor:
+    """q [1, H, T, D], new k/v [1, H_kv, T, D] of a mixed prefill/decode row -> [1, H, T, D]; writes k/v into the
+    pool first, so each token attends to its sequence's earlier tokens and to itself."""
+    p = meta.paged
+    k_pool, v_pool = p.k_cache[layer].flatten(0, 1), p.v_cache[layer].flatten(0, 1)  # [N * bs, H_kv, D] views
+    k_pool.index_copy_(0, p.slot_mapping, k[0].transpose(0, 1))
+    v_pool.index_copy_(0, p.slot_mapping, v[0].transpose(0, 1))
+    if meta.backend == "flash":
+        return _flash_paged(q, meta, layer)
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for a, b, slots, mask in p.plan(meta.window):
+        keys = k_pool[slots].transpose(1, 2)  # [G, H_kv, S_k, D]
+        vals = v_pool[slots].transpose(1, 2)
+        if a < p.num_decodes:  # the decode group: one query per sequence, batched over sequences
+            qg = q[0, :, a:b].transpose(0, 1)[:, :, None]  # decodes: [G, H, 1, D]
+            y = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, enable_gqa=gqa)
+            outs.append(y[:, :, 0].transpose(0, 1))  # [H, G, D]
+        else:
+            y = F.scaled_dot_product_attention(q[:, :, a:b], keys, vals, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=gqa)
+            outs.append(y[0])  # [H, q_len, D]
+    return torch.cat(outs, dim=1)[None]
+
+
+def _flash_paged(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.Tensor:
+    """The fused GPU path: flash-attn reads the block pool through the block table (bottom-right causal, so a
+    chunk of later prompt tokens sees the earlier ones). Needs block_size % 256 == 0 (platform picks it)."""
+    from flash_attn import flash_attn_varlen_func
+
+    p = meta.paged
+    cu_k = torch.zeros(len(p.context_lens) + 1, dtype=torch.int32, device=q.device)
+    cu_k[1:] = p.context_lens.cumsum(0)
+    window = (-1, -1) if meta.window is None else (meta.window - 1, 0)
+    y = flash_attn_varlen_func(q[0].transpose(0, 1), p.k_cache[layer], p.v_cache[layer], p.cu_seqlens_q, cu_k,
+                               max(p.query_lens), p.max_context, causal=True, window_size=window,
+                               block_table=p.block_tables)  # [T, H, D]
+    return y.transpose(0, 1)[None]

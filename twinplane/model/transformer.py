@@ -2,7 +2,8 @@
 
 - training plane: `model(input_ids, attention_mask)` over a padded batch (left- or right-padded), or
   `model(input_ids, meta=AttentionMetadata.packed(lengths))` over packed sequences;
-- rollout plane: the same call with a `KVCache`, for prefill and one-token decode steps.
+- rollout plane: `model.hidden_states(ids [1, T], meta=...)` with a paged-KV `AttentionMetadata` built by the
+  engine (prefill chunks and decodes of many sequences in one row).
 Attention only sees an `AttentionMetadata` (twinplane.model.attention): the layout of the tokens is the caller's.
 Module and parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`),
 so checkpoints load with no renaming and what we save loads in transformers.
@@ -17,7 +18,6 @@ from torch import nn
 
 from twinplane.model.attention import AttentionMetadata, attention, build_mask
 from twinplane.model.config import ModelConfig, rope_inv_freq
-from twinplane.model.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +51,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache | None):
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         q = self.q_proj(x).view(B, T, -1, hd)
@@ -62,9 +62,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # [B, H_kv, S, hd]
-        y = attention(q, k, v, meta)
+        y = attention(q, k, v, meta, self.layer)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -88,16 +86,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, cache, recompute: bool = False):
+    def forward(self, x, cos, sin, meta, recompute: bool = False):
         """`recompute`: activation checkpointing. It sits inside the block's forward so that FSDP2's unshard hooks
         (on this module's call) stay outside the recomputed region, the arrangement torchtitan uses."""
         if recompute:  # no dropout anywhere, so there is no RNG state to replay
-            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, meta, cache, use_reentrant=False,
+            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, meta, use_reentrant=False,
                                                      preserve_rng_state=False)
-        return self.block(x, cos, sin, meta, cache)
+        return self.block(x, cos, sin, meta)
 
-    def block(self, x, cos, sin, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+    def block(self, x, cos, sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -136,55 +134,33 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T]
         attention_mask: torch.Tensor | None = None,  # [B, T], 1 = token, 0 = padding
-        cache: KVCache | None = None,
         logits_start: int = 0,  # only compute logits for positions >= this (the response region)
         meta: AttentionMetadata | None = None,  # the caller's token layout (packed rows); None = from the mask
     ) -> torch.Tensor:  # logits [B, T - logits_start, V]
-        h = self.hidden_states(input_ids, attention_mask, cache, meta)
+        h = self.hidden_states(input_ids, attention_mask, meta)
         return F.linear(h[:, logits_start:], self.output_weight())
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      cache: KVCache | None = None, meta: AttentionMetadata | None = None) -> torch.Tensor:
+                      meta: AttentionMetadata | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, D] (what the LM head, or a reward head, reads)."""
         if meta is None:
-            meta = self.dense_metadata(input_ids, attention_mask, cache)
+            meta = self.dense_metadata(input_ids, attention_mask)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(meta.positions, x.dtype)
-        recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, cache, recompute)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
+            x = layer(x, cos, sin, meta, recompute)
         return self.model.norm(x)
 
-    def dense_metadata(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                       cache: KVCache | None) -> AttentionMetadata:
-        """Metadata for padded rows [B, T] (and the static KV cache): positions count real tokens only."""
+    def dense_metadata(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> AttentionMetadata:
+        """Metadata for padded rows [B, T]: positions count real tokens only."""
         B, T = input_ids.shape
         dev = input_ids.device
         valid = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
-        start = 0 if cache is None else cache.length
-        if cache is not None and start > 0:
-            # continue each row from the number of real tokens it already has
-            positions = cache.valid[:, :start].sum(1, keepdim=True) + valid.long().cumsum(1) - 1
-        else:
-            positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        if attention_mask is not None and cache is None and bool(valid.all()):
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        if attention_mask is not None and bool(valid.all()):
             attention_mask = None  # no padding at all: take the fused causal kernel
-        mask = None
-        if attention_mask is not None or cache is not None:
-            if cache is not None:
-                cache.append_meta(positions, valid)
-                k_pos, k_valid = cache.positions[:, :start + T], cache.valid[:, :start + T]
-            else:
-                k_pos, k_valid = positions, valid
-            self_index = torch.arange(start, start + T, device=dev)
-            mask = build_mask(positions, k_pos, k_valid, self_index, self.config.sliding_window)
-        elif self.config.sliding_window is not None and T > self.config.sliding_window:
-            mask = build_mask(positions, positions, valid, torch.arange(T, device=dev), self.config.sliding_window)
-        return AttentionMetadata(positions, mask=mask, window=self.config.sliding_window)
-
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        c = self.config
-        p = self.output_weight()
-        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+        window, mask = self.config.sliding_window, None
+        if attention_mask is not None or (window is not None and T > window):
+            mask = build_mask(positions, positions, valid, torch.arange(T, device=dev), window)
+        return AttentionMetadata(positions, mask=mask, window=window)

@@ -1,145 +1,246 @@
-"""The rollout plane's engine: batched generation over the shared model with a KV cache.
+"""The rollout plane's engine: continuous batching over a paged KV cache.
 
-Scheduling is static batching with compaction: prompts are left-padded and prefilled once (each prompt once,
-however many samples it has), the cache is expanded to n rows per prompt, and rows that finish are dropped
-from the cache after each step, so finished sequences cost no further compute.
-Interface: `generate(requests, sampling) -> samples`, `load_weights(named_tensors)`, `checksum()`.
+Every request of a `generate` call enters one waiting queue (twinplane.rollout.scheduler). Each engine step runs
+ONE forward over a flat row of tokens: the running sequences' decodes and prefill chunks of newly admitted ones
+(at most `max_num_batched_tokens`), with k/v in a pool of fixed-size blocks (twinplane.rollout.kv_cache) handed
+out by the block manager. A request with n samples is prefilled once and forks into n sequences sharing its
+prompt blocks. Finished sequences free their blocks at once and waiting ones take their place, so a long tail
+never idles the batch, and memory follows the tokens actually held, not max_new_tokens.
+
+Samples do not depend on batching: each sample draws its uniforms from its own stream, seeded from (the call's
+seed, request index, sample index). What can still differ between two runs that batch differently is the
+floating point of batched matmuls (a row's logits in a forward of 3 tokens vs 300 may differ in the last bits,
+so a sample whose uniform lands on a CDF boundary could flip); on CPU the tests see identical outputs.
+
+Interface: `generate(requests, sampling) -> samples`, `submit` (the same, as a handle), `load_weights(named)`,
+`checksum()`, and `pop_metrics()` (occupancy, preemptions, KV usage, prefill/decode tokens/s since last call).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from twinplane.model import Transformer, load_weights
+from twinplane import platform
+from twinplane.model import AttentionMetadata, PagedKV, Transformer, load_weights
+from twinplane.rollout.block_manager import BlockManager
+from twinplane.rollout.kv_cache import KVCache, bytes_per_block
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
+from twinplane.rollout.scheduler import ScheduledBatch, Scheduler
+from twinplane.rollout.sequence import Sample, Sequence as Seq, sample_seed
 from twinplane.sync import weights_checksum
+
+__all__ = ["RolloutEngine", "Sample"]
 
 
 @dataclass
-class Sample:
-    request_index: int
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated tokens, including the stop token when there is one
-    logprobs: list[float]  # log pi(token) under the engine's weights, per generated token
-    finish_reason: str  # "stop" (EOS / stop token / stop sequence) or "length" (max_new_tokens)
-    weight_version: int  # which weight sync generated it
-    # Multi-turn fields (filled by multi_turn.py), here so every consumer reads one type: a plain generation is
-    # one turn of model tokens only.
-    loss_mask: list[int] | None = None  # per token: 1 = model-generated (trained on), 0 = tool output; None = all 1
-    num_turns: int = 1
-    num_tool_calls: int = 0
-    num_tool_errors: int = 0
+class EngineStats:
+    """Counters since the last `pop_metrics`."""
 
-    def __post_init__(self):
-        if self.loss_mask is None:
-            self.loss_mask = [1] * len(self.token_ids)
+    steps: int = 0
+    running_sum: int = 0  # running sequences summed over steps (occupancy)
+    usage_peak: float = 0.0  # fraction of the pool's blocks in use, at the fullest step
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    seconds: float = 0.0
 
 
 class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
-                 max_num_seqs: int = 512, seed: int = 0):
+                 max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
+                 max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9, graphs: bool = False):
+        """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
+        `graphs`: CUDA-graph the decode steps where the platform supports it (eager elsewhere)."""
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.model = model.eval().requires_grad_(False)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.kv_cache_bytes, self.gpu_memory_utilization = kv_cache_bytes, gpu_memory_utilization
         self.device = model.output_weight().device
-        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
+        self.backend, self.block_size = platform.paged_attention_backend(self.device)
+        self.graphs = None
+        if graphs and platform.decode_graphs_supported(self.device):
+            from twinplane.rollout.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+        self.kv: KVCache | None = None
+        self.blocks: BlockManager | None = None
+        self.stats = EngineStats()
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.output_weight().dtype
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        load_weights(self.model, named)
+        load_weights(self.model, named)  # in place: captured decode graphs keep reading the same tensors
         self.weight_version = self.weight_version + 1 if version is None else version
 
     def checksum(self) -> int:
         return weights_checksum(self.model.named_parameters())
 
+    # --- requests in, samples out -------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
         """Samples ordered request by request, `sampling.n` per request."""
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
-        per_chunk = max(1, self.max_num_seqs // sampling.n)
-        samples = []
-        for start in range(0, len(requests), per_chunk):
-            chunk = requests[start:start + per_chunk]
-            samples += self._generate_chunk(chunk, start, sampling)
-        return samples
+        seed = int(torch.randint(2**62, (1,), generator=self.generator, device=self.generator.device))
+        seqs = [self.sequence(p, i, sampling, [sample_seed(seed, i, j) for j in range(sampling.n)])
+                for i, p in enumerate(requests)]
+        return self.run(seqs)
 
-    def _generate_chunk(self, prompts, offset: int, sp: SamplingParams) -> list[Sample]:
-        dev, n, max_new = self.device, sp.n, sp.max_new_tokens
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
-        plen = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), plen), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), plen, dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding keeps every row's next write at the same column
-            ids[i, plen - len(p):] = torch.tensor(p)
-            mask[i, plen - len(p):] = 1
-        cache = self.model.new_cache(len(prompts), plen + max_new)
-        logits = self.model(ids.to(dev), mask.to(dev), cache=cache, logits_start=plen - 1)[:, -1]  # [P, V]
-        cache.repeat_interleave(n)
-        logits = logits.repeat_interleave(n, dim=0)  # [P*n, V]
+    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> _Done:
+        """The async interface (`handle.result()`): one process has one device, so it generates now."""
+        return _Done(self.generate(requests, sampling))
 
-        total = len(prompts) * n
-        stop_ids = [t for t in [self.eos_token_id, *sp.stop_token_ids] if t is not None]
-        stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=dev)
-        stop[stop_ids] = True
-        stop_seqs = [torch.tensor(s, dtype=torch.long, device=dev) for s in sp.stop_sequences]
-        longest = max((len(s) for s in sp.stop_sequences), default=0)
-        out_tok = torch.full((total, max_new), self.pad_token_id, dtype=torch.long, device=dev)
-        out_lp = torch.zeros(total, max_new, dtype=torch.float32, device=dev)
-        lengths = torch.full((total,), max_new, dtype=torch.long, device=dev)
-        stopped = torch.zeros(total, dtype=torch.bool, device=dev)
-        rows = torch.arange(total, device=dev)  # which output row each cache row is
-        for step in range(max_new):
-            lp = policy_logprobs(logits, sp.temperature)  # [B, V]
-            tok = sample(lp, sp, self.generator, banned=stop if step < sp.min_new_tokens else None)
-            out_tok[rows, step] = tok
-            out_lp[rows, step] = lp.gather(-1, tok[:, None]).squeeze(-1)
-            done = stop[tok]
-            if stop_seqs and step >= sp.min_new_tokens:  # only with stop sequences: the plain path is untouched
-                done = done | ends_with_any(out_tok[rows, max(0, step + 1 - longest):step + 1], stop_seqs)
-            if step + 1 == max_new:
-                break
-            if done.any():
-                lengths[rows[done]] = step + 1
-                stopped[rows[done]] = True
-                if done.all():
-                    break
-                keep = (~done).nonzero().squeeze(-1)
-                cache.select(keep)
-                rows, tok = rows[keep], tok[keep]
-            logits = self.model(tok[:, None], cache=cache)[:, -1]
-        if step + 1 == max_new:  # rows still running at the last step may have stopped on it
-            stopped[rows[done]] = True
+    def sequence(self, prompt: Sequence[int], request_index: int, sampling: SamplingParams,
+                 seeds: list[int]) -> Seq:
+        """A request as the scheduler sees it: one sequence per prompt, one random stream per sample."""
+        if len(prompt) == 0:
+            raise ValueError(f"request {request_index}: empty prompt")
+        stops = frozenset(t for t in [self.eos_token_id, *sampling.stop_token_ids] if t is not None)
+        return Seq(list(prompt), request_index, sampling, seeds, stops)
 
-        out_tok, out_lp, lengths, stopped = out_tok.cpu(), out_lp.cpu(), lengths.tolist(), stopped.tolist()
-        samples = []
-        for r in range(total):
-            i = r // n
-            samples.append(Sample(
-                request_index=offset + i,
-                prompt_ids=list(prompts[i]),
-                token_ids=out_tok[r, :lengths[r]].tolist(),
-                logprobs=out_lp[r, :lengths[r]].tolist(),
-                finish_reason="stop" if stopped[r] else "length",
-                weight_version=self.weight_version,
-            ))
-        return samples
+    @torch.no_grad()
+    def run(self, seqs: list[Seq]) -> list[Sample]:
+        """Generate `seqs` (all with one SamplingParams) to completion through one queue; samples ordered by
+        (request index, sample index). Every block is back in the pool afterwards."""
+        if not seqs:
+            return []
+        sampling = seqs[0].sampling
+        self._allocate(seqs)
+        sched = Scheduler(self.blocks, self.max_num_seqs, self.max_num_batched_tokens)
+        for s in seqs:
+            sched.add(s)
+        done: dict[tuple[int, int], Sample] = {}
+        t0 = time.perf_counter()
+        try:
+            while sched.has_work():
+                batch = sched.schedule()
+                self.stats.steps += 1
+                self.stats.running_sum += sched.num_running
+                self.stats.usage_peak = max(self.stats.usage_peak, self.blocks.num_used / self.blocks.num_blocks)
+                self.stats.decode_tokens += batch.num_decodes
+                self.stats.prefill_tokens += sum(batch.num_tokens) - batch.num_decodes
+                for seq in self._step(batch, sched, sampling):
+                    done[seq.request_index, seq.sample_indices[0]] = seq.to_sample(self.weight_version)
+        finally:
+            self.stats.preemptions += sched.preemptions
+            self.stats.seconds += time.perf_counter() - t0
+            if self.graphs is None:  # the pool's memory goes back (e.g. to a colocated trainer); graphs keep it
+                self.kv = self.blocks = None
+        return [done[k] for k in sorted(done)]
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The engine's metrics since the last call (prefill and decode tokens/s both over the engine's busy time,
+        as vLLM reports them: a step mixes the two)."""
+        s, self.stats = self.stats, EngineStats()
+        if not s.steps:
+            return {}
+        return {"rollout/kv_cache_usage_peak": s.usage_peak, "rollout/preemptions": s.preemptions,
+                "rollout/running_seqs_mean": s.running_sum / s.steps, "rollout/engine_steps": s.steps,
+                "rollout/prefill_tokens_per_s": s.prefill_tokens / max(s.seconds, 1e-9),
+                "rollout/decode_tokens_per_s": s.decode_tokens / max(s.seconds, 1e-9)}
+
+    # --- internals ----------------------------------------------------------------------------------------------
+    def _allocate(self, seqs: list[Seq]) -> None:
+        """Size the pool: the budget, capped at what these sequences could ever hold at once."""
+        cfg, bs = self.model.config, self.block_size
+        per_block = bytes_per_block(cfg, bs, self.dtype)
+        longest = max(len(s.tokens) + s.sampling.max_new_tokens for s in seqs)
+        need_one = -(-longest // bs)
+        need_all = sum((-(-(len(s.tokens) + s.sampling.max_new_tokens) // bs) + 1) * s.width for s in seqs)
+        budget = platform.kv_cache_budget(self.device, self.kv_cache_bytes, self.gpu_memory_utilization)
+        num_blocks = min(budget // per_block, need_all)
+        if num_blocks < need_one:
+            raise ValueError(f"KV cache budget of {budget} bytes holds {budget // per_block} blocks of {bs} tokens; "
+                             f"one sequence of {longest} tokens needs {need_one}: raise rollout.kv_cache_gb")
+        if self.kv is None or self.kv.num_blocks < num_blocks:
+            self.kv = None  # free the old pool before allocating the new one
+            self.kv = KVCache(cfg, num_blocks, bs, self.dtype, self.device)
+        self.blocks = BlockManager(self.kv.num_blocks, bs)
+
+    def _step(self, batch: ScheduledBatch, sched: Scheduler, sp: SamplingParams) -> list[Seq]:
+        """One forward over `batch`; sample for the sequences whose pending tokens all ran. Returns the finished."""
+        if batch.copies:
+            self.kv.copy_blocks(batch.copies)
+        bs, dev = self.block_size, self.device
+        ids, pos, slots, ctx, qlens, rows, ready = [], [], [], [], [], [], []
+        for seq, k in zip(batch.seqs, batch.num_tokens, strict=True):
+            start, table = seq.num_computed, seq.block_table
+            ids += seq.tokens[start:start + k]
+            pos += range(start, start + k)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + k)]
+            seq.num_computed += k
+            ctx.append(seq.num_computed)
+            qlens.append(k)
+            if seq.num_computed == len(seq.tokens):
+                rows.append(len(ids) - 1)
+                ready.append(seq)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs],
+                              dtype=torch.int32)
+        cu = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(qlens).cumsum(0)
+        paged = PagedKV(self.kv.k, self.kv.v, torch.tensor(slots).to(dev), tables.to(dev),
+                        torch.tensor(ctx, dtype=torch.int32).to(dev), cu.to(dev), qlens, batch.num_decodes, max(ctx))
+        meta = AttentionMetadata(torch.tensor(pos).to(dev)[None], window=self.model.config.sliding_window,
+                                 backend=self.backend, paged=paged)
+        if self.graphs is not None and batch.num_decodes == len(batch):
+            h = self.graphs.run(torch.tensor(ids), meta)  # [T, D]
+        else:
+            h = self.model.hidden_states(torch.tensor(ids).to(dev)[None], meta=meta)[0]  # [T, D]
+        if not ready:
+            return []
+        logits = F.linear(h[torch.tensor(rows, device=dev)], self.model.output_weight())  # [R, V]
+        return self._sample(logits, ready, sched, sp)
+
+    def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:
+        widths = [s.width for s in ready]
+        if max(widths) > 1:  # a prompt just prefilled: its n samples all draw from its last position
+            logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
+        lp = policy_logprobs(logits, sp.temperature)  # [R, V]
+        early = [s.num_generated < sp.min_new_tokens for s in ready for _ in range(s.width)]
+        banned = None
+        if any(early) and ready[0].stop_ids:
+            banned = torch.zeros_like(lp, dtype=torch.bool)
+            rows = torch.tensor(early, device=lp.device)
+            banned[:, list(ready[0].stop_ids)] = True
+            banned &= rows[:, None]
+        u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float64)
+        tok = sample(lp, sp, u.to(lp.device), banned)  # [R]
+        chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
+        tok, chosen = tok.tolist(), chosen.tolist()
+        finished, r = [], 0
+        for seq in ready:
+            if seq.width > 1:  # fork: the samples share the prompt's blocks from here on
+                children = seq.fork()
+                self.blocks.share(seq, seq.width - 1)
+                i = sched.running.index(seq)
+                sched.running[i:i + 1] = children
+            else:
+                children = [seq]
+            for c in children:
+                c.append(tok[r], chosen[r])
+                r += 1
+                if c.finish_reason is not None:
+                    sched.finish(c)
+                    finished.append(c)
+        return finished
 
 
-def ends_with_any(tail: torch.Tensor, seqs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Which rows of `tail` [B, W] (the last W generated tokens) end with one of `seqs`: [B] bool.
-    Runs on the device tensor, so stop sequences add no host sync to the decode step."""
-    hit = torch.zeros(tail.shape[0], dtype=torch.bool, device=tail.device)
-    for s in seqs:
-        if len(s) <= tail.shape[1]:
-            hit |= (tail[:, tail.shape[1] - len(s):] == s).all(-1)
-    return hit
+class _Done:
+    def __init__(self, samples: list[Sample]):
+        self.samples = samples
+
+    def result(self) -> list[Sample]:
+        return self.samples

@@ -42,9 +42,12 @@ def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits.float() / t, dim=-1)
 
 
-def sample(logprobs: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
+def sample(logprobs: torch.Tensor, p: SamplingParams, uniforms: torch.Tensor,
            banned: torch.Tensor | None = None) -> torch.Tensor:
-    """Choose next tokens [B] from policy log-probs [B, V] after banning tokens and applying top-k/top-p."""
+    """Choose next tokens [B] from policy log-probs [B, V] after banning tokens [B, V] and applying top-k/top-p.
+
+    Inverse-CDF sampling with one uniform in [0, 1) per row (`uniforms` [B], drawn from each sequence's own
+    stream): a row's token depends on its own logits and its own stream only, never on the rest of the batch."""
     if banned is not None:
         logprobs = logprobs.masked_fill(banned, float("-inf"))
     if p.temperature == 0:
@@ -57,5 +60,8 @@ def sample(logprobs: torch.Tensor, p: SamplingParams, generator: torch.Generator
         cum = sorted_lp.softmax(-1).cumsum(-1)
         drop = cum - sorted_lp.softmax(-1) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
         logprobs = logprobs.scatter(-1, idx, sorted_lp.masked_fill(drop, float("-inf")))
-    probs = logprobs.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = logprobs.softmax(-1).cumsum(-1)  # [B, V]
+    target = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # scaled by the total: fp rounding never overshoots it
+    # the first token whose cdf passes the target (strictly: zero-probability tokens have flat cdf steps)
+    tok = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return tok.clamp_(max=logprobs.shape[-1] - 1)

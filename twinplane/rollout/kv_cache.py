@@ -1,0 +1,45 @@
+"""The rollout plane's KV cache: one pool of fixed-size blocks per layer, allocated once from a byte budget.
+
+Layout [L, N, block_size, H_kv, D] for keys and for values: a block is `block_size` consecutive token slots of
+one sequence; slot s of the flattened pool is block s // block_size, offset s % block_size. This is the layout
+flash-attn's paged kernels read. Which block belongs to whom is twinplane.rollout.block_manager's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twinplane.model import ModelConfig
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys + values of `block_size` tokens across all layers."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed: slots that were never written are read (masked) by the portable path, and must not be NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src -> dst in every layer."""
+        src = torch.tensor([s for s, _ in pairs], device=self.k.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.k.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]

@@ -1,0 +1,109 @@
+"""Continuous batching: which sequences run in the next forward, and how many of their tokens.
+
+Each step, oldest first: every running sequence gets its next token (a decode) or its next prefill chunk, then
+waiting sequences are admitted into what is left of the token budget (`max_num_batched_tokens`), the running-set
+cap (`max_num_seqs`, a sequence with n samples counting n) and the block pool. A prompt longer than the budget is
+prefilled in chunks over several steps, mixed with the other sequences' decodes.
+When the pool cannot hold the next token of a running sequence, the most recently admitted sequences are
+preempted: their blocks are freed and they go back to the front of the queue, to be recomputed (prompt and
+generated tokens prefilled again) when there is room. The oldest sequence can always proceed, since one
+sequence at its longest fits the pool (the engine checks), so the scheduler never deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from twinplane.rollout.block_manager import BlockManager
+from twinplane.rollout.sequence import Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    """The next forward: sequences and how many of their pending tokens run, decodes first (the paged layout's
+    order). Tokens are laid out in this order, so token t of the forward maps back to (sequence, position)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to make first
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.width for s in self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        decodes, prefills = ScheduledBatch(), ScheduledBatch()
+        budget = self.max_num_batched_tokens - sum(s.num_pending == 1 for s in self.running)  # decodes go first
+        i, preempted = 0, False
+        while i < len(self.running):
+            seq = self.running[i]
+            decode = seq.num_pending == 1
+            want = 1 if decode else min(seq.num_pending, budget)
+            if want == 0:
+                i += 1
+                continue
+            while self.blocks.room(seq) < want:
+                if not decode and self.blocks.room(seq) > 0:  # a prefill chunk takes what fits
+                    want = self.blocks.room(seq)
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if preempted and victim is seq:
+                break  # `seq` itself was the newest: it waits, and nothing after it is running
+            out = decodes if decode else prefills
+            out.copies += self.blocks.allocate(seq, want)
+            out.seqs.append(seq)
+            out.num_tokens.append(want)
+            budget -= 0 if decode else want
+            i += 1
+        # Admit while the whole remaining prompt fits the free blocks (not only this step's chunk: a prompt that
+        # cannot finish prefilling would only be preempted again); none in a step that had to preempt.
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if self.running and self.num_running + seq.width > self.max_num_seqs:
+                break
+            if self.blocks.room(seq) < seq.num_pending:
+                break
+            want = min(seq.num_pending, budget)
+            self.waiting.popleft()
+            self.running.append(seq)
+            prefills.copies += self.blocks.allocate(seq, want)
+            prefills.seqs.append(seq)
+            prefills.num_tokens.append(want)
+            budget -= want
+        return ScheduledBatch(decodes.seqs + prefills.seqs, decodes.num_tokens + prefills.num_tokens,
+                              len(decodes.seqs), decodes.copies + prefills.copies)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and queue it first for recomputation (its samples and random state are kept)."""
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)

@@ -1,0 +1,103 @@
+"""A sequence being generated, and the sample it becomes.
+
+A request with `n` samples enters the engine as ONE sequence that carries n random streams: its prompt is
+prefilled once, then it forks into n sequences that share the prompt's blocks (twinplane.rollout.block_manager).
+Each sample draws from its own stream, seeded from (call seed, request index, sample index), so what it samples
+does not depend on batching, admission order or preemption.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from twinplane.rollout.sampling import SamplingParams
+
+
+@dataclass
+class Sample:
+    request_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens, including the stop token when there is one
+    logprobs: list[float]  # log pi(token) under the engine's weights, per generated token
+    finish_reason: str  # "stop" (EOS / stop token / stop sequence) or "length" (max_new_tokens)
+    weight_version: int  # which weight sync generated it
+    # Multi-turn fields (filled by multi_turn.py), here so every consumer reads one type: a plain generation is
+    # one turn of model tokens only.
+    loss_mask: list[int] | None = None  # per token: 1 = model-generated (trained on), 0 = tool output; None = all 1
+    num_turns: int = 1
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.token_ids)
+
+
+def sample_seed(seed: int, request_index: int, sample_index: int) -> int:
+    """The seed of one sample's random stream (a string seed is hashed with SHA-512 by `random.Random`, so
+    neighbouring indices give unrelated streams, independent of PYTHONHASHSEED)."""
+    return random.Random(f"{seed}/{request_index}/{sample_index}").getrandbits(64)
+
+
+class Sequence:
+    """Tokens (prompt + generated), how many of them have k/v in the pool, and the blocks holding them."""
+
+    def __init__(self, prompt: list[int], request_index: int, sampling: SamplingParams, seeds: list[int],
+                 stop_ids: frozenset[int] = frozenset(), sample_indices: list[int] | None = None):
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.request_index = request_index
+        self.sampling = sampling
+        self.stop_ids = stop_ids  # EOS and the request's stop tokens
+        self.sample_indices = list(range(len(seeds))) if sample_indices is None else sample_indices
+        self.rngs = [random.Random(s) for s in seeds]  # > 1 only before the fork: one per sample
+        self.num_computed = 0  # leading tokens whose k/v are in the pool
+        self.block_table: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def width(self) -> int:
+        """Running-set slots this sequence takes (its samples, once forked)."""
+        return len(self.rngs)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled (1 when decoding)."""
+        return len(self.tokens) - self.num_computed
+
+    def fork(self) -> list[Sequence]:
+        """One sequence per random stream, sharing this one's tokens and blocks (the caller counts the shares)."""
+        children = []
+        for rng, index in zip(self.rngs, self.sample_indices, strict=True):
+            c = Sequence.__new__(Sequence)
+            c.__dict__.update(self.__dict__)
+            c.tokens, c.block_table, c.logprobs = list(self.tokens), list(self.block_table), list(self.logprobs)
+            c.rngs, c.sample_indices = [rng], [index]
+            children.append(c)
+        return children
+
+    def append(self, token: int, logprob: float) -> None:
+        """Add a sampled token; set `finish_reason` when it ends the sample."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        sp, n = self.sampling, self.num_generated
+        if n > sp.min_new_tokens and self._stopped(token):  # a stop counts at index >= min_new_tokens
+            self.finish_reason = "stop"
+        elif n >= sp.max_new_tokens:
+            self.finish_reason = "length"
+
+    def _stopped(self, token: int) -> bool:
+        if token in self.stop_ids:
+            return True
+        gen = self.tokens[self.prompt_len:]
+        return any(len(s) <= len(gen) and gen[len(gen) - len(s):] == s for s in self.sampling.stop_sequences)
+
+    def to_sample(self, weight_version: int) -> Sample:
+        return Sample(self.request_index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:],
+                      list(self.logprobs), self.finish_reason or "length", weight_version)
