@@ -82,7 +82,10 @@ class RolloutSection:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 8
     min_new_tokens: int = 0
-    max_num_seqs: int = 512  # sequences decoded together
+    max_num_seqs: int = 512  # cap on the engine's running sequences (a request's n samples count n)
+    max_num_batched_tokens: int = 4096  # tokens per engine forward (decodes + prefill chunks); >= max_num_seqs
+    kv_cache_gb: float = 0.0  # KV block pool budget in GiB; 0 = automatic (GPU: gpu_memory_utilization, CPU: 1 GiB)
+    gpu_memory_utilization: float = 0.9  # automatic KV budget on GPUs: this fraction of the memory free after weights
     tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
     max_turns: int = 1  # model turns per sample when tools are on
     tp: int = 1  # tensor-parallel size of one engine (1 in this version: engines are data parallel)
@@ -206,6 +209,11 @@ class Config:
             (self.checkpoint.every >= 0, "checkpoint.every", "must be >= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1"),
             (self.rollout.max_turns >= 1, "rollout.max_turns", "must be >= 1"),
+            (self.rollout.max_num_seqs >= 1, "rollout.max_num_seqs", "must be >= 1"),
+            (self.rollout.max_num_batched_tokens >= self.rollout.max_num_seqs, "rollout.max_num_batched_tokens",
+             "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
+            (self.rollout.kv_cache_gb >= 0, "rollout.kv_cache_gb", "must be >= 0 (0 = automatic)"),
+            (0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]"),
             (self.eval.n >= 1 and self.eval.every >= 0, "eval", "needs eval.n >= 1 and eval.every >= 0"),
             (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),
             (0 <= self.task.teacher_carry_error <= 1, "task.teacher_carry_error", "must be in [0, 1]"),

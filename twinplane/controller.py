@@ -86,6 +86,8 @@ class Controller:
                 report = self.sync_weights()
         m = self._metrics(samples, rewards, batch, updates, timer.times) | reward_metrics | multi_turn_metrics(samples)
         m |= getattr(self.rollout, "last_metrics", {})  # remote engines: their busy time (load balance)
+        if hasattr(self.engine, "pop_metrics"):  # in-process engine: occupancy, preemptions, KV usage, tokens/s
+            m |= self.engine.pop_metrics()
         m |= {"sync/bytes": report.bytes, "sync/gb_per_s": report.bytes / max(timer.times["time/weight_sync"], 1e-9)
               / 1e9, "rollout/staleness": self.version - 1 - min(s.weight_version for s in samples)}
         memory = {} if getattr(self.trainer, "remote", False) else timer.memory  # remote: rank 0 reports its own

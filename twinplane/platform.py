@@ -324,8 +324,3 @@ def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utiliz
         return int(free * gpu_memory_utilization)
     return CPU_KV_CACHE_BYTES
 
-
-def decode_graphs_supported(device: torch.device) -> bool:
-    """CUDA graphs (HIP graphs on ROCm, same torch.cuda API) for decode steps; they need the fused paged kernel,
-    whose shapes do not change with context length (the portable gather does)."""
-    return device.type == "cuda" and paged_attention_backend(device)[0] == "flash"

@@ -16,7 +16,8 @@ from twinplane.model import Transformer, iter_safetensors, load_weights
 # Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
 # Where the planes run and how memory is traded for compute are mutable too: checkpoints hold full tensors by name.
 MUTABLE = ("train.steps", "log.", "eval.", "checkpoint.", "run_dir", "threads", "device", "reward.timeout_s",
-           "rollout.max_num_seqs", "train.micro_batch_size", "train.max_tokens_per_micro_batch",
+           "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.kv_cache_gb",
+           "rollout.gpu_memory_utilization", "train.micro_batch_size", "train.max_tokens_per_micro_batch",
            "train.activation_checkpointing", "train.optimizer_offload", "cluster.backend", "cluster.address",
            "cluster.train_devices", "cluster.rollout_devices", "cluster.colocate", "cluster.timeout_s",
            "cluster.sync_bucket_mb", "cluster.cpus_per_worker")

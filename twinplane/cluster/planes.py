@@ -15,7 +15,7 @@ import torch
 from twinplane import platform
 from twinplane.config import Config
 from twinplane.model import Transformer
-from twinplane.rollout import MultiTurnRollout, RolloutEngine, build_tools
+from twinplane.rollout import MultiTurnRollout, RolloutEngine, build_tools, engine_options
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
@@ -42,7 +42,7 @@ class LocalPlanes:
         r, t = cfg.rollout, cfg.train
         rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
         self.engine = RolloutEngine(copy.deepcopy(model).to(rollout_dtype), tokenizer.eos_token_id,
-                                    tokenizer.pad_token_id, r.max_num_seqs, seed=cfg.seed)
+                                    tokenizer.pad_token_id, seed=cfg.seed, **engine_options(r))
         self.rollout = build_rollout(cfg, self.engine, tokenizer)
         self.trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap)
         self.reference = None if reference is None else Reference(

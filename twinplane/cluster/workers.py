@@ -23,7 +23,7 @@ from twinplane import platform
 from twinplane.cluster.planes import build_rollout, restore_generator
 from twinplane.config import Config
 from twinplane.model import ModelConfig, Transformer, load_weights
-from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.rollout import RolloutEngine, SamplingParams, engine_options
 from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
@@ -91,8 +91,8 @@ class _Worker:
         dtype = platform.resolve_dtype(s.cfg.model.rollout_dtype or s.cfg.model.dtype)
         model = build_model(s.model_config, policy, self.device, dtype)
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
-        self.engine = RolloutEngine(model, s.tokenizer.eos_token_id, s.tokenizer.pad_token_id, r.max_num_seqs,
-                                    seed=s.cfg.seed + 1_000_003 * index)
+        self.engine = RolloutEngine(model, s.tokenizer.eos_token_id, s.tokenizer.pad_token_id,
+                                    seed=s.cfg.seed + 1_000_003 * index, **engine_options(r))
         self.rollout = build_rollout(s.cfg, self.engine, s.tokenizer)
         self.engine_dtype = dtype
 

@@ -31,7 +31,8 @@ from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.rollout.scheduler import ScheduledBatch, Scheduler
-from twinplane.rollout.sequence import Sample, Sequence as Seq, sample_seed
+from twinplane.rollout.sequence import Sample, sample_seed
+from twinplane.rollout.sequence import Sequence as Seq
 from twinplane.sync import weights_checksum
 
 __all__ = ["RolloutEngine", "Sample"]
@@ -53,9 +54,8 @@ class EngineStats:
 class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
-                 max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9, graphs: bool = False):
-        """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
-        `graphs`: CUDA-graph the decode steps where the platform supports it (eager elsewhere)."""
+                 max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9):
+        """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.model = model.eval().requires_grad_(False)
@@ -67,11 +67,6 @@ class RolloutEngine:
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
         self.backend, self.block_size = platform.paged_attention_backend(self.device)
-        self.graphs = None
-        if graphs and platform.decode_graphs_supported(self.device):
-            from twinplane.rollout.graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self)
         self.kv: KVCache | None = None
         self.blocks: BlockManager | None = None
         self.stats = EngineStats()
@@ -81,7 +76,7 @@ class RolloutEngine:
         return self.model.output_weight().dtype
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        load_weights(self.model, named)  # in place: captured decode graphs keep reading the same tensors
+        load_weights(self.model, named)  # copied in place
         self.weight_version = self.weight_version + 1 if version is None else version
 
     def checksum(self) -> int:
@@ -136,8 +131,7 @@ class RolloutEngine:
         finally:
             self.stats.preemptions += sched.preemptions
             self.stats.seconds += time.perf_counter() - t0
-            if self.graphs is None:  # the pool's memory goes back (e.g. to a colocated trainer); graphs keep it
-                self.kv = self.blocks = None
+            self.kv = self.blocks = None  # the pool's memory goes back (e.g. to a colocated trainer)
         return [done[k] for k in sorted(done)]
 
     def pop_metrics(self) -> dict[str, float]:
@@ -164,9 +158,7 @@ class RolloutEngine:
         if num_blocks < need_one:
             raise ValueError(f"KV cache budget of {budget} bytes holds {budget // per_block} blocks of {bs} tokens; "
                              f"one sequence of {longest} tokens needs {need_one}: raise rollout.kv_cache_gb")
-        if self.kv is None or self.kv.num_blocks < num_blocks:
-            self.kv = None  # free the old pool before allocating the new one
-            self.kv = KVCache(cfg, num_blocks, bs, self.dtype, self.device)
+        self.kv = KVCache(cfg, num_blocks, bs, self.dtype, self.device)
         self.blocks = BlockManager(self.kv.num_blocks, bs)
 
     def _step(self, batch: ScheduledBatch, sched: Scheduler, sp: SamplingParams) -> list[Seq]:
@@ -195,10 +187,7 @@ class RolloutEngine:
                         torch.tensor(ctx, dtype=torch.int32).to(dev), cu.to(dev), qlens, batch.num_decodes, max(ctx))
         meta = AttentionMetadata(torch.tensor(pos).to(dev)[None], window=self.model.config.sliding_window,
                                  backend=self.backend, paged=paged)
-        if self.graphs is not None and batch.num_decodes == len(batch):
-            h = self.graphs.run(torch.tensor(ids), meta)  # [T, D]
-        else:
-            h = self.model.hidden_states(torch.tensor(ids).to(dev)[None], meta=meta)[0]  # [T, D]
+        h = self.model.hidden_states(torch.tensor(ids).to(dev)[None], meta=meta)[0]  # [T, D]
         if not ready:
             return []
         logits = F.linear(h[torch.tensor(rows, device=dev)], self.model.output_weight())  # [R, V]
@@ -244,3 +233,10 @@ class _Done:
 
     def result(self) -> list[Sample]:
         return self.samples
+
+
+def engine_options(rollout) -> dict:
+    """RolloutEngine keyword arguments from a config's `rollout` section."""
+    return {"max_num_seqs": rollout.max_num_seqs, "max_num_batched_tokens": rollout.max_num_batched_tokens,
+            "kv_cache_bytes": int(rollout.kv_cache_gb * 2**30),
+            "gpu_memory_utilization": rollout.gpu_memory_utilization}
