@@ -131,7 +131,7 @@ class RolloutEngine:
         finally:
             self.stats.preemptions += sched.preemptions
             self.stats.seconds += time.perf_counter() - t0
-            self.kv = self.blocks = None  # the pool's memory goes back (e.g. to a colocated trainer)
+            self.kv = None  # the pool's memory goes back (e.g. to a colocated trainer); `blocks` stays to inspect
         return [done[k] for k in sorted(done)]
 
     def pop_metrics(self) -> dict[str, float]:

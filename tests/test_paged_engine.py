@@ -1,0 +1,146 @@
+"""The paged, continuously batched engine: outputs independent of batching, sharing and preemption; blocks."""
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_engine import EOS, PROMPTS, greedy_no_cache
+
+from twinplane import platform
+from twinplane.model import AttentionMetadata, PagedKV
+from twinplane.model.attention import paged_attention
+from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.rollout.kv_cache import bytes_per_block
+
+
+def assert_pool_empty(engine):
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not any(engine.blocks.ref)
+
+
+def test_greedy_with_n_backfill_and_chunked_prefill_equals_full_recompute():
+    model = tiny_model()
+    # 2 running slots for 4 prompts x 3 samples: samples finish and others are admitted; 4-token chunks
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS, max_num_seqs=3, max_num_batched_tokens=4)
+    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10, n=3))
+    assert [s.request_index for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for s in samples:
+        assert s.token_ids == greedy_no_cache(model, PROMPTS[s.request_index], 10)
+    m = engine.pop_metrics()
+    assert m["rollout/running_seqs_mean"] <= 3 and m["rollout/preemptions"] == 0
+    assert_pool_empty(engine)
+
+
+def sampled(engine, prompts, seeds_per_prompt, sp):
+    seqs = [engine.sequence(p, i, sp, seeds) for i, (p, seeds) in enumerate(zip(prompts, seeds_per_prompt))]
+    return engine.run(seqs)
+
+
+def test_shared_prompt_equals_separate_submissions_and_cow_keeps_shared_blocks():
+    model = tiny_model()
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12)
+    prompt = list(range(5, 5 + 21))  # 21 tokens: the last 16-token block is partly filled and shared
+    seeds = [11, 22, 33, 44]
+    shared_blocks_unchanged = []
+    step = engine._step
+
+    def checked_step(batch, sched, sp_):  # snapshot every shared block, run the step, compare
+        shared = [b for b, r in enumerate(engine.blocks.ref) if r > 1]
+        before = engine.kv.k[:, shared].clone(), engine.kv.v[:, shared].clone()
+        out = step(batch, sched, sp_)
+        shared_blocks_unchanged.append(torch.equal(engine.kv.k[:, shared], before[0])
+                                       and torch.equal(engine.kv.v[:, shared], before[1]))
+        return out
+
+    engine._step = checked_step
+    together = sampled(engine, [prompt], [seeds], sp)
+    m = engine.pop_metrics()
+    assert m["rollout/prefill_tokens_per_s"] > 0
+    engine._step = step
+    apart = sampled(engine, [prompt] * 4, [[s] for s in seeds], sp)
+    assert [s.token_ids for s in together] == [s.token_ids for s in apart]
+    assert len({tuple(s.token_ids) for s in together}) > 1  # the streams differ
+    for a, b in zip(together, apart, strict=True):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert all(shared_blocks_unchanged) and len(shared_blocks_unchanged) > 5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_preemption_and_batching_do_not_change_outputs(temperature):
+    model = tiny_model()
+    sp = SamplingParams(temperature=temperature, max_new_tokens=24, n=3, seed=5)
+    free = RolloutEngine(copy.deepcopy(model), eos_token_id=None)
+    want = free.generate(PROMPTS, sp)
+    per_block = bytes_per_block(model.config, free.block_size, torch.float32)
+    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=3 * per_block,
+                          max_num_batched_tokens=8)
+    got = tight.generate(PROMPTS, sp)
+    m = tight.pop_metrics()
+    assert m["rollout/preemptions"] > 0 and m["rollout/kv_cache_usage_peak"] <= 1.0
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert_pool_empty(tight)
+    one = RolloutEngine(copy.deepcopy(model), eos_token_id=None, max_num_seqs=1).generate(PROMPTS, sp)
+    assert [s.token_ids for s in one] == [s.token_ids for s in want]
+
+
+def test_budget_too_small_for_one_sequence_is_a_clear_error():
+    model = tiny_model()
+    engine = RolloutEngine(model, eos_token_id=None, kv_cache_bytes=1)
+    with pytest.raises(ValueError, match="KV cache budget"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+
+
+def paged_case(window=None):
+    """Three sequences (contexts 5, 19, 9) in a pool of 8-token blocks, and a row of 1 + 1 + 4 new tokens."""
+    g = torch.Generator().manual_seed(0)
+    L, N, bs, Hkv, H, D = 1, 12, 8, 2, 4, 16
+    kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
+    tables = [[3, 0], [5, 1, 7], [2, 9]]
+    ctx, qlens = [5, 19, 9], [1, 1, 4]
+    slots = []
+    for t, c, q in zip(tables, ctx, qlens, strict=True):
+        slots += [t[p // bs] * bs + p % bs for p in range(c - q, c)]
+    T = sum(qlens)
+    q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D,
+                                                                                                      generator=g)
+    cu = torch.tensor([0, 1, 2, 6], dtype=torch.int32)
+    paged = PagedKV(kc, vc, torch.tensor(slots), torch.tensor([t + [0] * (3 - len(t)) for t in tables],
+                                                                dtype=torch.int32),
+                    torch.tensor(ctx, dtype=torch.int32), cu, qlens, 2, max(ctx))
+    return q, k, v, paged, tables, ctx, qlens, window
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_attention_equals_dense_per_sequence(window):
+    q, k, v, paged, tables, ctx, qlens, window = paged_case(window)
+    kc0, vc0 = paged.k_cache.clone(), paged.v_cache.clone()
+    meta = AttentionMetadata(torch.zeros(1, q.shape[2], dtype=torch.long), window=window, paged=paged)
+    out = paged_attention(q, k, v, meta, 0)
+    bs, start = paged.block_size, 0
+    for t, c, n in zip(tables, ctx, qlens, strict=True):
+        slots = [t[p // bs] * bs + p % bs for p in range(c)]
+        keys = kc0[0].flatten(0, 1)[slots].clone()
+        vals = vc0[0].flatten(0, 1)[slots].clone()
+        keys[c - n:], vals[c - n:] = k[0, :, start:start + n].transpose(0, 1), v[0, :, start:start + n].transpose(0, 1)
+        qp, kp = torch.arange(c - n, c)[:, None], torch.arange(c)[None]
+        mask = (kp <= qp) & ((qp - kp) < window if window else True)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, start:start + n], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], attn_mask=mask,
+            enable_gqa=True)
+        torch.testing.assert_close(out[:, :, start:start + n], ref, atol=1e-5, rtol=0)
+        start += n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or platform.paged_attention_backend(
+    torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0] != "flash",
+    reason="the fused paged backend needs a GPU with flash-attn")
+def test_flash_paged_backend_equals_portable():
+    model = tiny_model().cuda()
+    sp = SamplingParams(temperature=0, max_new_tokens=16, n=2)
+    fused = RolloutEngine(copy.deepcopy(model), eos_token_id=None).generate(PROMPTS, sp)
+    portable = RolloutEngine(copy.deepcopy(model), eos_token_id=None)
+    portable.backend, portable.block_size = "sdpa", 16
+    assert [s.token_ids for s in fused] == [s.token_ids for s in portable.generate(PROMPTS, sp)]
