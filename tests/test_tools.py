@@ -329,6 +329,8 @@ def test_real_engine_multi_turn_logprobs_match_trainer():
     samples = mt.generate(prompts, sp)
     assert any(s.num_turns >= 2 for s in samples) and any(0 in s.loss_mask for s in samples)
     assert all(s.num_tool_errors == s.num_tool_calls for s in samples)  # no "#" JSON from a random model
+    # every block is back in the pool after a generate that stopped inside tool calls
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not any(engine.blocks.ref)
     assert [s.token_ids for s in mt.generate(prompts, sp)] == [s.token_ids for s in samples]  # seeded
 
     batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], tok.pad_token_id,
