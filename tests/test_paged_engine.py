@@ -32,7 +32,8 @@ def test_greedy_with_n_backfill_and_chunked_prefill_equals_full_recompute():
 
 
 def sampled(engine, prompts, seeds_per_prompt, sp):
-    seqs = [engine.sequence(p, i, sp, seeds) for i, (p, seeds) in enumerate(zip(prompts, seeds_per_prompt, strict=True))]
+    pairs = enumerate(zip(prompts, seeds_per_prompt, strict=True))
+    seqs = [engine.sequence(p, i, sp, seeds) for i, (p, seeds) in pairs]
     return engine.run(seqs)
 
 
