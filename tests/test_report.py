@@ -12,7 +12,7 @@ import matplotlib.image  # noqa: E402
 from twinplane.report import load_metrics, main, make_report, smooth  # noqa: E402
 
 ALL_CHARTS = ["reward.png", "validation.png", "step_time.png", "throughput.png", "response_length.png",
-              "kl_entropy.png", "weight_sync.png"]
+              "kl_entropy.png", "weight_sync.png", "engine.png"]
 SUMMARY = {"heldout_size": 64, "warmstart_accuracy": 0.3125, "final_accuracy": 0.8594, "steps": 30,
            "wall_seconds": 123.4, "phase_seconds_mean": {"rollout": 0.5, "train": 0.25, "step": 0.9}}
 
@@ -28,7 +28,10 @@ def step_row(step: int, rng: random.Random) -> dict:
             "perf/rollout_tokens_per_s": 900 + rng.uniform(-50, 50), "perf/train_tokens_per_s": 2000.0,
             "perf/mfu_train": None, "time/rollout": 0.5, "time/reward": 0.01, "time/old_logprob": 0.05,
             "time/train": 0.25, "time/weight_sync": 0.02, "time/step": 0.9, "sync/bytes": 4e6,
-            "sync/gb_per_s": 0.2 + rng.uniform(0, 0.05)}  # no time/ref_logprob: kl_coef 0
+            "sync/gb_per_s": 0.2 + rng.uniform(0, 0.05), "rollout/running_seqs_mean": 40 + rng.uniform(-5, 5),
+            "rollout/preemptions": step % 3, "rollout/kv_cache_usage_peak": 0.6,
+            "rollout/prefill_tokens_per_s": 3000.0,
+            "rollout/decode_tokens_per_s": 900.0}  # no time/ref_logprob: kl_coef 0
 
 
 def write_run(run_dir, steps: int = 30, summary: bool = True, drop: tuple[str, ...] = ()) -> None:
@@ -89,7 +92,7 @@ def test_missing_groups_are_skipped(tmp_path):
     run = tmp_path / "run"
     write_run(run, steps=5, drop=("perf/", "actor/", "time/", "val/", "sync/"))
     paths = make_report(run)
-    assert [p.name for p in paths] == ["reward.png", "response_length.png", "report.md"]
+    assert [p.name for p in paths] == ["reward.png", "response_length.png", "engine.png", "report.md"]
     md = paths[-1].read_text()
     assert "kl_entropy" not in md and "throughput" not in md
 

@@ -180,6 +180,10 @@ def plot_throughput(rows: list[dict], fig) -> bool:
         _line(ax, roll, "rollout tokens/s", "C0")
     if train:
         _line(ax, train, "train tokens/s", "C1")
+    for key, label, color in (("prefill", "engine prefill tokens/s", "C4"), ("decode", "engine decode tokens/s", "C5")):
+        s = Series(rows, f"rollout/{key}_tokens_per_s")
+        if s:
+            _line(ax, s, label, color)
     ax.set(title="Throughput", xlabel="step", ylabel="tokens / s")
     ax.set_ylim(bottom=0)
     if mfu:
@@ -248,6 +252,27 @@ def plot_weight_sync(rows: list[dict], fig) -> bool:
     return True
 
 
+def plot_engine(rows: list[dict], fig) -> bool:
+    """The rollout engine: occupancy and preemptions (left), KV-pool peak usage (right, %)."""
+    rows = _train_rows(rows)
+    running, pre = Series(rows, "rollout/running_seqs_mean"), Series(rows, "rollout/preemptions")
+    usage = Series(rows, "rollout/kv_cache_usage_peak")
+    if not (running or usage):
+        return False
+    ax = fig.add_subplot()
+    if running:
+        _line(ax, running, "running sequences (mean)", "C0")
+    if pre:
+        _line(ax, pre, "preemptions", "C3", smoothed=False)
+    ax.set(title="Rollout engine", xlabel="step", ylabel="sequences / preemptions per step")
+    ax.set_ylim(bottom=0)
+    axes = [ax]
+    if usage:
+        axes.append(_right_axis(ax, [(usage.scaled(100), "KV cache peak usage", "C1")], "KV pool used (%)"))
+    _legend(*axes)
+    return True
+
+
 @dataclass
 class Chart:
     name: str
@@ -259,10 +284,12 @@ CHARTS = [
     Chart("reward.png", plot_reward, "training reward mean (± std band) and accuracy per step"),
     Chart("validation.png", plot_validation, "held-out accuracy (and pass@k / mean@k) at each validation"),
     Chart("step_time.png", plot_step_time, "seconds per step stacked by phase; 'other' = step time not in a phase"),
-    Chart("throughput.png", plot_throughput, "rollout and train tokens/s, with MFU when the device's peak is known"),
+    Chart("throughput.png", plot_throughput, "rollout and train tokens/s (and the engine's prefill/decode tokens/s), "
+          "with MFU when the device's peak is known"),
     Chart("response_length.png", plot_response_length, "mean and max response length, and the truncation rate"),
     Chart("kl_entropy.png", plot_kl_entropy, "KL to the reference, policy entropy, clip fraction, log-prob gap"),
     Chart("weight_sync.png", plot_weight_sync, "weight-sync bandwidth (GB/s) and seconds per sync"),
+    Chart("engine.png", plot_engine, "rollout engine: mean running sequences, preemptions, KV pool peak usage"),
 ]
 
 
