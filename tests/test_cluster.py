@@ -46,7 +46,10 @@ def weights(run_dir):
 
 def measured(row):  # timings, throughput and memory are measurements; the rest is the computation
     return {k: v for k, v in row.items()
-            if not k.startswith(("time/", "perf/", "mem/", "sync/gb_per_s", "rollout/engine_busy_s"))}
+            if not k.startswith(("time/", "perf/", "mem/", "sync/gb_per_s", "rollout/engine_busy_s",
+                                 # the in-process engine's occupancy/KV metrics (Ray engines don't report them)
+                                 "rollout/kv_cache", "rollout/preemptions", "rollout/running_seqs",
+                                 "rollout/engine_steps", "rollout/prefill_tokens", "rollout/decode_tokens"))}
 
 
 @pytest.fixture(scope="module")
