@@ -12,11 +12,16 @@ import torch
 
 
 def _chunk_logprobs(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(h @ w.T / T) [c, V] in fp32 (the matmul in the inputs' dtype, as the direct path)."""
-    logits = (h @ w.T).float()  # [c, V]
+    """log softmax(h @ w.T / T) [c, V] in fp32, or fp64 for fp64 inputs (the matmul in the inputs' dtype, as the
+    direct path)."""
+    logits = (h @ w.T).to(_acc(h.dtype))  # [c, V]
     if temperature != 1.0:
         logits.div_(temperature)
     return logits.log_softmax(-1)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -24,8 +29,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
         # hidden [M, D] and weight [V, D] already in the compute dtype; targets [M]
         M = hidden.shape[0]
-        lp = torch.empty(M, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty(M, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        lp = torch.empty(M, dtype=_acc(hidden.dtype), device=hidden.device)
+        ent = torch.empty(M, dtype=_acc(hidden.dtype), device=hidden.device) if with_entropy else None
         for s in range(0, M, chunk):
             logp = _chunk_logprobs(hidden[s:s + chunk], weight, temperature)  # [c, V]
             lp[s:s + chunk] = logp.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
@@ -42,7 +47,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets, ent = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+        grad_w = torch.zeros(weight.shape, dtype=_acc(weight.dtype), device=weight.device) \
             if ctx.needs_input_grad[1] else None
         use_ent = ctx.with_entropy and g_ent is not None
         for s in range(0, hidden.shape[0], chunk):
@@ -56,14 +61,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             else:
                 gz = p.mul_(-(g_lp[s:s + chunk, None] if g_lp is not None else 0.0))
             if g_lp is not None:
-                gz.scatter_add_(-1, targets[s:s + chunk, None], g_lp[s:s + chunk, None].float())
+                gz.scatter_add_(-1, targets[s:s + chunk, None], g_lp[s:s + chunk, None].to(gz.dtype))
             if T != 1.0:
                 gz.div_(T)
             gz = gz.to(hidden.dtype)  # [c, V] d loss / d logits
             if grad_h is not None:
                 grad_h[s:s + chunk] = gz @ weight
             if grad_w is not None:
-                if gz.dtype == torch.float32:
+                if gz.dtype == grad_w.dtype:
                     grad_w.addmm_(gz.T, h)
                 else:  # a [V, D] product in the compute dtype, summed in fp32
                     grad_w.add_(gz.T @ h)
