@@ -2,6 +2,7 @@
 padded ones, the varlen attention paths agree, micro-batches balance real tokens."""
 
 import importlib
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -162,3 +163,59 @@ def test_fused_varlen_forward_backward_agree_on_gpu(backend):
     g = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, q, g)[0], torch.autograd.grad(want, q, g)[0], atol=5e-2,
                                rtol=0)
+
+
+@pytest.mark.parametrize("gpu,hip", [("NVIDIA H100 80GB HBM3", None), ("AMD Instinct MI300X", "6.2")])
+def test_one_precision_policy_for_1_and_n_ranks(monkeypatch, gpu, hip):
+    """On a simulated GPU, the single-rank Trainer and the FSDP2 shards of 2 ranks pick one policy: fp32 master
+    weights, bf16 compute, fp32 reductions; `train.compute_dtype` overrides both; CPU stays fp32."""
+    from test_platform import simulate_gpu
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import twinplane.train.fsdp as fsdp_module
+    from twinplane import platform
+    from twinplane.model import Transformer
+
+    model = tiny_model()
+    assert platform.train_precision(torch.device("cpu"), torch.float32) == platform.Precision(torch.float32,
+                                                                                               torch.float32)
+    assert isinstance(platform.autocast(platform.train_precision("cpu", torch.float32), "cpu"), nullcontext)
+    platform.reset()
+    simulate_gpu(monkeypatch, gpu, hip=hip, count=2)
+    try:
+        on_gpu = type("W", (), {"device": torch.device("cuda"), "dtype": torch.float32})()
+        monkeypatch.setattr(Transformer, "output_weight", lambda self: on_gpu)  # the model as if on the GPU
+        policies = []
+        monkeypatch.setattr(fsdp_module, "fully_shard", lambda m, **k: policies.append(k["mp_policy"]))
+        monkeypatch.setattr(fsdp_module, "FSDPModule", type("NotFSDP", (), {}))
+        for compute, want in (("auto", torch.bfloat16), ("float32", torch.float32), ("float16", torch.float16)):
+            one_rank = Trainer(model, TrainSection(compute_dtype=compute), ALGO, 1.0, 10).precision  # 1 rank
+            policies.clear()
+            fsdp_module.shard_model(model, compute_dtype=compute)  # what each of N ranks applies
+            assert one_rank == platform.Precision(torch.float32, want, torch.float32)
+            mixed = MixedPrecisionPolicy(param_dtype=want, reduce_dtype=torch.float32) if want != torch.float32 \
+                else MixedPrecisionPolicy()
+            assert policies == [mixed] * (model.config.num_layers + 1), compute
+        assert platform.varlen_backend(torch.device("cuda"), torch.bfloat16) == "flex"  # flash_attn not installed
+        monkeypatch.setattr(platform, "_has_module", lambda m: m == "flash_attn")
+        platform.reset()
+        assert platform.varlen_backend(torch.device("cuda"), torch.bfloat16) == "flash_attn"
+        assert platform.varlen_backend(torch.device("cuda"), torch.float32) == "flex"  # flash-attn is 16-bit only
+        assert platform.varlen_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    finally:
+        platform.reset()
+
+
+def test_bf16_compute_on_cpu_trains_under_autocast():
+    """`train.compute_dtype=bfloat16` over fp32 weights runs the forward in bf16 (also on CPU): close to fp32,
+    not equal, and the master weights and grads stay fp32."""
+    batch = make_batch(tiny_model(), n=4)
+    lps = {}
+    for compute in ("float32", "bfloat16"):
+        model = tiny_model()
+        trainer = Trainer(model, TrainSection(lr=1e-3, compute_dtype=compute), ALGO, 1.0, 10)
+        lps[compute] = trainer.logprobs(batch)
+        trainer.train_step(batch)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    diff = (lps["float32"] - lps["bfloat16"]).abs().max()
+    assert 0 < diff < 0.1, diff

@@ -154,7 +154,7 @@ def varlen_backend(device: torch.device, compute_dtype: torch.dtype) -> str:
         return "sdpa"
     if detect().attention.flash_attn_eligible and compute_dtype in (torch.bfloat16, torch.float16):
         return "flash_attn"
-    return "flex" if _has_module("torch.nn.attention.flex_attention") else "sdpa"
+    return "flex" if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None else "sdpa"
 
 
 # --- hardware description ----------------------------------------------------------------------------------------

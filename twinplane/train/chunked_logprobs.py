@@ -13,11 +13,11 @@ import torch
 
 def _chunk_logprobs(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(h @ w.T / T) [c, V] in fp32, or fp64 for fp64 inputs (the matmul in the inputs' dtype, as the
-    direct path)."""
+    direct path), normalised in place: one [c, V] buffer."""
     logits = (h @ w.T).to(_acc(h.dtype))  # [c, V]
     if temperature != 1.0:
         logits.div_(temperature)
-    return logits.log_softmax(-1)
+    return logits.sub_(logits.logsumexp(-1, keepdim=True))
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -35,7 +35,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp = _chunk_logprobs(hidden[s:s + chunk], weight, temperature)  # [c, V]
             lp[s:s + chunk] = logp.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
             if with_entropy:
-                ent[s:s + chunk] = -(logp.exp() * logp).sum(-1)
+                ent[s:s + chunk] = -logp.exp().mul_(logp).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, ent if with_entropy else lp)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         return lp, ent

@@ -21,7 +21,7 @@ from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.chunked_logprobs import token_logprobs
 
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_TOKENS = 512
 
 
 def response_logprobs(model: Transformer, batch: Batch, temperature: float, with_entropy: bool = False,
