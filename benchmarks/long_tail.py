@@ -61,13 +61,14 @@ def trainer(device: torch.device, **train) -> Trainer:
     return Trainer(model, TrainSection(lr=1e-5, **train), AlgoSection(), 1.0, 100)
 
 
-def speed(runs: int, device: torch.device) -> dict:
+def speed(runs: int, device: torch.device, only: list[str] | None = None) -> dict:
     batches = {k: make_batch(lengths(k), MODEL["vocab_size"]) for k in ("long_tail", "uniform")}
     real = {k: int(b.attention_mask.sum()) for k, b in batches.items()}
     assert real["long_tail"] == real["uniform"]
     configs = {"padded": dict(packing=False, micro_batch_size=8), "packed": dict(packing=True, micro_batch_size=8),
                "padded_4096": dict(packing=False, micro_batch_size=SEQS, max_tokens_per_micro_batch=4096),
                "packed_4096": dict(packing=True, micro_batch_size=SEQS, max_tokens_per_micro_batch=4096)}
+    configs = {k: v for k, v in configs.items() if not only or k in only}
     trainers = {name: trainer(device, **c) for name, c in configs.items()}
     for tr in trainers.values():  # warm-up
         tr.train_step(batches["uniform"].select(slice(0, 2)))
@@ -129,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--configs", default="", help="comma-separated subset of padded,packed,padded_4096,packed_4096")
     ns = ap.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    res = speed(ns.runs, torch.device(ns.device)) if ns.what == "speed" else memory(ns.device)
+    only = [c for c in ns.configs.split(",") if c]
+    res = speed(ns.runs, torch.device(ns.device), only) if ns.what == "speed" else memory(ns.device)
     print(json.dumps(res, indent=1))
     return 0
 
