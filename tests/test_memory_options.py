@@ -102,17 +102,21 @@ def test_row_groups_respect_the_token_budget():
     assert row_groups(batch, size=4, max_tokens=1) == [slice(i, i + 1) for i in range(9)]  # a lone row may exceed
 
 
-def test_token_budget_train_step_equals_fixed_micro_batches(monkeypatch):
+@pytest.mark.parametrize("packing", [False, True])
+def test_token_budget_train_step_equals_fixed_micro_batches(monkeypatch, packing):
     shapes, real = [], response_logprobs
     monkeypatch.setattr(trainer_module, "response_logprobs", lambda m, mb, *a, **k: shapes.append(
-        tuple(mb.input_ids.shape)) or real(m, mb, *a, **k))
-    fixed = step(n=9, micro_batch_size=9)
+        (len(mb), int(mb.attention_mask.sum()) if packing else mb.input_ids.shape[1])) or real(m, mb, *a, **k))
+    fixed = step(n=9, micro_batch_size=9, packing=packing)
     assert [n for n, _ in shapes] == [9]
     shapes.clear()
     budget = 24
-    dynamic = step(n=9, micro_batch_size=9, max_tokens_per_micro_batch=budget)
+    dynamic = step(n=9, micro_batch_size=9, max_tokens_per_micro_batch=budget, packing=packing)
     assert len(shapes) > 2 and sum(n for n, _ in shapes) == 9
-    assert all(n * t <= budget or n == 1 for n, t in shapes), shapes
+    if packing:  # the budget counts real tokens
+        assert all(t <= budget or n == 1 for n, t in shapes), shapes
+    else:  # rows x padded width
+        assert all(n * t <= budget or n == 1 for n, t in shapes), shapes
     assert_same_step(dynamic, fixed, atol=1e-6)
 
 

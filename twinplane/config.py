@@ -103,7 +103,10 @@ class TrainSection:
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     micro_batch_size: int = 128  # sequences per forward/backward; accumulation never changes the result
     mini_batches: int = 1  # optimizer steps per rollout batch (>1 makes the PPO clip matter)
-    max_tokens_per_micro_batch: int = 0  # dynamic micro-batches: at most this many (padded) tokens each; 0 = off
+    max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (real tokens when packed, else padded); 0 = off
+    packing: bool = True  # padding-free micro-batches: sequences back to back, varlen attention, balanced by tokens
+    logprob_chunk_tokens: int = 512  # tokens per LM-head chunk in log-probs/entropy (memory ~ this x vocab)
+    compute_dtype: str = "auto"  # auto (bf16 on GPUs, else model.dtype) | float32 | bfloat16 | float16
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, ~30% more compute
     optimizer_offload: bool = False  # keep AdamW state in host memory between updates (frees device memory)
 
@@ -222,6 +225,9 @@ class Config:
             (self.model.rollout_dtype in (None, "float32", "bfloat16", "float16"), "model.rollout_dtype",
              "must be float32, bfloat16 or float16"),
             (self.train.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch", "must be >= 0"),
+            (self.train.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1"),
+            (self.train.compute_dtype in ("auto", "float32", "bfloat16", "float16"), "train.compute_dtype",
+             "must be auto, float32, bfloat16 or float16"),
             (self.rollout.tp == 1, "rollout.tp", "must be 1 (tensor-parallel engines are not in this version)"),
             (self.algo.tis_cap >= 1, "algo.tis_cap", "must be >= 1"),
             (self.cluster.backend in ("local", "ray"), "cluster.backend", "must be local or ray"),

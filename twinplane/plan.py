@@ -14,7 +14,9 @@ Everything here is an estimate from the model's shape and the datasheet numbers 
 - throughput: decode is memory-bandwidth bound, training runs at an assumed MFU; collectives inside FSDP are
   assumed overlapped with compute; the reference / old-log-prob forward passes are ignored.
 Ignored everywhere: framework/runtime context (CUDA context, NCCL buffers, ~1-3 GB per GPU, covered by the
-headroom), allocator fragmentation, pipeline parallelism, sequence packing.
+headroom), allocator fragmentation, pipeline parallelism. Sequences are packed (`train.packing`, the default), so
+a micro-batch holds micro_batch_size x seq_len real tokens and no padding; the LM head's log-probs run in chunks of
+`logprob_chunk_tokens` (`twinplane.train.chunked_logprobs`), so the logits term is bounded by chunk x vocab.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Workload:
     prompt_len: int = 512
     response_len: int = 1024
     micro_batch_size: int = 4  # sequences per forward/backward
+    logprob_chunk_tokens: int = 512  # train.logprob_chunk_tokens
 
     @property
     def sequences(self) -> int:
@@ -171,10 +174,12 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int) -> float:
     return float(4 * d + 5 * a + 6 * k + 4 * f) * act_bytes
 
 
-def logits_bytes(cfg: ModelConfig, response_tokens: int, act_bytes: int) -> float:
-    """The LM head's output over the response region [tokens, vocab]: the logits in the compute dtype plus fp32
-    log-softmax, its exp and exp*log (entropy) and the logits' gradient: 4 fp32 copies + 1 compute-dtype copy."""
-    return float(response_tokens) * cfg.vocab_size * (act_bytes + 4 * 4)
+def logits_bytes(cfg: ModelConfig, response_tokens: int, act_bytes: int, chunk: int = 512) -> float:
+    """The LM head's transient buffers, one chunk of min(tokens, chunk) rows x vocab at a time (forward and the
+    backward's recompute): the chunk's logits in the compute dtype, then fp32 log-probs (normalised in place),
+    their exp and the log-sum-exp's temporary, and the logits' gradient cast back to the compute dtype:
+    3 fp32 copies + 1 compute-dtype copy."""
+    return float(min(response_tokens, chunk)) * cfg.vocab_size * (act_bytes + 3 * 4)
 
 
 def training_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, fsdp: int = 1, checkpointing: bool = False,
@@ -202,7 +207,7 @@ def training_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, fsdp: int
         master=p * dt.master / fsdp,
         moments=0.0 if offload else p * dt.moments / fsdp,
         activations=float(act),
-        logits=logits_bytes(cfg, w.micro_batch_size * w.response_len, dt.act),
+        logits=logits_bytes(cfg, w.micro_batch_size * w.response_len, dt.act, w.logprob_chunk_tokens),
     )
 
 
@@ -499,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (data.max_prompt_tokens)")
     ap.add_argument("--response-len", type=int, default=1024, help="response tokens (rollout.max_new_tokens)")
     ap.add_argument("--micro-batch-size", type=int, default=4, help="train.micro_batch_size, sequences")
+    ap.add_argument("--logprob-chunk-tokens", type=int, default=512, help="train.logprob_chunk_tokens")
     ap.add_argument("--overlap", action="store_true",
                     help="price disaggregated layouts as overlapping (one step off-policy) instead of alternating")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -507,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     if device is None:
         print(f"error: unknown --gpu {ns.gpu!r} (known: cpu, {', '.join(BY_KEY)})", file=sys.stderr)
         return 2
-    if min(ns.gpus, ns.nodes, ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size) < 1:
+    if min(ns.gpus, ns.nodes, ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
+           ns.logprob_chunk_tokens) < 1:
         print("error: --gpus, --nodes, batch sizes and lengths must be >= 1", file=sys.stderr)
         return 2
     try:
@@ -516,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cluster = Cluster(device, ns.gpus, ns.nodes, ns.price_per_gpu_hour, ns.overlap)
-    w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size)
+    w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
+                 ns.logprob_chunk_tokens)
     print(json.dumps(plan(cfg, cluster, w), indent=2) if ns.json else format_plan(cfg, cluster, w))
     return 0
 

@@ -7,6 +7,7 @@ covers NVIDIA and AMD alike; the vendor is told apart by `torch.version.hip`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -110,6 +111,50 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The training plane's dtypes: master weights and optimizer in `param` (model.dtype), matmuls and attention
+    in `compute`, gradient reductions, log-softmax and loss sums in `reduce` (fp32)."""
+
+    param: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        """Compute runs in a lower precision than the weights (autocast / FSDP's param cast)."""
+        return self.compute != self.param and self.compute != torch.float32
+
+
+def train_precision(device: torch.device, param_dtype: torch.dtype | str, compute_dtype: str = "auto") -> Precision:
+    """The one precision policy, whatever the rank count (`train.compute_dtype`): "auto" computes in bf16 on
+    GPUs that support it (NVIDIA and AMD) and in the weights' dtype elsewhere (CPU: fp32 stays fp32)."""
+    param = resolve_dtype(param_dtype)
+    if compute_dtype == "auto":
+        compute = torch.bfloat16 if torch.device(device).type == "cuda" and detect().bf16 else param
+    else:
+        compute = resolve_dtype(compute_dtype)
+    return Precision(param, compute)
+
+
+def autocast(precision: Precision, device: torch.device):
+    """The context a training or scoring forward runs in under `precision` (a no-op when not mixed)."""
+    if not precision.mixed:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=precision.compute)
+
+
+def varlen_backend(device: torch.device, compute_dtype: torch.dtype) -> str:
+    """Kernel for packed (varlen) rows, `AttentionMetadata.backend`: flash-attn's varlen kernel where it is
+    installed and eligible and the compute dtype is 16-bit, else FlexAttention on GPUs, else the portable SDPA
+    path (CPU: torch 2.13's FlexAttention has no CPU backward)."""
+    if torch.device(device).type != "cuda":
+        return "sdpa"
+    if detect().attention.flash_attn_eligible and compute_dtype in (torch.bfloat16, torch.float16):
+        return "flash_attn"
+    return "flex" if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None else "sdpa"
 
 
 # --- hardware description ----------------------------------------------------------------------------------------

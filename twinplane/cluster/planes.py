@@ -46,7 +46,7 @@ class LocalPlanes:
         self.rollout = build_rollout(cfg, self.engine, tokenizer)
         self.trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap)
         self.reference = None if reference is None else Reference(
-            reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch)
+            reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, train=t)
 
     def sync(self, version: int) -> SyncReport:
         return sync_in_process(self.engine, self.trainer, version)

@@ -154,7 +154,7 @@ class TrainWorker(_Worker):
         if reference is not None:
             ref = self._shard(build_model(s.model_config, reference, self.device, dtype), group)
             self.reference = Reference(ref, cfg.rollout.temperature, t.micro_batch_size, group=group,
-                                       max_tokens=t.max_tokens_per_micro_batch)
+                                       max_tokens=t.max_tokens_per_micro_batch, train=t)
         if cfg.cluster.colocate:
             self._build_engine(policy, self.rank)
 
@@ -163,7 +163,8 @@ class TrainWorker(_Worker):
             return model
         from torch.distributed.device_mesh import DeviceMesh
 
-        return shard_model(model, mesh=DeviceMesh.from_group(group, self.device.type))
+        return shard_model(model, mesh=DeviceMesh.from_group(group, self.device.type),
+                           compute_dtype=self.spec.cfg.train.compute_dtype)
 
     def logprobs(self, batch):
         return self.trainer.logprobs(batch).cpu()

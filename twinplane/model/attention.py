@@ -5,18 +5,21 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
 `attention()`, which dispatches on the layout:
 - dense: tokens [B, T] with an optional boolean mask [B, 1, T, S] (None = plain causal, the fused SDPA kernel);
 - varlen (packed): one row [1, T] holding several sequences back to back, delimited by `cu_seqlens`; each token
-  attends causally within its own sequence only. Portable path: SDPA with a block-diagonal causal mask.
+  attends causally within its own sequence only. Portable path ("sdpa"): SDPA over segments of whole sequences
+  of at most VARLEN_BLOCK tokens, each with a block-diagonal causal mask, so memory is O(T x VARLEN_BLOCK), not
+  O(T^2). Fused paths: "flex" (FlexAttention with a document mask) and "flash_attn" (flash-attn's varlen kernel).
 - paged (the rollout engine): one row [1, T] mixing prefill chunks and one-token decodes of many sequences whose
   earlier keys/values live in a block pool (`PagedKV`). Each layer writes its new k/v to the pool at
   `slot_mapping` and attends over its sequence's blocks. Portable path: gather each sequence's slots + SDPA;
   fused path (GPUs with flash-attn): `flash_attn_varlen_func(..., block_table=...)` reads the pool in place.
-Backends for a layout are chosen by the platform module (`meta.backend`); every fast path keeps the portable one.
+Backends for a layout are chosen by the platform module (stored in `meta.backend`); every fast path keeps the
+portable one and a test that they agree (tests/test_attention.py, tests/test_paged.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,7 @@ class AttentionMetadata:
     window: int | None = None  # sliding-window size (Mistral/Qwen2 configs), None = full causal
     backend: str = "sdpa"  # which kernel runs this layout (decided in twinplane.platform)
     paged: PagedKV | None = None  # paged layout (B == 1): the KV pool and where each sequence's tokens are
+    cache: dict = field(default_factory=dict, repr=False)  # per-forward derived data every layer reuses
 
     @property
     def varlen(self) -> bool:
@@ -59,22 +63,107 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
         return paged_attention(q, k, v, meta, layer)
     gqa = q.shape[1] != k.shape[1]
     if meta.varlen:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=varlen_mask(meta), enable_gqa=gqa)
+        return VARLEN_BACKENDS[meta.backend](q, k, v, meta)
     if meta.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=gqa)
 
 
-def varlen_mask(meta: AttentionMetadata) -> torch.Tensor:
-    """Block-diagonal causal mask [1, 1, T, T] from `cu_seqlens` (the portable varlen path)."""
-    cu = meta.cu_seqlens.long()
+VARLEN_BLOCK = 1024  # portable varlen path: tokens per masked SDPA call (its mask is [block, block])
+
+
+def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Portable varlen attention (q/k/v [1, H, T, D]): consecutive whole sequences grouped into segments of at most
+    VARLEN_BLOCK tokens (a longer sequence is a segment alone); one SDPA call per segment with its block-diagonal
+    causal mask, or the fused causal kernel when the segment is one sequence."""
+    gqa = q.shape[1] != k.shape[1]
+    segments = meta.cache.get("segments")
+    if segments is None:
+        segments = meta.cache["segments"] = _segments(meta.cu_seqlens.tolist(), meta.window)
+    outs = []
+    for a, b, mask in segments:
+        qs, ks, vs = q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]
+        if mask is None:
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa))
+        else:
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.to(q.device), enable_gqa=gqa))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+def _segments(cu: list[int], window: int | None) -> list[tuple[int, int, torch.Tensor | None]]:
+    """(start, end, mask or None) per segment of whole sequences: greedy, at most VARLEN_BLOCK tokens each."""
+    out, i, n = [], 0, len(cu) - 1
+    while i < n:
+        j = i + 1
+        while j < n and cu[j + 1] - cu[i] <= VARLEN_BLOCK:
+            j += 1
+        a, b = cu[i], cu[j]
+        single = j == i + 1 and (window is None or b - a <= window)
+        out.append((a, b, None if single else block_causal_mask(torch.tensor(cu[i:j + 1]) - a, window)))
+        i = j
+    return out
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Block-diagonal causal mask [1, 1, T, T] (True = may attend) of the sequences delimited by `cu_seqlens`."""
+    cu = cu_seqlens.long()
     T = int(cu[-1])
     seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1])  # [T]
     pos = torch.arange(T, device=cu.device)
     mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
-    if meta.window is not None:
-        mask &= (pos[:, None] - pos[None, :]) < meta.window
+    if window is not None:
+        mask &= (pos[:, None] - pos[None, :]) < window
     return mask[None, None]
+
+
+def varlen_mask(meta: AttentionMetadata) -> torch.Tensor:
+    """The whole row's block-diagonal causal mask [1, 1, T, T] (reference for the segmented and fused paths)."""
+    return block_causal_mask(meta.cu_seqlens, meta.window)
+
+
+def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """FlexAttention with a document mask (sparse blocks are skipped). Compiled on GPUs; eager elsewhere, where
+    torch 2.13 runs its forward only (tests compare it with the portable path on CPU without grad)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_mask = meta.cache.get("flex_block_mask")
+    if block_mask is None:
+        cu = meta.cu_seqlens.long()
+        T, window = int(cu[-1]), meta.window
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), (cu[1:] - cu[:-1]).to(q.device))
+
+        def document_causal(b, h, qi, ki):
+            keep = (doc[qi] == doc[ki]) & (ki <= qi)
+            return keep & (qi - ki < window) if window is not None else keep
+
+        block_mask = meta.cache["flex_block_mask"] = create_block_mask(document_causal, None, None, T, T,
+                                                                       device=q.device)
+    return _flex(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+_FLEX: dict[str, object] = {}
+
+
+def _flex(device_type: str):
+    if device_type not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX[device_type] = torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+    return _FLEX[device_type]
+
+
+def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """flash-attn's `flash_attn_varlen_func` (CUDA sm80+ and the ROCm CK build; bf16/fp16), GQA native."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu, L = meta.cu_seqlens.to(q.device, torch.int32), meta.max_seqlen
+    window = (-1, -1) if meta.window is None else (meta.window - 1, 0)
+    out = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, L, L,
+                                 causal=True, window_size=window)  # [T, H, D]
+    return out.transpose(0, 1)[None]
+
+
+VARLEN_BACKENDS = {"sdpa": sdpa_varlen, "flex": flex_varlen, "flash_attn": flash_attn_varlen}
 
 
 def build_mask(q_pos, k_pos, k_valid, self_index, window: int | None) -> torch.Tensor:

@@ -11,6 +11,9 @@ so checkpoints load with no renaming and what we save loads in transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -136,8 +139,13 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B, T], 1 = token, 0 = padding
         logits_start: int = 0,  # only compute logits for positions >= this (the response region)
         meta: AttentionMetadata | None = None,  # the caller's token layout (packed rows); None = from the mask
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,  # replaces the LM head, see below
     ) -> torch.Tensor:  # logits [B, T - logits_start, V]
+        """`head(hidden [B, T, D], output weight [V, D])`, when given, is returned instead of the logits: the trainer's
+        chunked log-probs read the LM head weight here, inside the forward, where FSDP has gathered it."""
         h = self.hidden_states(input_ids, attention_mask, meta)
+        if head is not None:
+            return head(h, self.output_weight())
         return F.linear(h[:, logits_start:], self.output_weight())
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

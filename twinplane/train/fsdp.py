@@ -7,25 +7,28 @@ step takes the same gradient as one process on the whole batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from twinplane import platform
 from twinplane.model import Transformer
 from twinplane.train.balance import assign_rows
 from twinplane.train.batch import Batch
 
 
 def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True) -> Transformer:
+                reshard_after_forward: bool = True, compute_dtype: str = "auto") -> Transformer:
     """FSDP2 in place: one unit per decoder block, then the root (embedding, final norm, LM head, so tied
-    embeddings stay one parameter). On GPU the default policy computes in bf16 over fp32 master weights; on CPU
-    everything stays fp32. `mesh` None is the default process group."""
+    embeddings stay one parameter). The default policy is `platform.train_precision` (`train.compute_dtype`), the
+    one a single rank uses too: on GPU bf16 compute over `model.dtype` master weights with fp32 gradient
+    reductions; on CPU the weights' dtype throughout. `mesh` None is the default process group."""
     if mp_policy is None:
-        on_gpu = model.output_weight().device.type == "cuda"
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu \
-            else MixedPrecisionPolicy()
+        w = model.output_weight()
+        mp_policy = mixed_precision(platform.train_precision(w.device, w.dtype, compute_dtype))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -34,6 +37,13 @@ def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy |
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no AVG/PREMUL_SUM
     return model
+
+
+def mixed_precision(p: platform.Precision) -> MixedPrecisionPolicy:
+    """FSDP2's form of a precision policy: gathered params cast to the compute dtype, grads reduced in fp32."""
+    if not p.mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=p.compute, reduce_dtype=p.reduce)
 
 
 def split_for_rank(batch: Batch, rank: int, world: int) -> Batch:
@@ -76,15 +86,43 @@ def row_groups(batch: Batch, size: int, max_tokens: int = 0) -> list[slice]:
     return groups
 
 
-def micro_batches(batch: Batch, size: int, group=None, max_tokens: int = 0) -> list[tuple[Batch, float]]:
-    """(micro-batch, loss weight) pairs (see `row_groups`), as many on every rank: FSDP runs collectives in each
-    forward and backward, so a rank with fewer micro-batches repeats its first row with weight 0 rather than leave
-    the others waiting."""
-    mbs = [(batch.select(s), 1.0) for s in row_groups(batch, size, max_tokens)]
+def packed_groups(batch: Batch, size: int, max_tokens: int = 0) -> list[list[int]]:
+    """Row indices (ascending) per packed micro-batch, balanced by real tokens: the fewest micro-batches that hold
+    at most `size` rows and, with `max_tokens` > 0, at most `max_tokens` real tokens each (a lone row may exceed
+    it), rows dealt longest first to the micro-batch with the fewest tokens so far (`assign_rows`)."""
+    lens = batch.attention_mask.sum(1).tolist()
+    n = len(lens)
+    if n == 0:
+        return []
+    k = max(math.ceil(n / size), math.ceil(sum(lens) / max_tokens) if max_tokens > 0 else 1)
+    while True:
+        groups = [g for g in assign_rows(lens, k) if g]
+        fits = max_tokens <= 0 or all(len(g) == 1 or sum(lens[i] for i in g) <= max_tokens for g in groups)
+        if fits or k >= n:
+            return groups
+        k += 1
+
+
+def micro_batch_rows(batch: Batch, size: int, group=None, max_tokens: int = 0,
+                     packed: bool = False) -> list[tuple[torch.Tensor, float]]:
+    """(row indices, loss weight) per micro-batch: `packed_groups` when `packed`, else consecutive `row_groups`;
+    as many on every rank: FSDP runs collectives in each forward and backward, so a rank with fewer micro-batches
+    repeats its first row with weight 0 rather than leave the others waiting."""
+    if packed:
+        rows = [torch.tensor(g) for g in packed_groups(batch, size, max_tokens)]
+    else:
+        rows = [torch.arange(s.start, s.stop) for s in row_groups(batch, size, max_tokens)]
+    out = [(r, 1.0) for r in rows]
     if group is not None:
-        n = int(all_reduce(len(mbs), group, dist.ReduceOp.MAX))
-        mbs += [(batch.select(slice(0, 1)), 0.0)] * (n - len(mbs))
-    return mbs
+        n = int(all_reduce(len(out), group, dist.ReduceOp.MAX))
+        out += [(torch.tensor([0]), 0.0)] * (n - len(out))
+    return out
+
+
+def micro_batches(batch: Batch, size: int, group=None, max_tokens: int = 0,
+                  packed: bool = False) -> list[tuple[Batch, float]]:
+    """(micro-batch, loss weight) pairs, see `micro_batch_rows`."""
+    return [(batch.select(r), w) for r, w in micro_batch_rows(batch, size, group, max_tokens, packed)]
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

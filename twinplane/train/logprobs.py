@@ -1,39 +1,81 @@
-"""Per-token log-probs (and entropy) of a batch's response tokens: the trainer's and the reference's scoring."""
+"""Per-token log-probs (and entropy) of a batch's response tokens: the trainer's, the reference's and the SFT
+warm start's scoring.
+
+Two layouts, one result:
+- packed (default, `train.packing`): the rows' real tokens back to back in one row [1, T] with varlen attention
+  (`AttentionMetadata.packed`), so cost follows real tokens, not rows x the longest row;
+- padded: the batch's [N, P + R] rows as they are.
+Either way only the hidden states that predict a response token go through the LM head, in chunks of
+`chunk_tokens` (`token_logprobs`), and the result is scattered back to [N, R], aligned with `response_mask`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from twinplane.model import Transformer
-from twinplane.rollout.sampling import policy_logprobs
+from twinplane import platform
+from twinplane.model import AttentionMetadata, Transformer
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
+from twinplane.train.chunked_logprobs import token_logprobs
+
+DEFAULT_CHUNK_TOKENS = 512
 
 
-def response_logprobs(model: Transformer, batch: Batch, temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(y_t | x, y_<t) [N, R] for the response tokens, and the policy's entropy at each position [N, R].
-    Logits are computed only over the response region (column P-1 onwards)."""
+def response_logprobs(model: Transformer, batch: Batch, temperature: float, with_entropy: bool = False,
+                      packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(y_t | x, y_<t) [N, R] for the response tokens, and the policy's entropy at each position [N, R]
+    (None unless `with_entropy`); 0 at padding. Differentiable; no [N, R, V] tensor is ever built."""
     P = batch.prompt_len
-    logits = model(batch.input_ids, batch.attention_mask, logits_start=P - 1)[:, :-1]  # [N, R, V]
-    lp = policy_logprobs(logits, temperature)  # same function the engine samples from
-    token_lp = lp.gather(-1, batch.response_ids[..., None]).squeeze(-1)
-    entropy = -(lp.exp() * lp).sum(-1) if with_entropy else None
-    return token_lp, entropy
+    valid = batch.attention_mask.bool()  # [N, P + R]
+    resp = valid[:, P:]  # [N, R] real response tokens (tool outputs included: the loss mask is the caller's)
+    targets = batch.response_ids[resp]  # [M]
+    if packed:
+        lengths = valid.sum(1)
+        if bool((valid[:, :P].sum(1) == 0).any()):
+            raise ValueError("every row needs at least one prompt token (its last one predicts the response)")
+        dev = batch.input_ids.device
+        meta = AttentionMetadata.packed(lengths.tolist(), dev, window=model.config.sliding_window,
+                                        backend=platform.varlen_backend(dev, _compute_dtype(model)))
+        packed_index = valid.flatten().long().cumsum(0).view(valid.shape) - 1  # [N, P + R] position in the row
+        rows = packed_index[:, P:][resp] - 1  # [M] the position whose hidden state predicts each response token
+        ids, mask = batch.input_ids[valid][None], None  # [1, T]
+    else:
+        N, W = valid.shape
+        rows = (torch.arange(N, device=valid.device)[:, None] * W + P - 1
+                + torch.arange(W - P, device=valid.device))[resp]  # [M] in the flattened [N * W] hidden states
+        ids, mask, meta = batch.input_ids, batch.attention_mask, None
+
+    def head(h: torch.Tensor, weight: torch.Tensor):
+        return token_logprobs(h.flatten(0, 1)[rows], weight, targets, temperature, chunk_tokens, with_entropy)
+
+    lp, ent = model(ids, mask, meta=meta, head=head)
+    zeros = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
+    return zeros.masked_scatter(resp, lp), None if ent is None else zeros.masked_scatter(resp, ent)
+
+
+def _compute_dtype(model: Transformer) -> torch.dtype:
+    dev = model.output_weight().device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else model.output_weight().dtype
 
 
 @torch.no_grad()
 def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size: int, group=None,
-          max_tokens: int = 0) -> torch.Tensor:
+          max_tokens: int = 0, packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+          precision: platform.Precision | None = None) -> torch.Tensor:
     """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs).
 
     With an FSDP `group`, every rank runs as many forwards (padding micro-batches, weight 0, are scored and
     dropped): each forward all-gathers the parameters, so a rank that stopped early would hang the others."""
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
-    i = 0
-    for mb, weight in fsdp.micro_batches(batch, micro_batch_size, group, max_tokens):
-        lp, _ = response_logprobs(model, mb, temperature)
-        if weight:  # real micro-batches come first, in row order
-            out[i:i + len(mb), :lp.shape[1]] = lp * mb.response_mask
-            i += len(mb)
+    dev = batch.input_ids.device
+    for rows, weight in fsdp.micro_batch_rows(batch, micro_batch_size, group, max_tokens, packed):
+        mb = batch.select(rows)
+        with platform.autocast(precision, dev) if precision is not None else contextlib.nullcontext():
+            lp, _ = response_logprobs(model, mb, temperature, packed=packed, chunk_tokens=chunk_tokens)
+        if weight:
+            out[rows, :lp.shape[1]] = lp * mb.response_mask
     return out

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from twinplane import platform
 from twinplane.algos import clipped_policy_loss, kl_penalty, token_sum, truncated_is_weights
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
@@ -25,17 +26,21 @@ class Reference:
     """Frozen reference policy for the KL term."""
 
     def __init__(self, model: Transformer, temperature: float, micro_batch_size: int, group=None,
-                 max_tokens: int = 0):
+                 max_tokens: int = 0, train: TrainSection | None = None):
         """`group`: the data-parallel process group when `model` is FSDP-sharded; `max_tokens`: the micro-batch
-        token budget (0 = off), as `train.max_tokens_per_micro_batch`."""
+        token budget (0 = off), as `train.max_tokens_per_micro_batch`; `train`: packing, log-prob chunk and
+        compute dtype as the trainer's (defaults when None)."""
         self.model = model.eval().requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.group, self.max_tokens = group, max_tokens
+        self.train = train or TrainSection()
         self.device = model.output_weight().device
+        self.precision = platform.train_precision(self.device, model.output_weight().dtype, self.train.compute_dtype)
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
+        t = self.train
         return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                     self.max_tokens)
+                     self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision)
 
 
 class Trainer:
@@ -52,6 +57,8 @@ class Trainer:
             model.parameters(), train.lr, train.betas, train.weight_decay, train.warmup_steps, total_steps,
             train.schedule, train.min_lr_ratio)
         self.device = model.output_weight().device
+        # one policy for 1 and N ranks: FSDP casts the gathered params (shard_model), autocast does the rest
+        self.precision = platform.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
 
     @property
     def config(self) -> ModelConfig:
@@ -59,8 +66,9 @@ class Trainer:
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
-        return score(self.model, batch.to(self.device), self.temperature, self.cfg.micro_batch_size, self.group,
-                     self.cfg.max_tokens_per_micro_batch)
+        c = self.cfg
+        return score(self.model, batch.to(self.device), self.temperature, c.micro_batch_size, self.group,
+                     c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
@@ -85,9 +93,12 @@ class Trainer:
         tis = self.tis_cap is not None and batch.old_logprobs is not None and batch.rollout_logprobs is not None
         keys = ["pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"]
         sums = dict.fromkeys(keys + (["tis_weight_mean", "tis_clip_frac"] if tis else []), 0.0)
-        mbs = fsdp.micro_batches(batch, self.cfg.micro_batch_size, self.group, self.cfg.max_tokens_per_micro_batch)
+        c = self.cfg
+        mbs = fsdp.micro_batches(batch, c.micro_batch_size, self.group, c.max_tokens_per_micro_batch, c.packing)
         for mb, weight in mbs:
-            lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
+            with platform.autocast(self.precision, self.device):
+                lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, packed=c.packing,
+                                            chunk_tokens=c.logprob_chunk_tokens)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
             pg, clipped = clipped_policy_loss(lp, old, mb.advantages, a.clip_low, a.clip_high)

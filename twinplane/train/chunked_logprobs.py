@@ -1,0 +1,91 @@
+"""Log-probs and entropy of target tokens through the LM head, never holding the full [tokens, vocab] logits.
+
+`token_logprobs(hidden, weight, targets, ...)` equals `policy_logprobs(hidden @ weight.T, T).gather(targets)` (and
+the entropy of that distribution) but runs over `chunk` tokens at a time, in forward and again in backward:
+the backward recomputes each chunk's logits instead of saving them, the trade Liger-Kernel's fused linear
+cross-entropy makes. Extra memory is a few [chunk, V] fp32 buffers instead of ~4 copies of [tokens, V].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _chunk_logprobs(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(h @ w.T / T) [c, V] in fp32, or fp64 for fp64 inputs (the matmul in the inputs' dtype, as the
+    direct path), normalised in place: one [c, V] buffer."""
+    logits = (h @ w.T).to(_acc(h.dtype))  # [c, V]
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits.sub_(logits.logsumexp(-1, keepdim=True))
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
+        # hidden [M, D] and weight [V, D] already in the compute dtype; targets [M]
+        M = hidden.shape[0]
+        lp = torch.empty(M, dtype=_acc(hidden.dtype), device=hidden.device)
+        ent = torch.empty(M, dtype=_acc(hidden.dtype), device=hidden.device) if with_entropy else None
+        for s in range(0, M, chunk):
+            logp = _chunk_logprobs(hidden[s:s + chunk], weight, temperature)  # [c, V]
+            lp[s:s + chunk] = logp.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+            if with_entropy:
+                ent[s:s + chunk] = -logp.exp().mul_(logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, ent if with_entropy else lp)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        """d lp / d z = onehot(y) - p and d H / d z = -p (log p + H), with z = logits / T; fp32 throughout, the
+        two matmuls per chunk in the compute dtype, the weight grad accumulated in fp32."""
+        hidden, weight, targets, ent = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=_acc(weight.dtype), device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        use_ent = ctx.with_entropy and g_ent is not None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            logp = _chunk_logprobs(h, weight, T)  # [c, V]
+            p = logp.exp()
+            if use_ent:  # g_z = -g_ent * p * (logp + H), built in logp's buffer
+                gz = logp.add_(ent[s:s + chunk, None]).mul_(p).mul_(-g_ent[s:s + chunk, None])
+                if g_lp is not None:
+                    gz.sub_(p.mul_(g_lp[s:s + chunk, None]))
+            else:
+                gz = p.mul_(-(g_lp[s:s + chunk, None] if g_lp is not None else 0.0))
+            if g_lp is not None:
+                gz.scatter_add_(-1, targets[s:s + chunk, None], g_lp[s:s + chunk, None].to(gz.dtype))
+            if T != 1.0:
+                gz.div_(T)
+            gz = gz.to(hidden.dtype)  # [c, V] d loss / d logits
+            if grad_h is not None:
+                grad_h[s:s + chunk] = gz @ weight
+            if grad_w is not None:
+                if gz.dtype == grad_w.dtype:
+                    grad_w.addmm_(gz.T, h)
+                else:  # a [V, D] product in the compute dtype, summed in fp32
+                    grad_w.add_(gz.T @ h)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   chunk: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(targets) [M] and, with `with_entropy`, the entropy of pi [M], both fp32, where
+    pi = softmax(hidden [M, D] @ weight [V, D].T / temperature) (temperature 0 scores at 1, as the engine's greedy).
+
+    The matmuls run in the autocast dtype when autocast is on (else `weight`'s dtype); log-softmax and
+    reductions in fp32. `chunk` > 0 bounds the transient memory to a few [chunk, V] buffers."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    t = temperature if temperature > 0 else 1.0
+    with torch.autocast(dev, enabled=False):
+        return _ChunkedLogprobs.apply(hidden.to(dtype), weight.to(dtype), targets, t, chunk, with_entropy)
