@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from twinplane.algos import clipped_policy_loss, kl_penalty
+from twinplane.algos import kl_penalty, token_policy_loss
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.train import Batch, Reference, Trainer
 from twinplane.train.logprobs import response_logprobs
@@ -52,7 +52,7 @@ def test_loss_is_token_mean_of_clipped_objective():
     model = tiny_model()
     lp, _ = response_logprobs(model, batch, 1.0)
     m = batch.response_mask
-    pg, _ = clipped_policy_loss(lp, batch.rollout_logprobs, batch.advantages, 0.1, 0.1)
+    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, clip_low=0.1, clip_high=0.1)
     loss = ((pg + 0.1 * kl_penalty(lp, batch.ref_logprobs, "k2")) * m).sum() / m.sum()
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from twinplane.cluster import WorkerError, build_rollout
+from twinplane.cluster import WorkerError, build_engine, build_rollout
 from twinplane.config import ConfigError, config_help, load_config
-from twinplane.rollout import RolloutEngine
 
 DESCRIPTION = "twinplane: RL post-training (GRPO) of LLMs on CUDA, ROCm and CPU with the same code."
 TRAIN_HELP = """Run GRPO. With no arguments: the embedded demo (a tiny model learns multi-digit addition on CPU:
@@ -110,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        engine = RolloutEngine(setup.model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id,
-                               cfg.rollout.max_num_seqs, seed=cfg.seed)
+        engine = build_engine(cfg, setup.model, setup.tokenizer)
         result = run.run_eval(setup, build_rollout(cfg, engine, setup.tokenizer), ns.n, ns.temperature)
     finally:
         setup.scorer.close()
