@@ -111,10 +111,10 @@ class Controller:
                 extra |= {"actor/reward_kl": kl, "actor/reward_kl_coef": self.kl_ctrl.value}
                 self.kl_ctrl.update(kl, len(samples))
             batch.advantages, batch.returns = self.algo.advantages(token_rewards, mask, groups, values)
+            batch.old_values = values
             parts = self._mini_batches(batch, groups)
             critic_updates = []
             if self.critic is not None:
-                batch.old_values = values
                 with timer("critic_train"):
                     critic_updates = [self.critic.train_step(mb) for mb in parts]
                 extra |= {"critic/values_mean": float((values * mask).sum() / mask.sum().clamp(min=1)),
