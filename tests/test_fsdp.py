@@ -23,9 +23,9 @@ ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
 METRICS = ("pg_loss", "kl", "entropy", "clip_frac", "ratio", "logprob_gap", "grad_norm")
 
 
-def trainer(model, clip, group=None):
+def trainer(model, clip, group=None, algo=ALGO):
     train = TrainSection(micro_batch_size=2, lr=1e-3, grad_clip=clip)
-    tr = Trainer(model, train, ALGO, temperature=1.0, total_steps=10, group=group)
+    tr = Trainer(model, train, algo, temperature=1.0, total_steps=10, group=group)
     tr.opt.zero_grad = lambda set_to_none=True: None  # keep the (clipped) grads to compare: Adam's first step
     return tr  # is nearly sign(grad), blind to a wrong loss scale
 
@@ -34,7 +34,7 @@ def full_grads(model):
     return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, tmp, n, clip):
+def _worker(rank, world, tmp, n, clip, name="grpo"):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -42,7 +42,8 @@ def _worker(rank, world, tmp, n, clip):
         batch = make_batch(tiny_model(), n=n)
         local = split_for_rank(batch, rank, world)
         model = shard_model(tiny_model())
-        metrics = trainer(model, clip, dist.group.WORLD).train_step(local)
+        algo = AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)
+        metrics = trainer(model, clip, dist.group.WORLD, algo).train_step(local)
         state, grads = full_state_dict(model), full_grads(model)
         if rank == 0:
             torch.save({"state": state, "grads": grads, "metrics": metrics}, f"{tmp}/dp{world}.pt")
@@ -64,16 +65,19 @@ def spawn(fn, args, nprocs, timeout=90.0):
             pytest.fail(f"workers still running after {timeout} s")
 
 
-# 5 rows: the ranks hold 3 and 2 and differ in micro-batch count; no clipping there, so the grads' scale shows
-@pytest.mark.parametrize(("n", "clip"), [(6, 1.0), (5, 0.0)])
-def test_dp2_fsdp_step_equals_dp1(tmp_path, n, clip):
-    spawn(_worker, (2, str(tmp_path), n, clip), nprocs=2)
+# 5 rows: the ranks hold 3 and 2 and differ in micro-batch count; no clipping there, so the grads' scale shows.
+# dr_grpo and gspo: the per-sequence aggregations (rows, not tokens, and a global horizon) under DP; the other
+# presets share grpo's token-mean loss in the trainer (they differ in advantages, computed before it).
+@pytest.mark.parametrize(("n", "clip", "name"), [(6, 1.0, "grpo"), (5, 0.0, "grpo"), (5, 0.0, "dr_grpo"),
+                                                 (5, 0.0, "gspo")])
+def test_dp2_fsdp_step_equals_dp1(tmp_path, n, clip, name):
+    spawn(_worker, (2, str(tmp_path), n, clip, name), nprocs=2)
     got = torch.load(tmp_path / "dp2.pt")
 
     batch = make_batch(tiny_model(), n=n)
     assert len({int(r.sum()) for r in batch.response_mask}) > 1  # unequal lengths: the global normaliser matters
     model = tiny_model()
-    want = trainer(model, clip).train_step(batch)
+    want = trainer(model, clip, algo=AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)).train_step(batch)
     diffs = {name: float((got["state"][name] - p.detach()).abs().max()) for name, p in model.named_parameters()}
     assert set(got["state"]) == set(diffs)
     assert max(diffs.values()) < 1e-5, diffs
