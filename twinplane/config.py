@@ -210,6 +210,8 @@ class Config:
     cluster: ClusterSection = field(default_factory=ClusterSection)
 
     def validate(self) -> None:
+        if self.algo.name not in PRESETS:  # before the checks below read the preset's (unset) keys
+            raise ConfigError(f"algo.name: must be one of {', '.join(PRESETS)}, got {self.algo.name!r}")
         checks = [
             (self.rollout.n >= 1, "rollout.n", "must be >= 1"),
             (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
@@ -224,7 +226,6 @@ class Config:
             (self.train.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
             (self.rollout.prompts_per_step % self.train.mini_batches == 0, "train.mini_batches",
              "must divide rollout.prompts_per_step (mini-batches hold whole groups)"),
-            (self.algo.name in PRESETS, "algo.name", f"must be one of {', '.join(PRESETS)}"),
             (self.algo.adv_estimator in ESTIMATORS, "algo.adv_estimator", f"must be one of {', '.join(ESTIMATORS)}"),
             (self.algo.policy_loss in POLICY_LOSSES, "algo.policy_loss", f"must be one of {', '.join(POLICY_LOSSES)}"),
             (self.algo.loss_agg in AGG_MODES, "algo.loss_agg", f"must be one of {', '.join(AGG_MODES)}"),

@@ -100,7 +100,7 @@ class Critic:
             m = mb.response_mask
             loss, frac = value_loss(v, mb.old_values, mb.returns, m, clip=self.value_clip, norm=num_tokens)
             (loss * weight).backward()
-            sums["vf_loss"] += weight * float(loss)
+            sums["vf_loss"] += weight * float(loss.detach())
             sums["vf_clipfrac"] += weight * float(frac) * float(m.sum()) / num_tokens
         if self.group is not None:
             sums = {k: fsdp.all_reduce(v, self.group) for k, v in sums.items()}
