@@ -80,7 +80,7 @@ def run_twinplane(args, ckpt: str, batches) -> dict:
     sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=args.new_tokens,
                               min_new_tokens=args.new_tokens, n=args.samples)
     controller = Controller(engine, trainer, reference, RewardRunner("exact_int"), tok, sampling, mini_batches=1,
-                            recompute_old_logprobs=False, norm_adv_by_std=True)
+                            recompute_old_logprobs=False)
     steps = []
     for i, problems in enumerate(batches):
         t0 = time.perf_counter()

@@ -57,7 +57,7 @@ def test_seeded_run_is_bitwise_reproducible(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["train.lrr=1"], "unknown key train.lrr (did you mean train.lr?)"),
     (["train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
-    (["algo.kl_estimator=k9"], "algo.kl_estimator: must be k1, k2 or k3"),
+    (["algo.kl_estimator=k9"], "algo.kl_estimator: must be one of k1, k2, k3, abs"),
     (["no_such.cfg.yaml"], "config file no_such.cfg.yaml not found"),
     (["train.lr"], "train.lr"),
 ])

@@ -23,9 +23,9 @@ ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
 METRICS = ("pg_loss", "kl", "entropy", "clip_frac", "ratio", "logprob_gap", "grad_norm")
 
 
-def trainer(model, clip, group=None, packing=True):
+def trainer(model, clip, group=None, packing=True, algo=ALGO):
     train = TrainSection(micro_batch_size=2, lr=1e-3, grad_clip=clip, packing=packing)
-    tr = Trainer(model, train, ALGO, temperature=1.0, total_steps=10, group=group)
+    tr = Trainer(model, train, algo, temperature=1.0, total_steps=10, group=group)
     tr.opt.zero_grad = lambda set_to_none=True: None  # keep the (clipped) grads to compare: Adam's first step
     return tr  # is nearly sign(grad), blind to a wrong loss scale
 
@@ -34,7 +34,7 @@ def full_grads(model):
     return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, tmp, n, clip, tool_masks):
+def _worker(rank, world, tmp, n, clip, tool_masks, name="grpo"):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -42,7 +42,8 @@ def _worker(rank, world, tmp, n, clip, tool_masks):
         batch = make_batch(tiny_model(), n=n, tool_masks=tool_masks)
         local = split_for_rank(batch, rank, world)
         model = shard_model(tiny_model())
-        metrics = trainer(model, clip, dist.group.WORLD).train_step(local)
+        algo = AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)
+        metrics = trainer(model, clip, dist.group.WORLD, algo).train_step(local)
         state, grads = full_state_dict(model), full_grads(model)
         if rank == 0:
             torch.save({"state": state, "grads": grads, "metrics": metrics}, f"{tmp}/dp{world}.pt")
@@ -65,17 +66,22 @@ def spawn(fn, args, nprocs, timeout=90.0):
 
 
 # 5 rows: the ranks hold 3 and 2 and differ in micro-batch count; no clipping there, so the grads' scale shows.
-# The ranks train on packed micro-batches; the second case compares them with one process on padded ones, with
-# multi-turn loss masks (tool outputs in the context, not in the loss).
-@pytest.mark.parametrize(("n", "clip", "tool_masks", "dp1_packing"), [(6, 1.0, False, True), (5, 0.0, True, False)])
-def test_dp2_fsdp_step_equals_dp1(tmp_path, n, clip, tool_masks, dp1_packing):
-    spawn(_worker, (2, str(tmp_path), n, clip, tool_masks), nprocs=2)
+# The ranks train on packed micro-batches; the tool-mask cases compare them with one process on padded ones, with
+# multi-turn loss masks (tool outputs in the context, not in the loss). dr_grpo and gspo: the per-sequence
+# aggregations (rows, not tokens, and a global horizon) under DP; the other presets share grpo's token-mean loss in
+# the trainer (they differ in advantages, computed before it).
+@pytest.mark.parametrize(("n", "clip", "tool_masks", "dp1_packing", "name"),
+                         [(6, 1.0, False, True, "grpo"), (5, 0.0, True, False, "grpo"),
+                          (5, 0.0, True, False, "dr_grpo"), (5, 0.0, False, True, "gspo")])
+def test_dp2_fsdp_step_equals_dp1(tmp_path, n, clip, tool_masks, dp1_packing, name):
+    spawn(_worker, (2, str(tmp_path), n, clip, tool_masks, name), nprocs=2)
     got = torch.load(tmp_path / "dp2.pt")
 
     batch = make_batch(tiny_model(), n=n, tool_masks=tool_masks)
     assert len({int(r.sum()) for r in batch.attention_mask}) > 1  # unequal lengths: the global normaliser matters
     model = tiny_model()
-    want = trainer(model, clip, packing=dp1_packing).train_step(batch)
+    want = trainer(model, clip, packing=dp1_packing,
+                   algo=AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)).train_step(batch)
     diffs = {name: float((got["state"][name] - p.detach()).abs().max()) for name, p in model.named_parameters()}
     assert set(got["state"]) == set(diffs)
     assert max(diffs.values()) < 1e-5, diffs

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from twinplane.algos import clipped_policy_loss, kl_penalty
+from twinplane.algos import PRESETS, aggregate, kl_penalty, token_policy_loss
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.train import Batch, Reference, Trainer
 from twinplane.train.logprobs import response_logprobs
@@ -50,6 +50,28 @@ def test_grad_accumulation_equals_one_batch():
         assert abs(m1[k] - m3[k]) < 1e-5, k
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_grad_accumulation_equals_one_batch_for_every_algorithm(name):
+    """Every preset's loss (its policy loss and aggregation, with KL and entropy terms) is normalised over the
+    global batch: 3 micro-batches give the same gradient and metrics as one. (Gradients, not Adam's update: a
+    near-zero gradient element makes Adam's first step ~lr * sign, which amplifies rounding.)"""
+    algo = AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)
+    batch = make_batch(tiny_model())
+    grads, metrics = [], []
+    for micro in (6, 2):
+        model = tiny_model()
+        trainer = Trainer(model, TrainSection(micro_batch_size=micro, grad_clip=0.0), algo, 1.0, 10, horizon=8)
+        trainer.opt.step = lambda: None
+        trainer.opt.zero_grad = lambda set_to_none=True: None
+        metrics.append(trainer.train_step(batch))
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5, msg=n)
+    assert any(g.abs().max() > 0 for g in grads[0].values())
+    for k in metrics[0]:
+        assert abs(metrics[0][k] - metrics[1][k]) < 1e-5, k
+
+
 @pytest.mark.filterwarnings("ignore:Seems like")
 def test_loss_is_token_mean_of_clipped_objective():
     """Recompute the objective by hand on the whole batch and compare gradients."""
@@ -58,7 +80,7 @@ def test_loss_is_token_mean_of_clipped_objective():
     model = tiny_model()
     lp, _ = response_logprobs(model, batch, 1.0)
     m = batch.response_mask
-    pg, _ = clipped_policy_loss(lp, batch.rollout_logprobs, batch.advantages, 0.1, 0.1)
+    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, clip_low=0.1, clip_high=0.1)
     loss = ((pg + 0.1 * kl_penalty(lp, batch.ref_logprobs, "k2")) * m).sum() / m.sum()
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -83,3 +105,23 @@ def test_parameters_change_and_reference_is_frozen():
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert torch.equal(ref.logprobs(batch), ref_before)
     assert m["actor/grad_norm"] > 0 and m["actor/kl"] > 0
+
+
+def test_seq_mean_token_sum_norm_loss_by_hand():
+    """dr_grpo's aggregation in the trainer: mean over rows of row sums / the horizon (the generation cap)."""
+    algo = AlgoSection(name="dr_grpo")
+    batch = make_batch(tiny_model())
+    model = tiny_model()
+    lp, _ = response_logprobs(model, batch, 1.0)
+    m = batch.response_mask
+    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, clip_low=0.2, clip_high=0.28)
+    loss = aggregate(pg, m, "seq-mean-token-sum-norm", horizon=8)
+    assert float(loss.detach()) == pytest.approx(float(((pg.detach() * m).sum(-1) / 8).mean()), rel=1e-6)
+    loss.backward()
+    model2 = tiny_model()
+    trainer = Trainer(model2, TrainSection(micro_batch_size=4, grad_clip=0.0), algo, 1.0, 10, horizon=8)
+    trainer.opt.step = lambda: None
+    trainer.opt.zero_grad = lambda set_to_none=True: None
+    trainer.train_step(batch)
+    for n, p in model2.named_parameters():
+        torch.testing.assert_close(p.grad, dict(model.named_parameters())[n].grad, atol=1e-6, rtol=1e-5, msg=n)

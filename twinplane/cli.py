@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from twinplane.cluster import WorkerError, build_rollout
+from twinplane.cluster import WorkerError, build_engine, build_rollout
 from twinplane.config import ConfigError, config_help, load_config
-from twinplane.rollout import RolloutEngine, engine_options
 
-DESCRIPTION = "twinplane: RL post-training (GRPO) of LLMs on CUDA, ROCm and CPU with the same code."
-TRAIN_HELP = """Run GRPO. With no arguments: the embedded demo (a tiny model learns multi-digit addition on CPU:
+DESCRIPTION = "twinplane: RL post-training (GRPO, PPO, RLOO, REINFORCE++, GSPO, DAPO) of LLMs on CUDA, ROCm and CPU."
+TRAIN_HELP = """Run RL (GRPO unless algo.name says otherwise). With no arguments: the embedded demo (a tiny model
+learns multi-digit addition on CPU:
 supervised warm start from an imperfect teacher, then GRPO with an exact-match verifier, evaluated on
 held-out problems). Writes config.yaml, metrics.jsonl, summary.json and final/ (an HF model folder)."""
 TOOLS = {"report": "PNG charts and report.md of a finished or running run (twinplane report RUN_DIR)",
@@ -22,11 +22,22 @@ EVAL_HELP = """Evaluate a model folder: greedy accuracy, and with --n K also pas
 over K samples per prompt; mean response length and truncation rate. Prints and writes JSON."""
 
 
+def algorithms_help() -> str:
+    """The `algo.name` presets, one line each with the paper (from the algorithm modules' registrations)."""
+    from twinplane.algos import PRESETS
+
+    order = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "dapo", "ppo")
+    names = [n for n in order if n in PRESETS] + [n for n in PRESETS if n not in order]
+    return "algorithms (algo.name=...; each sets algo.* defaults that any key overrides):\n" + "\n".join(
+        f"  {n:<22} {PRESETS[n].summary} [{PRESETS[n].paper}]" for n in names)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twinplane", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     tp = sub.add_parser("train", help="run RL training (no arguments: the CPU demo)", description=TRAIN_HELP,
-                        epilog="config keys (set in YAML or as key.sub=value):\n" + config_help(),
+                        epilog=algorithms_help() + "\n\nconfig keys (set in YAML or as key.sub=value):\n"
+                        + config_help(),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     tp.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
                     help="an optional YAML config file, then dotted overrides such as train.lr=1e-4")
@@ -110,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        engine = RolloutEngine(setup.model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id,
-                               seed=cfg.seed, **engine_options(cfg.rollout))
+        engine = build_engine(cfg, setup.model, setup.tokenizer)
         result = run.run_eval(setup, build_rollout(cfg, engine, setup.tokenizer), ns.n, ns.temperature)
     finally:
         setup.scorer.close()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from twinplane.algos import AGG_MODES, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
+
 
 class ConfigError(ValueError):
     """A bad config: the message names the key and is printed as one line."""
@@ -113,15 +115,48 @@ class TrainSection:
 
 @dataclass
 class AlgoSection:
-    name: str = "grpo"
-    norm_adv_by_std: bool = True  # false = Dr.GRPO advantages
-    clip_low: float = 0.2
-    clip_high: float = 0.28  # DAPO clip-higher
-    kl_coef: float = 0.0  # KL-to-reference loss weight (0 = no reference model)
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (low_var_kl)
+    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo | dapo | ppo: a preset
+    adv_estimator: str | None = None  # grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (critic); unset=preset
+    norm_adv_by_std: bool | None = None  # grpo estimator: divide by the group std (false = Dr.GRPO); unset = preset
+    policy_loss: str | None = None  # ppo (token ratio) | gspo (sequence ratio); unset = preset
+    loss_agg: str | None = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum[-norm]; unset = preset
+    loss_agg_horizon: int = 0  # seq-mean-token-sum-norm's constant divisor (0 = rollout.max_new_tokens)
+    clip_low: float | None = None  # ratio clip below 1: 1 - clip_low (unset = preset: 0.2; gspo 3e-4)
+    clip_high: float | None = None  # ratio clip above 1: 1 + clip_high (unset = preset: 0.28 clip-higher; ppo 0.2)
+    clip_c: float = 0.0  # dual-clip bound on the loss of negative-advantage tokens (0 = off; typical 3)
+    gamma: float = 1.0  # discount of token rewards (reinforce_pp, gae)
+    lam: float = 1.0  # GAE lambda
+    kl_coef: float = 0.0  # KL-to-reference loss weight (0 = no reference model unless kl_in_reward)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (low_var_kl) | abs, for the KL loss term
+    kl_in_reward: bool = False  # PPO-RLHF: subtract kl_reward_coef * (log pi_old - log pi_ref) from token rewards
+    kl_reward_coef: float = 0.001  # (initial) coefficient of the KL in the reward
+    kl_ctrl: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019: steers the mean sequence KL to kl_target)
+    kl_target: float = 0.1  # adaptive KL controller: target KL per sequence
+    kl_horizon: float = 10000.0  # adaptive KL controller: horizon in samples
     entropy_coef: float = 0.0  # entropy bonus weight
     recompute_old_logprobs: bool = False  # score old log-probs with the trainer instead of using the engine's
     tis_cap: float = 2.0  # cluster.async: truncated importance-sampling cap on pi_old / pi_rollout per token
+    dynamic_sampling: bool | None = None  # DAPO: train only on groups whose rewards differ, generating more batches
+    max_gen_batches: int = 10  # dynamic sampling: at most this many prompt batches generated per step
+    overlong_buffer: int | None = None  # DAPO shaping over the last N tokens before the cap (0 = off; -1 = a fifth)
+    overlong_penalty: float = 1.0  # overlong shaping: the reward penalty at rollout.max_new_tokens
+    mask_truncated: bool = False  # leave samples cut off at rollout.max_new_tokens out of the loss
+
+    def __post_init__(self):
+        """Keys left unset take the preset's value (an unknown name is reported by `Config.validate`)."""
+        preset = PRESETS.get(self.name)
+        for key, value in (preset.values.items() if preset else ()):
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+
+
+@dataclass
+class CriticSection:
+    model_path: str | None = None  # value model's decoder (HF folder); unset = the policy's starting weights
+    lr: float = 1e-4  # critic AdamW learning rate (constant)
+    warmup_steps: int = 0  # first RL steps in which only the critic trains (the actor waits)
+    value_clip: float = 0.5  # value-loss clipping: new values within old values +- this
+    grad_clip: float = 1.0  # max critic grad norm (0 = off)
 
 
 @dataclass
@@ -174,12 +209,15 @@ class Config:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     train: TrainSection = field(default_factory=TrainSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
+    critic: CriticSection = field(default_factory=CriticSection)
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
 
     def validate(self) -> None:
+        if self.algo.name not in PRESETS:  # before the checks below read the preset's (unset) keys
+            raise ConfigError(f"algo.name: must be one of {', '.join(PRESETS)}, got {self.algo.name!r}")
         checks = [
             (self.rollout.n >= 1, "rollout.n", "must be >= 1"),
             (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
@@ -194,9 +232,31 @@ class Config:
             (self.train.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
             (self.rollout.prompts_per_step % self.train.mini_batches == 0, "train.mini_batches",
              "must divide rollout.prompts_per_step (mini-batches hold whole groups)"),
-            (self.algo.name == "grpo", "algo.name", "must be grpo (the only algorithm in this version)"),
-            (self.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator", "must be k1, k2 or k3"),
-            (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
+            (self.algo.adv_estimator in ESTIMATORS, "algo.adv_estimator", f"must be one of {', '.join(ESTIMATORS)}"),
+            (self.algo.policy_loss in POLICY_LOSSES, "algo.policy_loss", f"must be one of {', '.join(POLICY_LOSSES)}"),
+            (self.algo.loss_agg in AGG_MODES, "algo.loss_agg", f"must be one of {', '.join(AGG_MODES)}"),
+            (self.algo.loss_agg_horizon >= 0, "algo.loss_agg_horizon", "must be >= 0"),
+            (0 < self.algo.clip_low < 1 and self.algo.clip_high > 0, "algo",
+             "needs 0 < clip_low < 1 and clip_high > 0"),
+            (self.algo.clip_c == 0 or self.algo.clip_c > 1, "algo.clip_c", "must be 0 (off) or > 1"),
+            (0 <= self.algo.gamma <= 1 and 0 <= self.algo.lam <= 1, "algo", "needs gamma and lam in [0, 1]"),
+            (self.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator",
+             f"must be one of {', '.join(KL_ESTIMATORS)}"),
+            (self.algo.kl_coef >= 0 and self.algo.kl_reward_coef >= 0, "algo", "needs kl_coef, kl_reward_coef >= 0"),
+            (self.algo.kl_ctrl in ("fixed", "adaptive"), "algo.kl_ctrl", "must be fixed or adaptive"),
+            (self.algo.kl_target > 0 and self.algo.kl_horizon > 0, "algo", "needs kl_target > 0 and kl_horizon > 0"),
+            (self.algo.max_gen_batches >= 1, "algo.max_gen_batches", "must be >= 1"),
+            (not self.algo.dynamic_sampling or self.rollout.n >= 2, "algo.dynamic_sampling",
+             "needs rollout.n >= 2 (it keeps groups whose rewards differ)"),
+            (not (self.algo.dynamic_sampling and self.cluster.async_), "algo.dynamic_sampling",
+             "does not combine with cluster.async (the next batch is submitted before this one is filtered)"),
+            (-1 <= self.algo.overlong_buffer < self.rollout.max_new_tokens, "algo.overlong_buffer",
+             "must be -1 (a fifth of rollout.max_new_tokens), 0 (off) or less than rollout.max_new_tokens"),
+            (self.critic.lr > 0 and self.critic.warmup_steps >= 0 and self.critic.value_clip > 0
+             and self.critic.grad_clip >= 0, "critic",
+             "needs lr > 0, warmup_steps >= 0, value_clip > 0 and grad_clip >= 0"),
+            (self.algo.adv_estimator != "gae" or self.cluster.backend == "local", "cluster.backend",
+             "must be local with a critic (algo.adv_estimator=gae): critic ranks on Ray are not in this version"),
             (self.task.name == "arithmetic", "task.name", "must be arithmetic"),
             (self.data.template in ("auto", "chat", "plain"), "data.template", "must be auto, chat or plain"),
             (self.data.on_error in ("fail", "skip"), "data.on_error", "must be fail or skip"),

@@ -1,8 +1,11 @@
 """The controller: drives one RL step through the two planes' interfaces and times every phase.
 
-rollout -> reward -> ref log-probs -> (old log-probs) -> advantages -> update -> weight sync.
-It only calls `rollout.generate` (or `submit`), `trainer.logprobs/train_step`, `reference.logprobs` and a weight
-`sync(version)`, so the same loop drives one process (`cluster.LocalPlanes`) and a Ray cluster (`RayPlanes`).
+rollout -> reward -> (more rollouts: dynamic sampling) -> ref log-probs -> (old log-probs) -> (values) ->
+advantages -> (critic update) -> policy update -> weight sync.
+It only calls `rollout.generate` (or `submit`), `trainer.logprobs/train_step`, `reference.logprobs`, `critic.values/
+train_step` and a weight `sync(version)`, so the same loop drives one process (`cluster.LocalPlanes`) and a Ray
+cluster (`RayPlanes`). What is algorithm-specific comes from the `algos.Algorithm` it is given: the estimator, the
+roles, DAPO's filter and shaping, PPO's KL-in-reward; the controller has no algorithm-specific arguments.
 
 One-step off-policy (`async_`): the rollout for step k+1 is submitted before step k trains, so it runs on the
 weights before step k's update while the trainer updates (on Ray, on other devices at the same time; in one
@@ -17,7 +20,10 @@ from dataclasses import asdict
 
 import torch
 
-from twinplane.algos import grpo_advantages
+from twinplane.algos import Algorithm
+from twinplane.algos.dapo import informative, overlong_buffer, overlong_penalty
+from twinplane.algos.ppo import KLController, kl_in_reward, outcome_token_rewards
+from twinplane.config import AlgoSection
 from twinplane.evaluation import Scorer
 from twinplane.flops import forward_flops_per_token, train_flops_per_token
 from twinplane.metrics import PhaseTimer
@@ -26,6 +32,7 @@ from twinplane.rollout import RolloutEngine, Sample, SamplingParams, multi_turn_
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer
+from twinplane.train.critic import explained_variance
 
 
 class WeightSyncError(RuntimeError):
@@ -37,18 +44,24 @@ class Controller:
 
     def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None, scorer: Scorer,
                  tokenizer: Tokenizer, sampling: SamplingParams, mini_batches: int = 1,
-                 recompute_old_logprobs: bool = False, norm_adv_by_std: bool = True, rollout=None, on_phase=None,
+                 recompute_old_logprobs: bool = False, algo: Algorithm | None = None, critic=None,
+                 critic_warmup: int = 0, more_prompts=None, rollout=None, on_phase=None,
                  peak_flops: float | None = None, sync=None, async_: bool = False, devices: tuple[int, int] = (1, 1)):
-        """`sync(version) -> SyncReport` moves weights to the engines (default: in-process into `engine`);
-        `devices`: (training, rollout) device counts, for per-device MFU."""
+        """`algo`: the algorithm (default: the grpo preset); `critic` (`train.critic.Critic`, when the algorithm
+        needs one) trains alone for the first `critic_warmup` steps; `more_prompts()` gives the next prompt batch
+        for dynamic sampling. `sync(version) -> SyncReport` moves weights to the engines (default: in-process into
+        `engine`); `devices`: (training, rollout) device counts, for per-device MFU."""
         self.engine, self.trainer, self.reference = engine, trainer, reference
+        self.algo = algo or Algorithm(AlgoSection(), sampling.max_new_tokens)
+        self.critic, self.critic_warmup, self.more_prompts = critic, critic_warmup, more_prompts
+        a = self.algo.cfg
+        self.kl_ctrl = KLController(a.kl_reward_coef, a.kl_ctrl == "adaptive", a.kl_target, a.kl_horizon)
         self.sync = sync or (lambda version: sync_in_process(engine, trainer, version))
         self.async_, self.devices = async_, devices
         self.pending = None  # (prompts, rollout in flight) in async mode
         self.rollout = rollout or engine
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
         self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs or async_
-        self.norm_adv_by_std = norm_adv_by_std
         self.on_phase = on_phase
         self.peak_flops = peak_flops  # per device, for MFU; None (unknown device) reports MFU as null
         self.version = engine.weight_version
@@ -57,34 +70,63 @@ class Controller:
         """One RL step on `prompts`. In async mode `next_prompts` (the following step's) start rolling out before
         this step trains; `prompts` must then be those of the previous call's `next_prompts`, if it had any."""
         timer = PhaseTimer(self.trainer.device, self.on_phase)
-        n = self.sampling.n
+        a = self.algo.cfg
         with timer("step"):
             with timer("rollout"):
                 samples = self._rollout(prompts, next_prompts)
             with timer("reward"):
-                completions = self.tokenizer.batch_decode([s.token_ids for s in samples])
                 source = [prompts[s.request_index] for s in samples]
-                rewards, reward_metrics = self.scorer(completions, [p.answer for p in source], [p.text for p in source])
-                rewards = torch.tensor(rewards, dtype=torch.float32)
-                correct = torch.tensor(self.scorer.last_verifier) >= 1.0
+                rewards, correct, reward_metrics = self._score(samples, source)
+            groups = torch.tensor([s.request_index for s in samples])  # [N] one label per prompt
+            extra = {}
+            if a.dynamic_sampling:
+                samples, source, rewards, correct, groups, extra = self._dynamic_sampling(
+                    timer, len(prompts), samples, source, rewards, correct, groups)
             batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples],
                                   self.tokenizer.pad_token_id, [s.logprobs for s in samples],
                                   [s.loss_mask for s in samples])
+            truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+            scores = rewards.clone()
+            buffer = overlong_buffer(a.overlong_buffer, self.sampling.max_new_tokens)
+            if buffer:  # DAPO overlong shaping: it steers the policy; accuracy still counts the verifier only
+                lengths = torch.tensor([len(s.token_ids) for s in samples])
+                scores = scores + overlong_penalty(lengths, self.sampling.max_new_tokens, buffer, a.overlong_penalty)
+            if a.mask_truncated:
+                batch.response_mask = batch.response_mask * (~truncated).float()[:, None]
             if self.reference is not None:
                 with timer("ref_logprob"):
                     batch.ref_logprobs = self.reference.logprobs(batch)
             if self.recompute_old:
                 with timer("old_logprob"):
                     batch.old_logprobs = self.trainer.logprobs(batch)
-            adv = grpo_advantages(rewards, n, self.norm_adv_by_std)  # [N]
-            batch.advantages = adv[:, None] * batch.response_mask  # [N, R]: outcome reward on every token
+            values = None
+            if self.critic is not None:
+                with timer("values"):
+                    values = self.critic.values(batch).cpu()  # [N, R]
+            mask = batch.response_mask
+            token_rewards = outcome_token_rewards(scores, mask)  # [N, R]
+            if a.kl_in_reward:
+                old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+                token_rewards, kl = kl_in_reward(token_rewards, old, batch.ref_logprobs, mask, self.kl_ctrl.value)
+                extra |= {"actor/reward_kl": kl, "actor/reward_kl_coef": self.kl_ctrl.value}
+                self.kl_ctrl.update(kl, len(samples))
+            batch.advantages, batch.returns = self.algo.advantages(token_rewards, mask, groups, values)
+            batch.old_values = values
+            parts = self._mini_batches(batch, groups)
+            critic_updates = []
+            if self.critic is not None:
+                with timer("critic_train"):
+                    critic_updates = [self.critic.train_step(mb) for mb in parts]
+                extra |= {"critic/values_mean": float((values * mask).sum() / mask.sum().clamp(min=1)),
+                          "critic/explained_variance": explained_variance(values, batch.returns, mask)}
+            updates = []
             with timer("train"):
-                per_mb = len(batch) // self.mini_batches  # whole groups per mini-batch
-                updates = [self.trainer.train_step(batch.select(slice(i, i + per_mb)))
-                           for i in range(0, len(batch), per_mb)]
+                if self.critic is None or self.version >= self.critic_warmup:  # critic warmup: the actor waits
+                    updates = [self.trainer.train_step(mb) for mb in parts]
             with timer("weight_sync"):
                 report = self.sync_weights()
-        m = self._metrics(samples, rewards, batch, updates, timer.times) | reward_metrics | multi_turn_metrics(samples)
+        m = self._metrics(samples, rewards, batch, updates + critic_updates, timer.times)
+        m |= reward_metrics | multi_turn_metrics(samples) | extra
         m |= getattr(self.rollout, "last_metrics", {})  # remote engines: their busy time (load balance)
         if hasattr(self.engine, "pop_metrics"):  # in-process engine: occupancy, preemptions, KV usage, tokens/s
             m |= self.engine.pop_metrics()
@@ -92,6 +134,60 @@ class Controller:
               / 1e9, "rollout/staleness": self.version - 1 - min(s.weight_version for s in samples)}
         memory = {} if getattr(self.trainer, "remote", False) else timer.memory  # remote: rank 0 reports its own
         return m | memory | {"reward/accuracy": correct.float().mean().item()}
+
+    def _score(self, samples, source: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(rewards [N], verifier-correct [N] bool, reward metrics) of `samples` against their prompts."""
+        completions = self.tokenizer.batch_decode([s.token_ids for s in samples])
+        rewards, metrics = self.scorer(completions, [p.answer for p in source], [p.text for p in source])
+        return torch.tensor(rewards, dtype=torch.float32), torch.tensor(self.scorer.last_verifier) >= 1.0, metrics
+
+    def _dynamic_sampling(self, timer, target: int, samples, source, rewards, correct, groups):
+        """DAPO's dynamic sampling: keep the groups whose rewards differ; while fewer than `target` are kept, roll
+        out and score further prompt batches (`more_prompts`, at most `algo.max_gen_batches` batches in all), then
+        keep the first `target` informative groups. With none at all, the last batch trains (all advantages 0)."""
+        a = self.algo.cfg
+        parts, total_groups, batches = [], 0, 1
+        while True:
+            keep = informative(rewards, groups)
+            parts.append((samples, source, rewards, correct, groups, keep))
+            total_groups += len(set(groups.tolist()))
+            kept = sum(len(set(p[4][p[5]].tolist())) for p in parts)
+            if kept >= target or batches >= a.max_gen_batches or self.more_prompts is None:
+                break
+            more = self.more_prompts()
+            offset = int(groups.max()) + 1
+            with timer("rollout"):
+                samples = self.rollout.generate([p.ids for p in more], self.sampling)
+            with timer("reward"):
+                source = [more[s.request_index] for s in samples]
+                rewards, correct, _ = self._score(samples, source)
+            groups = torch.tensor([s.request_index for s in samples]) + offset
+            batches += 1
+        metrics = {"rollout/gen_batches": batches, "rollout/groups_kept": kept,
+                   "rollout/groups_dropped": total_groups - kept,
+                   "rollout/accuracy_all": float(torch.cat([p[3] for p in parts]).float().mean())}
+        if kept == 0:
+            return (*parts[-1][:5], metrics)
+        rows = [(p, i) for p in parts for i in p[5].nonzero().squeeze(1).tolist()]
+        labels = list(dict.fromkeys(int(p[4][i]) for p, i in rows))[:target]  # first `target` groups, in order
+        rows = [(p, i) for p, i in rows if int(p[4][i]) in set(labels)]
+        return ([p[0][i] for p, i in rows], [p[1][i] for p, i in rows], torch.stack([p[2][i] for p, i in rows]),
+                torch.stack([p[3][i] for p, i in rows]), torch.tensor([int(p[4][i]) for p, i in rows]), metrics)
+
+    def _mini_batches(self, batch: Batch, groups: torch.Tensor) -> list[Batch]:
+        """`mini_batches` consecutive parts holding whole groups (as equal as the group count allows)."""
+        starts = [0] + [i for i in range(1, len(groups)) if groups[i] != groups[i - 1]]
+        k = len(starts)
+        bounds = [starts[(j * k) // self.mini_batches] for j in range(self.mini_batches)] + [len(batch)]
+        return [batch.select(slice(lo, hi)) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
+
+    def state_dict(self) -> dict:
+        """What the step loop carries between steps besides the planes: the KL-in-reward coefficient."""
+        return {"kl_ctrl": self.kl_ctrl.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "kl_ctrl" in state:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
     def _rollout(self, prompts: Sequence[Prompt], next_prompts: Sequence[Prompt] | None) -> list:
         if self.pending is not None:
@@ -169,11 +265,14 @@ class Controller:
             m[f"perf/tflops_{name}"] = flops / max(t, 1e-9) / 1e12
             peak = self.peak_flops * devices if self.peak_flops else None
             m[f"perf/mfu_{name}"] = flops / max(t, 1e-9) / peak if peak else None
-        # Means over the (equal-sized) mini-batches; the gap only from the first (pre-update) mini-batch.
-        for k in updates[0]:
-            m[k] = sum(u[k] for u in updates) / len(updates)
-        m["actor/logprob_gap"] = updates[0]["actor/logprob_gap"]
-        m["actor/lr"] = updates[-1]["actor/lr"]
+        # Means over the mini-batches; the gap only from the first (pre-update) mini-batch.
+        for k in dict.fromkeys(k for u in updates for k in u):
+            vals = [u[k] for u in updates if k in u]
+            m[k] = sum(vals) / len(vals)
+        actor = [u for u in updates if "actor/lr" in u]
+        if actor:
+            m["actor/logprob_gap"] = actor[0]["actor/logprob_gap"]
+            m["actor/lr"] = actor[-1]["actor/lr"]
         return m | times
 
 

@@ -65,6 +65,6 @@ class MetricsLog:
 def progress_line(step: int, total: int, m: dict) -> str:
     phases = " ".join(f"{k[5:]}={v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
     return (f"step {step}/{total}  reward={m['reward/mean']:.3f} acc={m['reward/accuracy']:.3f} "
-            f"kl={m['actor/kl']:.4f} gap={m['actor/logprob_gap']:.1e} "
+            f"kl={m.get('actor/kl', 0.0):.4f} gap={m.get('actor/logprob_gap', 0.0):.1e} "
             f"rollout={m['perf/rollout_tokens_per_s']:.0f}tok/s train={m['perf/train_tokens_per_s']:.0f}tok/s  "
             f"step={m['time/step']:.2f}s [{phases}]")

@@ -1,4 +1,4 @@
-"""`twinplane train` and `twinplane eval`: build the planes from a config, warm-start, run GRPO, evaluate, save.
+"""`twinplane train` and `twinplane eval`: build the planes from a config, warm-start, run RL, evaluate, save.
 
 `prepare()` does every check that can fail on bad input (config, data, model folder, reward spec) before any
 training work, so those surface as one-line errors; `train()` then runs.
@@ -20,7 +20,7 @@ import yaml
 from rich.console import Console
 
 from twinplane import checkpoint, platform, run_state
-from twinplane.cluster import WorkerError, build_planes
+from twinplane.cluster import WorkerError, build_algorithm, build_planes
 from twinplane.config import Config, ConfigError
 from twinplane.controller import Controller
 from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_records
@@ -229,7 +229,8 @@ def train(s: Setup, console: Console | None = None) -> dict:
     r = cfg.rollout
     # Taken before a restore, so without a warm start the reference is the unchanged source; after a warm start
     # its weights are in the checkpoint.
-    reference = copy.deepcopy(model) if cfg.algo.kl_coef > 0 else None
+    algo = build_algorithm(cfg)
+    reference = copy.deepcopy(model) if algo.needs_reference else None
     stream = PromptStream(s.train_prompts, cfg.seed)
     summary: dict = {"heldout_size": len(s.val_prompts)}
     phase_sums: dict[str, float] = {}
@@ -243,7 +244,9 @@ def train(s: Setup, console: Console | None = None) -> dict:
     hook, fault_step = fault_hook(os.environ.get("TWINPLANE_FAULT"), planes)
     controller = Controller(planes.engine, planes.trainer, planes.reference, s.scorer, tokenizer, sampling,
                             cfg.train.mini_batches, cfg.algo.recompute_old_logprobs or rollout_dtype != dtype,
-                            cfg.algo.norm_adv_by_std, rollout=planes.rollout, on_phase=hook,
+                            algo=algo, critic=planes.critic, critic_warmup=cfg.critic.warmup_steps,
+                            more_prompts=lambda: stream.next_batch(r.prompts_per_step), rollout=planes.rollout,
+                            on_phase=hook,
                             peak_flops=platform.detect().peak_flops, sync=planes.sync, async_=cfg.cluster.async_,
                             devices=(planes.train_devices, planes.rollout_devices))
     log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
@@ -273,7 +276,8 @@ def train(s: Setup, console: Console | None = None) -> dict:
     def save_checkpoint(step: int) -> None:
         t0 = time.perf_counter()
         planes_state = pull_policy()
-        extra = {"summary": summary, "phase_sums": phase_sums, "pending": controller.pending_state()}
+        extra = {"summary": summary, "phase_sums": phase_sums, "pending": controller.pending_state(),
+                 "controller": controller.state_dict()}
         path = checkpoint.save(run_dir, step, lambda out: run_state.write(
             out, config=cfg.to_dict(), policy=model, save_policy_extras=lambda m, d: save_hf_folder(m, tokenizer, d),
             reference=reference if warm else None, planes_state=planes_state, stream=stream, step=step,
@@ -295,8 +299,10 @@ def train(s: Setup, console: Console | None = None) -> dict:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if state is not None:
-            planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"], state["weight_version"])
+            planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"], state["weight_version"],
+                              critic=state.get("critic"))
             controller.version = state["weight_version"]
+            controller.load_state_dict(state.get("controller", {}))
             controller.load_pending(state.get("pending"))
             console.print(f"resumed from {s.resume_from} (step {state['step']})")
         if cfg.eval.before and s.val_prompts and s.resume_from is None:

@@ -12,6 +12,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from twinplane.model import Transformer, iter_safetensors, load_weights
+from twinplane.train.export import export_weights
 
 # Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
 # Where the planes run and how memory is traded for compute are mutable too: checkpoints hold full tensors by name.
@@ -71,9 +72,12 @@ def write(out: Path, *, config: dict, policy: Transformer, save_policy_extras, r
     optimizer state by parameter name with full tensors (loadable on any rank count), scheduler, engine RNGs."""
     save_policy_extras(policy, out / "model")  # HF folder: weights, config, tokenizer, generation config
     if reference is not None:
-        save_file({n: p.detach().contiguous().cpu() for n, p in reference.named_parameters()},
+        save_file({n: t.contiguous().cpu() for n, t in export_weights(reference)},
                   out / "reference.safetensors")
     torch.save(planes_state["optimizer"], out / "optimizer.pt")
+    if planes_state.get("critic") is not None:  # PPO's value model and its AdamW state
+        save_file({n: t.contiguous() for n, t in planes_state["critic"]["weights"].items()}, out / "critic.safetensors")
+        torch.save(planes_state["critic"]["optimizer"], out / "critic_optimizer.pt")
     tensors, plain = _rng_state()
     tensors |= {f"engine_{i}": g for i, g in enumerate(planes_state["engine_rng"])}
     save_file(tensors, out / "rng.safetensors")
@@ -89,7 +93,8 @@ def read_config(ckpt: Path) -> dict:
 
 def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:
     """Load a checkpoint's weights into freshly built models (on any device), the data cursor and the process
-    RNGs; returns state.json's contents plus `optimizer` and `engine_rng`, for `Planes.load_state`."""
+    RNGs; returns state.json's contents plus `optimizer`, `engine_rng` and (with a critic) `critic`, for
+    `Planes.load_state`."""
     state = json.loads((ckpt / "state.json").read_text())
     load_weights(policy, iter_safetensors(ckpt / "model"))
     if reference is not None and (ckpt / "reference.safetensors").exists():
@@ -100,4 +105,7 @@ def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, s
     state["engine_rng"] = [tensors.pop(k) for k in engines]
     _set_rng_state(tensors, state["rng"])
     state["optimizer"] = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    if (ckpt / "critic.safetensors").exists():
+        state["critic"] = {"weights": load_file(ckpt / "critic.safetensors"),
+                           "optimizer": torch.load(ckpt / "critic_optimizer.pt", map_location="cpu", weights_only=True)}
     return state

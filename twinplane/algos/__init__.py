@@ -1,4 +1,23 @@
-from twinplane.algos.advantages import grpo_advantages
-from twinplane.algos.losses import KL_ESTIMATORS, clipped_policy_loss, kl_penalty, token_sum, truncated_is_weights
+"""Algorithms: pure advantage/loss functions (`advantages`, `losses`) and one module per algorithm family, each
+registering its `algo.name` presets (`PRESETS`). `Algorithm` is what the controller and trainer call."""
 
-__all__ = ["KL_ESTIMATORS", "clipped_policy_loss", "grpo_advantages", "kl_penalty", "token_sum", "truncated_is_weights"]
+from twinplane.algos import dapo, grpo, gspo, ppo, reinforce_pp, rloo  # noqa: F401  (register the presets)
+from twinplane.algos.advantages import ESTIMATORS, advantages, masked_whiten
+from twinplane.algos.base import PRESETS, Algorithm, Preset
+from twinplane.algos.losses import (
+    AGG_MODES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+    kl_penalty,
+    normaliser,
+    policy_loss,
+    token_policy_loss,
+    token_sum,
+    truncated_is_weights,
+    value_loss,
+)
+
+__all__ = ["AGG_MODES", "ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "PRESETS", "Algorithm", "Preset", "advantages",
+           "aggregate", "kl_penalty", "masked_whiten", "normaliser", "policy_loss", "token_policy_loss", "token_sum",
+           "truncated_is_weights", "value_loss"]

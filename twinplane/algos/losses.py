@@ -1,25 +1,138 @@
-"""Policy-loss pieces as pure per-token functions; the trainer aggregates them over the global batch."""
+"""Losses as pure per-token functions plus their aggregation; the trainer normalises over the global batch.
+
+Conventions follow verl 0.9's `core_algos`; deviations are in each docstring. Shapes: N sequences, R columns.
+"""
 
 from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+POLICY_LOSSES = ("ppo", "gspo")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate per token (Schulman et al. 2017), with separate lower/upper clip ranges as in
-    DAPO's clip-higher (Yu et al. 2025): loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
+def policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, clip_low: float, clip_high: float, clip_c: float | None = None,
+                agg: str = "token-mean", is_weights: torch.Tensor | None = None, horizon: float | None = None,
+                norm: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(aggregated loss, metrics) for policy loss `name`; see `token_policy_loss` for the per-token terms and
+    `aggregate` for `agg`, `horizon` and `norm` (the global batch's denominator). Metrics: `clip_frac` and the
+    mean `ratio`, token means over this mask."""
+    loss, clipped, ratio = token_policy_loss(name, logprobs, old_logprobs, advantages, mask, clip_low=clip_low,
+                                             clip_high=clip_high, clip_c=clip_c, is_weights=is_weights)
+    m = mask.to(loss.dtype)
+    n = m.sum().clamp(min=1)
+    return aggregate(loss, m, agg, norm=norm, horizon=horizon), {"clip_frac": (clipped.float() * m).sum() / n,
+                                                      "ratio": (ratio.detach() * m).sum() / n}
 
-    logprobs, old_logprobs: [N, R]; advantages: [N, R] (or [N, 1], broadcast).
-    Returns (loss [N, R], clipped [N, R] bool: the clipped branch was the active one).
-    Deviation: the log-ratio is clamped to [-20, 20] before exp so one wild token cannot overflow.
+
+def token_policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, *, clip_low: float, clip_high: float, clip_c: float | None = None,
+                      is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token (loss [N, R], clipped [N, R] bool, ratio [N, R]).
+
+    ppo  (Schulman et al. 2017): r = exp(clamp(lp - old, -20, 20)), loss = max(-A r, -A clip(r, 1 - clip_low,
+         1 + clip_high)) (separate bounds: DAPO's clip-higher); with `clip_c` (dual clip, Ye et al. 2020) a token
+         with A < 0 takes min(that, -A clip_c).
+    gspo (Zheng et al. 2025): one ratio per sequence, s = exp(mean_t(lp - old)) over its masked tokens, applied to
+         every token as exp(lp - sg(lp) + sg(log s)) so each token's gradient is s * grad lp; the log-ratio is
+         clamped at 10 (verl), then clipped like ppo with the paper's small ranges (3e-4 / 4e-4).
+    `is_weights` [N, R] (truncated importance sampling, detached) multiplies the token losses. `clipped` marks
+    tokens where a clip bound was the active branch.
     """
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0))
+    if name == "ppo":
+        log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    elif name == "gspo":
+        m = mask.to(logprobs.dtype)
+        seq = ((logprobs - old_logprobs) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # [N, 1]
+        log_ratio = (logprobs - logprobs.detach() + seq.detach()).clamp(max=10.0)
+    else:
+        raise ValueError(f"unknown policy loss {name!r} (choose from {', '.join(POLICY_LOSSES)})")
+    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    if clip_c is not None:
+        dual = -advantages * clip_c
+        take = (advantages < 0) & (dual < loss)
+        loss = torch.where(take, dual, loss)
+        clipped = clipped | take
+    if is_weights is not None:
+        loss = loss * is_weights
+    return loss, clipped, ratio
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, norm: float | torch.Tensor | None = None,
+              horizon: float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss [N, R] to a scalar.
+
+      token-mean               sum L M / sum M
+      seq-mean-token-mean      mean over non-empty rows of (row sum / row count)
+      seq-mean-token-sum       mean over non-empty rows of row sum
+      seq-mean-token-sum-norm  seq-mean-token-sum / `horizon` (default: the padded length R; Dr.GRPO: the max
+                               response length)
+
+    `norm` replaces the denominator (`normaliser(mask, mode)`: tokens, or non-empty rows) with the one of the
+    whole global batch, so that summing the result over micro-batches and ranks equals one big batch.
+    Deviation: verl's seq-mean-token-sum-norm divides the total (not the row mean) by the horizon; the mean over
+    rows is Dr.GRPO's formula (Liu et al. 2025, eq. 3) and keeps the scale independent of the batch size.
+    """
+    m = mask.to(loss.dtype)
+    rows = (loss * m).sum(-1)  # [N]
+    if mode == "token-mean":
+        num = rows.sum()
+    elif mode == "seq-mean-token-mean":
+        num = (rows / m.sum(-1).clamp(min=1)).sum()
+    elif mode == "seq-mean-token-sum":
+        num = rows.sum()
+    elif mode == "seq-mean-token-sum-norm":
+        num = rows.sum() / (horizon if horizon else loss.shape[-1])
+    else:
+        raise ValueError(f"unknown aggregation {mode!r} (choose from {', '.join(AGG_MODES)})")
+    if norm is None:
+        norm = normaliser(m, mode)
+    return num / max(float(norm), 1.0)
+
+
+def normaliser(mask: torch.Tensor, mode: str) -> float:
+    """The denominator `aggregate` uses for this mask: response tokens for token-mean, non-empty rows otherwise.
+    Additive over rows, so the global batch's is the sum over micro-batches and ranks."""
+    if mode == "token-mean":
+        return float(mask.sum())
+    return float((mask.sum(-1) > 0).sum())
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+               clip: float, agg: str = "token-mean",
+               norm: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss (PPO, as in verl's `compute_value_loss`): (0.5 agg(max((v - R)^2, (v_clip - R)^2)),
+    clip fraction) with v_clip = old_v + clamp(v - old_v, -clip, clip). All [N, R]. The clip fraction counts tokens
+    where the clipped error was the larger (a token mean over this mask)."""
+    clipped_v = old_values + (values - old_values).clamp(-clip, clip)
+    l1, l2 = (values - returns) ** 2, (clipped_v - returns) ** 2
+    m = mask.to(values.dtype)
+    frac = ((l2 > l1).float() * m).sum() / m.sum().clamp(min=1)
+    return 0.5 * aggregate(torch.maximum(l1, l2), m, agg, norm=norm), frac
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence"):
+    with log-ratio x = log pi - log pi_ref, k1 = x (unbiased, high variance, can be negative), k2 = x^2 / 2,
+    k3 = exp(-x) - 1 + x (`low_var_kl`, unbiased and non-negative), abs = |x|. As in verl, k3 clamps -x to
+    [-20, 20] before exp and the result to [-10, 10]."""
+    x = logprobs - ref_logprobs
+    if estimator == "k1":
+        return x
+    if estimator == "abs":
+        return x.abs()
+    if estimator == "k2":
+        return 0.5 * x.square()
+    if estimator == "k3":
+        nx = (-x).clamp(-20.0, 20.0)
+        return (torch.exp(nx) - 1.0 - nx).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {estimator!r} (choose from {', '.join(KL_ESTIMATORS)})")
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
@@ -31,23 +144,7 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence"):
-    with log-ratio x = log pi - log pi_ref,
-      k1 = x (unbiased, high variance, can be negative), k2 = x^2 / 2, k3 = exp(-x) - 1 + x (`low_var_kl`,
-    unbiased and non-negative). Deviation: k3 is clamped to [-10, 10] as in verl, for stability."""
-    x = logprobs - ref_logprobs
-    if estimator == "k1":
-        return x
-    if estimator == "k2":
-        return 0.5 * x.square()
-    if estimator == "k3":
-        return (torch.exp(-x) - 1.0 + x).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {estimator!r} (choose from {', '.join(KL_ESTIMATORS)})")
-
-
 def token_sum(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | torch.Tensor) -> torch.Tensor:
-    """Token-mean aggregation over the global batch: sum(x * mask) / num_tokens, where num_tokens counts
-    every response token of the whole optimizer step (all micro-batches, later all ranks). Summing this
-    over micro-batches equals the mean over one big batch, so gradient accumulation changes nothing."""
+    """Token-mean over the global batch: sum(x * mask) / num_tokens, where num_tokens counts every response token
+    of the whole optimizer step (all micro-batches and ranks). Used for metrics."""
     return (x * mask).sum() / num_tokens

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from twinplane.cluster.planes import LocalPlanes, WorkerError, build_rollout
+from twinplane.cluster.planes import LocalPlanes, WorkerError, build_algorithm, build_engine, build_rollout
 from twinplane.config import Config
 from twinplane.model import Transformer
 from twinplane.tokenizer import Tokenizer
+from twinplane.train.export import export_weights
 
 
 def build_planes(cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer, log=print):
@@ -17,10 +18,10 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
     from twinplane.cluster.ray_planes import RayPlanes  # Ray's presence is checked by `run.prepare`
 
     def cpu_state(m: Transformer) -> dict:
-        return {n: p.detach().cpu() for n, p in m.named_parameters()}
+        return {n: t.cpu() for n, t in export_weights(m)}
 
     return RayPlanes(cfg, model.config, tokenizer, cpu_state(model), reference and cpu_state(reference),
                      total_steps, tis_cap, log)
 
 
-__all__ = ["LocalPlanes", "WorkerError", "build_planes", "build_rollout"]
+__all__ = ["LocalPlanes", "WorkerError", "build_algorithm", "build_engine", "build_planes", "build_rollout"]

@@ -166,7 +166,10 @@ class RayPlanes:
         engines = self._wait([(e, e.engine_state.remote()) for e in self.engines], "checkpoint")
         return trained | {"engine_rng": [g for g, _ in engines], "weight_version": engines[0][1]}
 
-    def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int) -> None:
+    critic = None  # no critic ranks on Ray in this version (`Config.validate` refuses the combination)
+
+    def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
+                   critic: dict | None = None) -> None:
         self._wait([(t, t.load_state.remote(optimizer, scheduler)) for t in self.trainers], "restore")
         exact = len(engine_rng) == len(self.engines)
         self._wait([(e, e.set_engine_state.remote(engine_rng[i] if exact else None, version))

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from twinplane import platform
-from twinplane.cluster.planes import build_rollout, restore_generator
+from twinplane.cluster.planes import build_engine, build_rollout, restore_generator
 from twinplane.config import Config
 from twinplane.model import ModelConfig, Transformer, load_weights
-from twinplane.rollout import RolloutEngine, SamplingParams, engine_options
+from twinplane.rollout import SamplingParams
 from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
+from twinplane.train.export import export_weights
 from twinplane.train.fsdp import shard_model
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 
@@ -87,12 +87,11 @@ class _Worker:
             self.sync_group = dist.new_group([0, *range(s.num_train, s.world_size)], timeout=timeout)
 
     def _build_engine(self, policy: dict[str, torch.Tensor], index: int) -> None:
-        s, r = self.spec, self.spec.cfg.rollout
+        s = self.spec
         dtype = platform.resolve_dtype(s.cfg.model.rollout_dtype or s.cfg.model.dtype)
         model = build_model(s.model_config, policy, self.device, dtype)
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
-        self.engine = RolloutEngine(model, s.tokenizer.eos_token_id, s.tokenizer.pad_token_id,
-                                    seed=s.cfg.seed + 1_000_003 * index, **engine_options(r))
+        self.engine = build_engine(s.cfg, model, s.tokenizer, seed_offset=1_000_003 * index)
         self.rollout = build_rollout(s.cfg, self.engine, s.tokenizer)
         self.engine_dtype = dtype
 
@@ -149,7 +148,8 @@ class TrainWorker(_Worker):
         dtype = platform.resolve_dtype(cfg.model.dtype)
         t = cfg.train
         model = self._shard(build_model(s.model_config, policy, self.device, dtype), group)
-        self.trainer = Trainer(model, t, cfg.algo, cfg.rollout.temperature, s.total_steps, group, tis_cap=s.tis_cap)
+        self.trainer = Trainer(model, t, cfg.algo, cfg.rollout.temperature, s.total_steps, group, tis_cap=s.tis_cap,
+                               horizon=cfg.rollout.max_new_tokens)
         self.reference = None
         if reference is not None:
             ref = self._shard(build_model(s.model_config, reference, self.device, dtype), group)
@@ -183,13 +183,13 @@ class TrainWorker(_Worker):
         loads its own engine. Returns the sender's checksum of what it sent, bytes and seconds."""
         cluster = self.spec.cfg.cluster
         dtype = platform.resolve_dtype(self.spec.cfg.model.rollout_dtype or self.spec.cfg.model.dtype)
-        params = dict(self.trainer.model.named_parameters())
-        shapes = [(n, p.shape) for n, p in params.items()]  # a DTensor's shape is the full one
+        shapes = [(n, p.shape) for n, p in self.trainer.model.named_parameters()]  # a DTensor's shape is the full one
+        exported = export_weights(self.trainer.model, dtype)  # in the same order, gathered one at a time
         per_tensor, sent = {}, 0
         t0 = time.perf_counter()
         with torch.no_grad():
             for bucket in bucket_plan(shapes, dtype.itemsize, cluster.sync_bucket_mb << 20):
-                full = [_full(params[n]).to(dtype) for n, _ in bucket]  # a collective per sharded tensor
+                full = [next(exported)[1] for _ in bucket]  # a collective per sharded tensor
                 if cluster.colocate:
                     load_weights(self.engine.model, [(n, x) for (n, _), x in zip(bucket, full, strict=True)])
                 elif self.rank == 0:
@@ -207,7 +207,7 @@ class TrainWorker(_Worker):
     def state(self) -> dict | None:
         """Full policy weights and named optimizer state (collectives: every rank calls), returned by rank 0."""
         tr = self.trainer
-        policy = {n: _full(p).detach().cpu().clone() for n, p in tr.model.named_parameters()}
+        policy = {n: t.cpu().clone() for n, t in export_weights(tr.model)}
         opt = named_optimizer_state(tr.model, tr.opt)
         return {"policy": policy, "optimizer": opt, "scheduler": tr.sched.state_dict()} if self.rank == 0 else None
 
@@ -225,9 +225,4 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: tor
     model = Transformer(copy.deepcopy(config))
     load_weights(model, state.items())
     return model.to(device=device, dtype=dtype)
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    p = p.detach()
-    return p.full_tensor() if isinstance(p, DTensor) else p
 

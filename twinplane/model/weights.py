@@ -68,7 +68,9 @@ def save_pretrained(model: Transformer, out: str | Path, max_shard_bytes: int | 
     cfg = model.config.to_hf()
     cfg["torch_dtype"] = str(model.output_weight().dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    from twinplane.train.export import export_weights  # lazily: the training package imports this one
+
+    state = {n: t.contiguous().cpu() for n, t in export_weights(model)}
     if max_shard_bytes is None or sum(t.nbytes for t in state.values()) <= max_shard_bytes:
         save_file(state, out / SINGLE, metadata={"format": "pt"})
         return

@@ -36,6 +36,8 @@ class Batch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None  # value targets (PPO critic)
+    old_values: torch.Tensor | None = None  # the critic's values at rollout time (value-loss clipping)
 
     @classmethod
     def collate(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,

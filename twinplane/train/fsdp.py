@@ -12,12 +12,12 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from twinplane import platform
 from twinplane.model import Transformer
 from twinplane.train.balance import assign_rows
 from twinplane.train.batch import Batch
+from twinplane.train.export import export_weights
 
 
 def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
@@ -128,8 +128,4 @@ def micro_batches(batch: Batch, size: int, group=None, max_tokens: int = 0,
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors by parameter name, the Hugging Face names FSDP2 keeps: for weight sync and
     checkpoints. A collective: every rank must call it."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        out[name] = t.full_tensor() if isinstance(t, DTensor) else t
-    return out
+    return dict(export_weights(model))

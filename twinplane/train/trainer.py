@@ -9,14 +9,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from twinplane import platform
-from twinplane.algos import clipped_policy_loss, kl_penalty, token_sum, truncated_is_weights
+from twinplane.algos import Algorithm, token_sum, truncated_is_weights
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
+from twinplane.train.export import export_weights
 from twinplane.train.logprobs import response_logprobs, score
 from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
@@ -45,12 +47,15 @@ class Reference:
 
 class Trainer:
     def __init__(self, model: Transformer, train: TrainSection, algo: AlgoSection, temperature: float,
-                 total_steps: int, group=None, *, tis_cap: float | None = None):
+                 total_steps: int, group=None, *, tis_cap: float | None = None, horizon: int = 0):
         """`group`: the data-parallel process group when `model` is FSDP-sharded (`twinplane.train.fsdp`) and each
         rank passes its own rows to `train_step`; token means and metrics are then over the global batch.
         `tis_cap`: truncated importance sampling (`algos.truncated_is_weights`) for batches that carry both
-        `old_logprobs` and `rollout_logprobs`, i.e. when the engine's weights may lag the trainer's; None = off."""
-        self.model, self.cfg, self.algo, self.temperature = model, train, algo, temperature
+        `old_logprobs` and `rollout_logprobs`, i.e. when the engine's weights may lag the trainer's; None = off.
+        `horizon`: seq-mean-token-sum-norm's constant (the generation cap; `algo.loss_agg_horizon` overrides it;
+        0 = the global batch's padded response width)."""
+        self.model, self.cfg, self.temperature = model, train, temperature
+        self.algo = Algorithm(algo, algo.loss_agg_horizon or horizon)
         self.group, self.tis_cap = group, tis_cap
         model.activation_checkpointing = train.activation_checkpointing
         self.opt, self.sched = build_optimizer(
@@ -71,25 +76,29 @@ class Trainer:
                      c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.named_parameters():
-            yield name, p.detach()
+        return export_weights(self.model)
+
+    def _global(self, x: float, op=None) -> float:
+        return x if self.group is None else fsdp.all_reduce(x, self.group, *(() if op is None else (op,)))
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on `batch` (gradient-accumulated over micro-batches).
+        """One optimizer step on `batch` (gradient-accumulated over micro-batches): the mechanics. The loss of each
+        micro-batch is the algorithm's (`algos.Algorithm.loss`), normalised by the global batch's denominator, so
+        micro-batching and data parallelism change nothing.
 
         The ratio's denominator is `old_logprobs` when recomputed, else the engine's `rollout_logprobs`.
         Every token-level metric is a token mean over the whole batch; `actor/logprob_gap` compares the
         engine's log-probs with this forward pass (meaningful on the first mini-batch, before any update).
-        With `tis_cap` and both old and rollout log-probs, each token's clipped loss is weighted by
+        With `tis_cap` and both old and rollout log-probs, each token's loss is weighted by
         min(pi_old / pi_rollout, tis_cap), reported as `actor/tis_weight_mean` and `actor/tis_clip_frac`.
         """
-        a = self.algo
         self.model.train()
         batch = batch.to(self.device)
-        num_tokens = batch.num_response_tokens
-        if self.group is not None:
-            num_tokens = int(fsdp.all_reduce(num_tokens, self.group))
-        num_tokens = max(num_tokens, 1)  # the global normaliser for every micro-batch
+        num_tokens = max(self._global(batch.num_response_tokens), 1)  # for token-mean metrics
+        norm = max(self._global(self.algo.normaliser(batch.response_mask)), 1)  # the loss's global denominator
+        horizon = self.algo.horizon
+        if not horizon:
+            horizon = int(self._global(batch.response_mask.shape[1], dist.ReduceOp.MAX))
         tis = self.tis_cap is not None and batch.old_logprobs is not None and batch.rollout_logprobs is not None
         keys = ["pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"]
         sums = dict.fromkeys(keys + (["tis_weight_mean", "tis_clip_frac"] if tis else []), 0.0)
@@ -101,23 +110,12 @@ class Trainer:
                                             chunk_tokens=c.logprob_chunk_tokens)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
-            pg, clipped = clipped_policy_loss(lp, old, mb.advantages, a.clip_low, a.clip_high)
-            stats = {}
+            w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap) if tis else None  # [n, R]
+            loss, stats = self.algo.loss(lp, old, mb.advantages, m, entropy=ent, ref_logprobs=mb.ref_logprobs,
+                                         is_weights=w, norm=norm, num_tokens=num_tokens, horizon=horizon)
             if tis:
-                w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap)  # [n, R]
-                pg = pg * w
                 stats |= {"tis_weight_mean": token_sum(w, m, num_tokens),
                           "tis_clip_frac": token_sum((w >= self.tis_cap).float(), m, num_tokens)}
-            loss = token_sum(pg, m, num_tokens)
-            stats |= {"pg_loss": loss.detach(), "entropy": token_sum(ent.detach(), m, num_tokens),
-                      "clip_frac": token_sum(clipped.float(), m, num_tokens),
-                      "ratio": token_sum(torch.exp(lp.detach() - old), m, num_tokens)}
-            if a.kl_coef > 0:
-                kl = token_sum(kl_penalty(lp, mb.ref_logprobs, a.kl_estimator), m, num_tokens)
-                loss = loss + a.kl_coef * kl
-                stats["kl"] = kl.detach()
-            if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * token_sum(ent, m, num_tokens)
             if mb.rollout_logprobs is not None:
                 stats["logprob_gap"] = token_sum((lp.detach() - mb.rollout_logprobs).abs(), m, num_tokens)
             (loss * weight).backward()
@@ -125,16 +123,25 @@ class Trainer:
                 sums[k] += weight * float(v)
         if self.group is not None:
             sums = {k: fsdp.all_reduce(v, self.group) for k, v in sums.items()}
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
+                                  self.cfg.optimizer_offload)
         lr = self.sched.get_last_lr()[0]
-        if self.cfg.optimizer_offload:  # the moments visit the device only for the update
-            move_optimizer_state(self.opt, self.device)
-        self.opt.step()
-        if self.cfg.optimizer_offload:
-            move_optimizer_state(self.opt, "cpu")
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        return {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": float(grad_norm), "actor/lr": lr}
+        return {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr}
+
+
+def clip_and_step(model: torch.nn.Module, opt, sched, grad_clip: float, device: torch.device,
+                  offload: bool = False) -> float:
+    """Clip the global grad norm (0 = off), take the optimizer and scheduler steps, zero the grads; returns the
+    norm before clipping. Shared by the policy and the critic."""
+    clip = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    if offload:  # the moments visit the device only for the update
+        move_optimizer_state(opt, device)
+    opt.step()
+    if offload:
+        move_optimizer_state(opt, "cpu")
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return float(grad_norm)
