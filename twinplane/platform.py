@@ -97,6 +97,13 @@ def empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def device_memory(device: torch.device) -> int:
+    """Total memory of `device` in bytes: the GPU's own, or the host's RAM for the CPU (0 when unknown)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    return _host_memory()
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
