@@ -302,8 +302,9 @@ def train(s: Setup, console: Console | None = None) -> dict:
     t_start = time.perf_counter()
     dtype = platform.resolve_dtype(cfg.model.dtype)
     rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if s.resume_from is None:  # on resume, written once the checkpoint has loaded (a bad one changes nothing)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     console.print(f"[bold]twinplane[/] run dir {run_dir} | device {s.device} | model {model.config.model_type} "
                   f"{model.config.num_params / 1e6:.2f}M params | {dtype} | {len(s.train_prompts)} train prompts, "
                   f"{len(s.val_prompts)} validation prompts {s.data_stats or ''}")
@@ -341,7 +342,10 @@ def train(s: Setup, console: Console | None = None) -> dict:
     start, state = 1, None
     if s.resume_from is not None:
         state = run_state.restore(s.resume_from, policy=model, reference=reference, stream=stream)
-        start, summary, phase_sums = state["step"] + 1, state["summary"], state["phase_sums"]
+        try:
+            start, summary, phase_sums = state["step"] + 1, dict(state["summary"]), dict(state["phase_sums"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise checkpoint.CheckpointError(f"{s.resume_from / 'state.json'}: wrong shape ({e!r})") from None
     planes = build_planes(cfg, model, reference, tokenizer, log=console.print)
     faults.planes = planes
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -351,8 +355,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
                             cfg.algo.norm_adv_by_std, rollout=planes.rollout, on_phase=faults,
                             peak_flops=platform.detect().peak_flops, sync=planes.sync, async_=cfg.cluster.async_,
                             devices=(planes.train_devices, planes.rollout_devices))
-    log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
-    sinks = build_loggers(cfg.log.backends, run_dir, cfg.to_dict(), cfg.log.wandb_project, cfg.log.wandb_mode)
+    log, sinks = None, []
 
     def record(step: int, metrics: dict) -> None:
         log.write({"step": step, **metrics})
@@ -390,12 +393,15 @@ def train(s: Setup, console: Console | None = None) -> dict:
             try:
                 planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"],
                                   state["weight_version"])
-            except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-                raise checkpoint.CheckpointError(f"{s.resume_from}: optimizer or scheduler state has the wrong "
-                                                 f"shape ({type(e).__name__})") from None
-            controller.version = state["weight_version"]
-            controller.load_pending(state.get("pending"))
+                controller.version = state["weight_version"]
+                controller.load_pending(state.get("pending"))
+            except Exception as e:  # any failure here is the checkpoint's content (torch/numpy raise many types)
+                raise checkpoint.CheckpointError(f"{s.resume_from}: optimizer, scheduler or rollout state has "
+                                                 f"the wrong shape ({type(e).__name__})") from None
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             console.print(f"resumed from {s.resume_from} (step {state['step']})")
+        log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
+        sinks = build_loggers(cfg.log.backends, run_dir, cfg.to_dict(), cfg.log.wandb_project, cfg.log.wandb_mode)
         if s.resume_from is None:
             if cfg.eval.before and s.val_prompts:
                 ev = validate(0)
@@ -436,7 +442,8 @@ def train(s: Setup, console: Console | None = None) -> dict:
     finally:
         live.done()
         planes.close()
-        log.close()
+        if log is not None:
+            log.close()
         for sink in sinks:
             sink.close()
         s.scorer.close()
