@@ -261,7 +261,8 @@ class Faults:
     warm-start step K), eval (a validation at step K, 0 = before RL), rollout, reward, train, weight_sync,
     checkpoint, ... (RL step K), final (saving final/). "kill:WORKER@phase@step" instead kills a cluster worker
     (e.g. kill:rollout engine 0@rollout@2). With TWINPLANE_FAULT_ONCE=FILE a fault fires only if FILE does not
-    exist yet (and creates it), so a relaunched run is not preempted again at the same point."""
+    exist yet (and creates it), so a relaunched run is not preempted again at the same point.
+    TWINPLANE_FAULT_SIGNAL=INT sends SIGINT (Ctrl-C) instead."""
 
     def __init__(self, spec: str | None):
         self.points, self.kills, self.step, self.planes = {}, {}, 0, None
@@ -273,6 +274,7 @@ class Faults:
             where, _, count = p.partition("x")
             self.points[tuple(where.split("@"))] = int(count or 1)
         self.once = os.environ.get("TWINPLANE_FAULT_ONCE")
+        self.signal = getattr(signal, "SIG" + os.environ.get("TWINPLANE_FAULT_SIGNAL", "TERM"))  # TERM | INT
 
     def __call__(self, phase: str, step: int | None = None) -> None:
         at = str(self.step if step is None else step)
@@ -287,7 +289,7 @@ class Faults:
         for i in range(count):
             if i:
                 time.sleep(1.1)  # a separate request, not a duplicate delivery of the first
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signal)
 
 
 def train(s: Setup, console: Console | None = None) -> dict:
