@@ -295,6 +295,20 @@ def test_bad_input(case: Case, fx: Fx, capsys):
     assert len(errors) == 1 and case.expect in errors[0], err
 
 
+def test_good_inputs_still_work(finished_run, tmp_path, capsys):
+    """Controls for the table: the demo's own evaluation, a string key with a colon, --version."""
+    from twinplane.config import load_config
+
+    out = tmp_path / "e.json"
+    assert main(["eval", "--model", str(finished_run[1]), "--out", str(out), "task.heldout_size=8"]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 8 and 0 <= result["accuracy"] <= 1 and "built-in task" in result["data"]
+    assert load_config(None, ["data.system_prompt=Answer: briefly"]).data.system_prompt == "Answer: briefly"
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and "twinplane" in capsys.readouterr().out
+
+
 def test_enough_cases():
     areas = {c.id.split("/")[0] for c in CASES}
     assert len(CASES) >= 60 and areas == {"config", "data", "model", "reward", "checkpoint", "cli"}
