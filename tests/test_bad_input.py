@@ -309,6 +309,15 @@ def test_good_inputs_still_work(finished_run, tmp_path, capsys):
     assert e.value.code == 0 and "twinplane" in capsys.readouterr().out
 
 
+def test_a_bug_prints_its_traceback_and_says_so(monkeypatch, tmp_path, capsys):
+    from twinplane import run
+
+    monkeypatch.setattr(run, "train", lambda setup: 1 / 0)
+    assert main(["train", "--run-dir", str(tmp_path / "r"), *TINY]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ZeroDivisionError" in err and "this is a bug in twinplane" in err
+
+
 def test_enough_cases():
     areas = {c.id.split("/")[0] for c in CASES}
     assert len(CASES) >= 60 and areas == {"config", "data", "model", "reward", "checkpoint", "cli"}

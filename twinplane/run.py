@@ -207,7 +207,13 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     if cfg.cluster.backend == "local":
         memory = platform.device_memory(device)
         preflight.check_memory(cfg, mc, prompt_tokens, memory, f"this {device.type} device")
-    formatter(cfg)  # a chat template that is missing or broken fails here, before the model is loaded
+    try:  # the template, rendered once on a sample: a missing or broken one fails before the model is loaded
+        formatter(cfg).format(Record("What is 1+1?", "2"))
+    except InputError:
+        raise
+    except Exception as e:  # jinja2 raises its own types for a template that does not render
+        raise InputError(f"data.template: the prompt template of {cfg.model.path or 'the config'} fails on a sample "
+                         f"prompt ({preflight._first_line(e)})") from None
     resume_from, restart, claim = claim_run_dir(cfg, run_dir, resume, overwrite, delete_old, log) if own_run_dir \
         else (None, False, lambda: None)
     platform.setup(cfg.seed, cfg.threads or None)
