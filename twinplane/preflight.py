@@ -18,6 +18,8 @@ from twinplane.model import ModelConfig, Transformer, load_model
 from twinplane.model.weights import checkpoint_files
 from twinplane.tokenizer import Tokenizer, load_tokenizer
 
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+         "max_position_embeddings")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -31,11 +33,18 @@ def model_config(path: str) -> ModelConfig:
     if not folder.is_dir():
         raise InputError(f"model.path {path}: no such folder")
     try:
-        return ModelConfig.from_file(folder)
+        mc = ModelConfig.from_file(folder)
     except FileNotFoundError as e:
         raise InputError(str(e)) from None
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise InputError(f"{folder / 'config.json'}: {_first_line(e)}") from None
+    for name in SIZES:  # JSON lets a size be a string or a float; the model needs positive integers
+        value = getattr(mc, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{folder / 'config.json'}: {name} must be a positive integer, got {value!r}")
+    if not isinstance(mc.rope_theta, (int, float)) or not isinstance(mc.rms_norm_eps, (int, float)):
+        raise InputError(f"{folder / 'config.json'}: rope_theta and rms_norm_eps must be numbers")
+    return mc
 
 
 def check_weight_files(path: str) -> None:
