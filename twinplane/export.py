@@ -17,6 +17,8 @@ def export(source: Path, out: Path) -> Path:
     """
     if not source.is_dir():
         raise checkpoint.CheckpointError(f"{source}: no such run dir or checkpoint folder")
+    if out.exists() and out.resolve() == source.resolve():
+        raise checkpoint.CheckpointError(f"--out {out}: is the source folder (choose a new one)")
     if (source / checkpoint.MANIFEST).exists():
         problem = checkpoint.verify(source)
         if problem:
