@@ -97,8 +97,8 @@ def TC(edit: Callable[[Path], None] | None, *args: str, reseal: bool = True, pat
     """Resume the finished tiny run after damaging its newest checkpoint (by path, or --resume auto)."""
     def make(fx: Fx) -> list[str]:
         ckpt = fx.ckpt_copy(edit, reseal)
-        return ["train", "--run-dir", str(fx.run), *TINY, "train.steps=3", "--resume",
-                str(ckpt) if path else "auto", *args]
+        return ["train", "--run-dir", str(fx.run), *TINY, "train.steps=3", *args, "--resume",
+                str(ckpt) if path else "auto"]
     return make
 
 
