@@ -118,3 +118,20 @@ def test_cpu_estimate_within_25_percent_of_measured_peak():
     for plane in ("train", "rollout"):
         r = check("demo", plane)
         assert 0.75 <= r["ratio"] <= 1.25, r
+
+
+def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
+    """The demo's own run dir: its built-in model and step shape, units that fit, the layout count equal to the
+    rows listed, and on one CPU no Ray overrides (they would only slow the run down)."""
+    import yaml
+
+    from twinplane.config import load_config
+    from twinplane.plan import main as plan_main
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(load_config().to_dict(), sort_keys=False))
+    assert plan_main(["--run-dir", str(tmp_path), "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "M params" in out and "(MB, FSDP=1)" in out and "prompt 6 + response 8 tokens" in out
+    count = int(out.split("feasible layouts: ")[1].split(",")[0].split(" ")[0])
+    rows = [ln for ln in out.splitlines() if ln.startswith("  colocated") or ln.startswith("  split")]
+    assert count == len(rows) and "cluster.backend=local" in out and "cluster.backend=ray" not in out

@@ -126,7 +126,9 @@ def test_doctor_on_this_machine(capsys):
         assert key in d
     assert d["attention"]["backend"] == "sdpa" and d["gemm_tflops"] > 0 and d["copy_bandwidth_gb_s"] > 0
     text = doctor.format_report(d)
-    assert "sdpa" in text and len(text.splitlines()) < 25
+    assert "sdpa" in text and len(text.splitlines()) < 25 and text.startswith("in short")
+    if d["device_type"] == "cpu":  # the peak is the best GEMM seen, this run's included: never above 100%
+        assert 0 < d["gemm_mfu"] <= 1.0
     assert doctor.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["device_type"] == platform.detect().device_type
 

@@ -53,6 +53,30 @@ def test_sigterm_then_resume_is_bitwise_identical(fault, tmp_path, reference_run
     assert rows == reference_run[1]
 
 
+@pytest.mark.parametrize("fault, sig, code", [
+    ("load@0", "TERM", 75), ("warmstart@3", "INT", 75), ("eval@0", "TERM", 75), ("eval@3", "INT", 75),
+    ("final@6", "TERM", 0)])
+def test_signal_in_every_phase_then_resume_is_bitwise_identical(fault, sig, code, tmp_path, reference_run, capsys,
+                                                                 monkeypatch):
+    """Model loading and the warm start (rerun on resume), validation before RL (checkpoint at step 0) and
+    mid-run, and the final save (the run completes): SIGTERM or SIGINT, no traceback, then an exact resume."""
+    monkeypatch.setenv("TWINPLANE_FAULT_SIGNAL", sig)
+    assert train(tmp_path, fault=fault) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"received SIG{sig}" in err
+    if code == 75:
+        assert train(tmp_path, "--resume", "auto") == 0
+    weights, rows = outcome(tmp_path)
+    assert weights == reference_run[0] and rows == reference_run[1]
+
+
+def test_second_ctrl_c_exits_at_once_without_traceback(tmp_path):
+    env = {**os.environ, "TWINPLANE_FAULT": "warmstart@2x2", "TWINPLANE_FAULT_SIGNAL": "INT"}
+    out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *ARGS],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 130 and "Traceback" not in out.stderr, out.stderr
+
+
 def test_second_signal_mid_checkpoint_exits_at_once_and_resume_skips_it(tmp_path, reference_run):
     env = {**os.environ, "TWINPLANE_FAULT": "checkpoint@4x2"}
     out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *ARGS],

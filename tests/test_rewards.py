@@ -282,3 +282,30 @@ def test_runner_adds_reward_model_score(classifier):
     expected = [1.0 + 0.5 * s for s in rm([prompts[0] + comps[0]])] + [0.5 * s for s in rm([prompts[1] + comps[1]])]
     assert rewards == pytest.approx(expected, abs=1e-5)
     assert set(metrics) == {"reward/errors", "reward/model"}
+
+
+def test_step_deadline_bounds_a_function_that_always_hangs(tmp_path, monkeypatch):
+    """20 samples of a function that never returns, 1 s per sample, 2 s per step: each call costs about one
+    deadline (not 20 timeouts), every sample scores 0 and is counted, and the worker is replaced once per call
+    without importing torch (a restart costs well under a second)."""
+    import time
+
+    from twinplane.rewards import worker as worker_mod
+
+    (tmp_path / "hang.py").write_text("import time\ndef f(c, a):\n    time.sleep(600)\n")
+    starts = []
+    real_start = worker_mod.Worker.start
+    monkeypatch.setattr(worker_mod.Worker, "start", lambda self: (starts.append(1), real_start(self))[1])
+    with RewardRunner(f"{tmp_path / 'hang.py'}:f", timeout_s=1.0, step_timeout_s=2.0) as runner:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            rewards, m = runner(["1"] * 20, ["1"] * 20)
+            took = time.perf_counter() - t0
+            assert rewards == [0.0] * 20 and m["reward/errors"] == 20 and m["reward/timeouts"] == 20
+            assert m["reward/deadline"] >= 18 and 2.0 <= took < 5.0, (m, took)
+    assert len(starts) <= 4  # the first start plus at most one replacement per timeout inside a deadline
+    t0 = time.perf_counter()
+    w = worker_mod.Worker(f"{tmp_path / 'hang.py'}:f", {})
+    w.start()
+    w.close()
+    assert time.perf_counter() - t0 < 1.5  # no torch import in the worker

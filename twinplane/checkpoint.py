@@ -23,11 +23,13 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from twinplane.errors import InputError
+
 MANIFEST = "manifest.json"
 PREFIX = "step_"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that was asked for by name is missing or damaged (bad input: exit code 2)."""
 
 
@@ -74,7 +76,11 @@ def save(run_dir: Path, step: int, write: Callable[[Path], None], keep: int,
     for d in {tmp, *(p.parent for p in files)}:
         _fsync(d)
     if final.exists():  # re-saving a step after a resume: the new copy is complete before the old goes
-        shutil.rmtree(final)
+        if verify(final) is None:
+            shutil.rmtree(final)
+        else:  # damaged: kept for inspection, never overwritten
+            (root / "quarantine").mkdir(exist_ok=True)
+            os.replace(final, root / "quarantine" / f"{final.name}.{os.getpid()}")
     os.replace(tmp, final)
     _fsync(root)
     complete = [c for c in list_checkpoints(run_dir) if verify(c) is None]
@@ -99,8 +105,15 @@ def verify(ckpt: Path) -> str | None:
         return "incomplete (no manifest)"
     except (json.JSONDecodeError, UnicodeDecodeError):
         return "corrupt manifest"
-    for name, meta in manifest.get("files", {}).items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(m, dict) and isinstance(m.get("size"), int) and isinstance(m.get("sha256"), str)
+            for m in files.values()):
+        return "malformed manifest (expected files: {name: {size, sha256}})"
+    for name, meta in files.items():
         p = ckpt / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            return f"malformed manifest (path {name!r} leaves the checkpoint)"
         if not p.is_file():
             return f"missing {name}"
         if p.stat().st_size != meta["size"]:
@@ -110,8 +123,10 @@ def verify(ckpt: Path) -> str | None:
     return None
 
 
-def resolve(run_dir: Path, resume: str, log: Callable[[str], None] = print) -> Path | None:
-    """`auto`: the newest intact checkpoint in the run dir (None if there is none); a path: that one, verified."""
+def resolve(run_dir: Path, resume: str, log: Callable[[str], None] = print,
+            damaged: list[tuple[Path, str]] | None = None) -> Path | None:
+    """`auto`: the newest intact checkpoint in the run dir (None if there is none); a path: that one, verified.
+    `damaged` collects (checkpoint, what is wrong) for every damaged one met, newer or older than the pick."""
     if resume != "auto":
         ckpt = Path(resume)
         if not ckpt.is_dir():
@@ -120,9 +135,15 @@ def resolve(run_dir: Path, resume: str, log: Callable[[str], None] = print) -> P
         if problem:
             raise CheckpointError(f"--resume {resume}: checkpoint is {problem}")
         return ckpt
+    found = None
     for ckpt in reversed(list_checkpoints(run_dir)):
         problem = verify(ckpt)
         if problem is None:
-            return ckpt
+            found = found or ckpt
+            if damaged is None:
+                return found
+            continue
         log(f"skipping checkpoint {ckpt}: {problem}")
-    return None
+        if damaged is not None:
+            damaged.append((ckpt, problem))
+    return found

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import keyword
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,9 +18,10 @@ from pathlib import Path
 import yaml
 
 from twinplane.algos import AGG_MODES, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
+from twinplane.errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A bad config: the message names the key and is printed as one line."""
 
 
@@ -38,12 +41,12 @@ class ModelSection:
 class DataSection:
     train_file: str | None = None  # JSONL, Parquet or a saved `datasets` folder; unset = the built-in task
     val_file: str | None = None  # held-out prompts for evaluation (the built-in task has its own)
-    prompt_field: str = "question"
-    answer_field: str = "answer"
+    prompt_field: str = "question"  # field holding the prompt (a string or a list of chat messages)
+    answer_field: str = "answer"  # field holding the reference answer
     system_field: str | None = None  # per-record system prompt
     template: str = "auto"  # chat | plain | auto (chat when the tokenizer has a chat template)
     plain_template: str = "{prompt}"  # for template=plain: str.format with {prompt} and {system}
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # system message for every prompt
     instruction_suffix: str | None = None  # appended to each question, e.g. asking for '#### <answer>'
     max_prompt_tokens: int = 512  # longer prompts are dropped and counted, never truncated
     on_error: str = "fail"  # fail | skip (malformed lines)
@@ -56,8 +59,9 @@ class RewardSection:
     options: dict = field(default_factory=dict)  # keyword options for the function, e.g. {mode: strict}
     format_weight: float = 0.0  # bonus for a well-formatted answer ('#### N', \boxed{})
     timeout_s: float = 10.0  # per sample (per call for batched functions); late samples score 0, in reward/errors
+    step_timeout_s: float = 300.0  # scoring deadline per step: unfinished samples score 0 (reward/timeouts); 0 = off
     model: str | None = None  # local sequence-classification reward model folder
-    model_weight: float = 1.0
+    model_weight: float = 1.0  # weight of the reward model's score in the reward
 
 
 @dataclass
@@ -71,8 +75,8 @@ class TaskSection:
 @dataclass
 class WarmStartSection:
     steps: int = 600  # supervised steps on teacher answers before RL (0 = skip)
-    batch_size: int = 128
-    lr: float = 2e-3
+    batch_size: int = 128  # sequences per supervised step
+    lr: float = 2e-3  # peak learning rate (cosine to 10%)
 
 
 @dataclass
@@ -80,10 +84,10 @@ class RolloutSection:
     prompts_per_step: int = 32  # prompts per RL step
     n: int = 8  # samples per prompt (the GRPO group)
     temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # 0 = off
-    max_new_tokens: int = 8
-    min_new_tokens: int = 0
+    max_new_tokens: int = 8  # response length limit
+    min_new_tokens: int = 0  # EOS is suppressed before this many tokens
     max_num_seqs: int = 512  # cap on the engine's running sequences (a request's n samples count n)
     max_num_batched_tokens: int = 4096  # tokens per engine forward (decodes + prefill chunks); >= max_num_seqs
     kv_cache_gb: float = 0.0  # KV block pool budget in GiB; 0 = automatic (GPU: gpu_memory_utilization, CPU: 1 GiB)
@@ -96,12 +100,12 @@ class RolloutSection:
 @dataclass
 class TrainSection:
     steps: int = 150  # RL steps
-    lr: float = 1e-4
-    warmup_steps: int = 0
+    lr: float = 1e-4  # AdamW learning rate
+    warmup_steps: int = 0  # linear warmup steps
     schedule: str = "constant"  # constant | cosine (after warmup)
     min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas, each in [0, 1)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     micro_batch_size: int = 128  # sequences per forward/backward; accumulation never changes the result
     mini_batches: int = 1  # optimizer steps per rollout batch (>1 makes the PPO clip matter)
@@ -176,9 +180,10 @@ class CheckpointSection:
 
 @dataclass
 class LogSection:
-    progress: bool = True  # one live line per step on the console
+    progress: bool = True  # progress on the console: one live line on a terminal, else a line every log.every steps
+    every: int = 10  # without a terminal, print the progress line every N steps (and the last)
     backends: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb
-    wandb_project: str = "twinplane"
+    wandb_project: str = "twinplane"  # W&B project name
     wandb_mode: str = "offline"  # offline | online | disabled
 
 
@@ -197,7 +202,7 @@ class ClusterSection:
 
 @dataclass
 class Config:
-    seed: int = 0
+    seed: int = 0  # seeds every RNG; a seeded CPU run is bitwise reproducible
     device: str = "auto"  # auto | cpu | cuda | cuda:N (ROCm GPUs are "cuda" too)
     threads: int = 0  # torch CPU threads (0 = torch's default)
     run_dir: str | None = None  # default runs/<timestamp>
@@ -304,13 +309,87 @@ class Config:
             (not (self.cluster.async_ and self.rollout.tools), "cluster.async", "does not support rollout.tools yet"),
             (not self.rollout.tools or self.model.path, "rollout.tools",
              "needs model.path (the built-in demo's digit vocabulary cannot spell tool calls)"),
+            # ranges and choices of every remaining key, then keys that depend on each other
+            (0 <= self.seed < 2**32, "seed", "must be in [0, 2**32)"),
+            (_DEVICE.fullmatch(self.device) is not None, "device", "must be auto, cpu, cuda or cuda:N"),
+            (0 <= self.threads <= 4096, "threads", "must be >= 0 (0 = torch's default)"),
+            (self.run_dir is None or self.run_dir.strip() != "", "run_dir", "must not be empty"),
+            (self.model.path is None or self.model.path.strip() != "", "model.path", "must not be empty"),
+            (min(self.model.hidden_size, self.model.num_layers, self.model.intermediate_size) >= 1, "model",
+             "needs hidden_size, num_layers and intermediate_size >= 1"),
+            (self.model.num_heads >= 1 and self.model.num_kv_heads >= 1, "model.num_heads",
+             "must be >= 1 (and model.num_kv_heads too)"),
+            (self.model.num_heads % self.model.num_kv_heads == 0, "model.num_kv_heads", "must divide model.num_heads"),
+            (self.model.hidden_size % self.model.num_heads == 0, "model.hidden_size",
+             "must be a multiple of model.num_heads"),
+            (self.model.hidden_size // self.model.num_heads % 2 == 0, "model.hidden_size",
+             "/ model.num_heads (the head size) must be even for rotary embeddings"),
+            (self.data.train_file is None or self.data.train_file.strip() != "", "data.train_file",
+             "must not be empty"),
+            (self.data.prompt_field != "" and self.data.answer_field != "", "data.prompt_field",
+             "and data.answer_field must not be empty"),
+            (_renders(self.data.plain_template), "data.plain_template",
+             "must be a str.format template using only {prompt} and {system}"),
+            (self.data.val_size >= 0, "data.val_size", "must be >= 0 (0 = all)"),
+            (self.reward.name.strip() != "", "reward.name", "must not be empty"),
+            (self.reward.step_timeout_s >= 0, "reward.step_timeout_s", "must be >= 0 (0 = no deadline)"),
+            (_finite(self.reward.format_weight, self.reward.model_weight), "reward",
+             "needs finite format_weight and model_weight"),
+            (self.task.heldout_size >= 1, "task.heldout_size", "must be >= 1"),
+            (self.task.heldout_size < 100**min(max(self.task.digits, 1), 6), "task.heldout_size",
+             "must leave training problems (there are 100**task.digits in all)"),
+            (self.warmstart.steps >= 0, "warmstart.steps", "must be >= 0"),
+            (self.warmstart.batch_size >= 1, "warmstart.batch_size", "must be >= 1"),
+            (self.warmstart.lr > 0 and _finite(self.warmstart.lr), "warmstart.lr", "must be > 0"),
+            (_finite(self.rollout.temperature), "rollout.temperature", "must be finite"),
+            (self.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)"),
+            (self.rollout.min_new_tokens >= 0, "rollout.min_new_tokens", "must be >= 0"),
+            (self.rollout.min_new_tokens <= self.rollout.max_new_tokens, "rollout.min_new_tokens",
+             "must be <= rollout.max_new_tokens"),
+            (len(set(self.rollout.tools)) == len(self.rollout.tools), "rollout.tools", "must not repeat a tool"),
+            # one sample per prompt has no group to compare with: every advantage is 0 and nothing is learned
+            (self.rollout.n >= 2 or self.train.steps == 0 or self.algo.adv_estimator in ("gae", "reinforce_pp"),
+             "rollout.n", f"must be >= 2: {self.algo.adv_estimator}'s group baseline makes every advantage 0 with "
+             "one sample per prompt"),
+            (_finite(self.train.lr), "train.lr", "must be finite"),
+            (self.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0"),
+            (0 <= self.train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]"),
+            (self.train.weight_decay >= 0, "train.weight_decay", "must be >= 0"),
+            (all(0 <= b < 1 for b in self.train.betas), "train.betas", "must each be in [0, 1)"),
+            (self.train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 = off)"),
+            (self.algo.entropy_coef >= 0 and _finite(self.algo.entropy_coef), "algo.entropy_coef", "must be >= 0"),
+            (_finite(self.algo.kl_coef, self.algo.tis_cap), "algo", "needs finite kl_coef and tis_cap"),
+            (self.eval.temperature >= 0 and _finite(self.eval.temperature), "eval.temperature", "must be >= 0"),
+            (self.eval.n == 1 or self.eval.temperature > 0, "eval.temperature",
+             "must be > 0 when eval.n > 1 (greedy samples are all the same)"),
+            (self.log.wandb_project.strip() != "", "log.wandb_project", "must not be empty"),
+            (self.log.every >= 1, "log.every", "must be >= 1"),
+            (self.reward.timeout_s < float("inf"), "reward.timeout_s", "must be finite"),
+            (self.cluster.timeout_s < float("inf"), "cluster.timeout_s", "must be finite"),
         ]
         for ok, key, msg in checks:
             if not ok:
-                raise ConfigError(f"{key}: {msg}, got {_get(self, key)!r}")
+                value = _get(self, key)
+                raise ConfigError(f"{key}: {msg}" + ("" if dataclasses.is_dataclass(value) else f", got {value!r}"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self, dict_factory=lambda kv: {_key(k): v for k, v in kv})
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def _renders(template: str) -> bool:
+    """The plain template renders on a sample prompt (checked once, before any data is read)."""
+    try:
+        template.format(prompt="1+1=", system="")
+    except (KeyError, IndexError, ValueError, AttributeError):
+        return False
+    return "{prompt}" in template or "{prompt!" in template or "{prompt:" in template
 
 
 def _attr(key: str) -> str:
@@ -402,6 +481,20 @@ def _merge(base: dict, dotted: str, value) -> None:
     node[parts[-1]] = value
 
 
+def _is_text(dotted: str) -> bool:
+    """Whether a key holds a string (or an optional string)."""
+    cls: typing.Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        t = typing.get_type_hints(cls).get(_attr(part))
+        if t is None:
+            return False
+        cls = t
+    return cls is str or (typing.get_origin(cls) in (typing.Union, types.UnionType)
+                          and set(typing.get_args(cls)) == {str, type(None)})
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     data: dict = {}
     if path is not None:
@@ -418,10 +511,13 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
-        try:
-            value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError:
-            value = raw
+        if _is_text(key.strip()):  # `data.system_prompt=Answer: briefly` stays a string (YAML would see a mapping)
+            value = None if raw in ("null", "~") else raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw else ""
+            except yaml.YAMLError:
+                value = raw
         _merge(data, key.strip(), value)
     cfg = _build(Config, data)
     cfg.validate()

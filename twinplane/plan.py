@@ -26,6 +26,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from twinplane.devices import BY_KEY, DeviceSpec
 from twinplane.flops import forward_flops_per_token, matmul_params, train_flops_per_token
@@ -415,8 +416,21 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload) -> tuple[Layout |
 # ---- output -------------------------------------------------------------------------------------------------
 
 
-def _gb(x: float) -> str:
-    return f"{x / GB:8.2f}"
+def _unit(largest: float) -> tuple[float, str]:
+    """MB for small models (the demo's whole run is a few MB), GB otherwise."""
+    return (1e6, "MB") if largest < GB else (GB, "GB")
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _overrides(best: Layout, devices: int) -> str:
+    """One device runs best in one process (cluster.backend=local): Ray would only add calls and copies."""
+    if devices > 1:
+        return best.overrides()
+    return (f"cluster.backend=local train.activation_checkpointing={str(best.checkpointing).lower()} "
+            f"train.optimizer_offload={str(best.offload).lower()} rollout.tp=1 ")
 
 
 def plan(cfg: ModelConfig, cluster: Cluster, w: Workload) -> dict:
@@ -436,7 +450,7 @@ def plan(cfg: ModelConfig, cluster: Cluster, w: Workload) -> dict:
         "training_memory": asdict(tm) | {"total": tm.total, "fsdp": fsdp},
         "rollout_memory": asdict(rm) | {"total": rm.total, "tp": tp},
         "layouts": [asdict(x) | {"dp": x.dp} for x in layouts(cfg, cluster, w)],
-        "recommended": None if best is None else asdict(best) | {"dp": best.dp, "overrides": best.overrides()},
+        "recommended": None if best is None else asdict(best) | {"dp": best.dp, "overrides": _overrides(best, g)},
         "reason": why,
     }
 
@@ -446,27 +460,32 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
     dev = cluster.device
     p = plan(cfg, cluster, w)
     tm, rm, best = p["training_memory"], p["rollout_memory"], p["recommended"]
-    lines = [f"model: {cfg.num_params / 1e9:.2f}B params ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    div, unit = _unit(max(tm["total"], rm["total"]))
+    lines = [f"model: {_params(cfg.num_params)} params ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size})",
              f"cluster: {cluster.nodes} x {cluster.gpus} {dev.key} ({dev.memory_gb:g} GB, {dev.hbm_tb_s:g} TB/s, "
              f"{dev.bf16_tflops:g} TFLOP/s bf16)",
              f"step: {w.prompts_per_step} prompts x {w.n} samples, prompt {w.prompt_len} + response "
              f"{w.response_len} tokens, micro-batch {w.micro_batch_size}",
              "",
-             f"training memory per device (GB, FSDP={tm['fsdp']}):"]
+             f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
     for k in ("params", "grads", "master", "moments", "activations", "logits", "total"):
-        lines.append(f"  {k:<12}{_gb(tm[k])}")
-    lines.append(f"rollout memory per device (GB, TP={rm['tp']}):")
+        lines.append(f"  {k:<12}{tm[k] / div:8.2f}")
+    lines.append(f"rollout memory per device ({unit}, TP={rm['tp']}):")
     for k in ("weights", "kv_cache", "workspace", "total"):
-        lines.append(f"  {k:<12}{_gb(rm[k])}")
-    lines += ["", f"feasible layouts ({len(p['layouts'])}, fastest first; memory = peak per device, GB):",
-              "  mode        train rollout  TP  DP ckpt offl train_mem roll_mem in_flight  step_s  sync_GB  $/1M tok"]
+        lines.append(f"  {k:<12}{rm[k] / div:8.2f}")
+    shown = min(len(p["layouts"]), max_rows)
+    lines += ["", f"feasible layouts: {len(p['layouts'])}" + (f", the fastest {shown} shown" if shown <
+                                                                 len(p["layouts"]) else ", fastest first")
+              + f" (memory = peak per device, {unit}):",
+              f"  mode        train rollout  TP  DP ckpt offl train_mem roll_mem in_flight  step_s  sync_{unit}  "
+              "$/1M tok"]
     for x in p["layouts"][:max_rows]:
         mode = "colocated" if x["colocated"] else "split"
         lines.append(f"  {mode:<10}{x['train_gpus']:6d}{x['rollout_gpus']:8d}{x['tp']:4d}{x['dp']:4d}"
                      f"{'yes' if x['checkpointing'] else 'no':>5}{'yes' if x['offload'] else 'no':>5}"
-                     f"{x['train_mem'] / GB:10.1f}{x['rollout_mem'] / GB:9.1f}{x['seqs_in_flight']:10d}"
-                     f"{x['step_s']:8.1f}{x['resharding_bytes'] / GB:9.1f}{x['cost_per_m_tokens']:10.3f}")
+                     f"{x['train_mem'] / div:10.1f}{x['rollout_mem'] / div:9.1f}{x['seqs_in_flight']:10d}"
+                     f"{x['step_s']:8.1f}{x['resharding_bytes'] / div:9.1f}{x['cost_per_m_tokens']:10.3f}")
     lines.append("")
     if best is None:
         lines.append(f"recommendation: none. {p['reason']}")
@@ -477,13 +496,13 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
                   f"  why: {p['reason']}",
                   f"  step {best['step_s']:.1f} s (rollout {best['rollout_s']:.1f} + train {best['train_s']:.1f} "
                   f"+ sync {best['sync_s']:.1f}), {w.trained_tokens} trained tokens/step, "
-                  f"resharding {best['resharding_bytes'] / GB:.1f} GB/step",
+                  f"resharding {best['resharding_bytes'] / div:.1f} {unit}/step",
                   f"  cost: ${best['cost_per_m_tokens']:.3f} per 1M trained tokens at "
                   f"${cluster.price_per_gpu_hour:g}/GPU-hour",
                   f"  overrides: {best['overrides']} rollout.prompts_per_step={w.prompts_per_step} "
                   f"rollout.n={w.n} rollout.max_new_tokens={w.response_len} "
                   f"train.micro_batch_size={w.micro_batch_size}"]
-    if best["overrides"].count("rollout.tp=1 ") == 0:
+    if best is not None and best["overrides"].count("rollout.tp=1 ") == 0:
         lines.append("  (rollout.tp > 1 is not in this version: pick the best layout with rollout.tp=1 from the list)")
     return "\n".join(lines)
 
@@ -492,9 +511,33 @@ def load_model_config(path: str) -> ModelConfig:
     return ModelConfig.from_file(path)
 
 
+def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, Workload]:
+    """The model and the step's shape of a twinplane run, from its config (the demo's built-in model included)."""
+    from twinplane.config import load_config
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such config file")
+    cfg = load_config(path, [f"model.path={model}"] if model else [])
+    if cfg.model.path:
+        mc = load_model_config(cfg.model.path)
+        prompt = cfg.data.max_prompt_tokens
+    else:
+        from twinplane.run import demo_model_config
+        from twinplane.tasks import ALPHABET
+        from twinplane.tokenizer import build_char_tokenizer
+
+        mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
+        prompt = 2 * cfg.task.digits + 2
+    r = cfg.rollout
+    return mc, Workload(r.prompts_per_step, r.n, prompt, r.max_new_tokens * r.max_turns,
+                        min(cfg.train.micro_batch_size, r.prompts_per_step * r.n))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="twinplane plan", description="Memory, layouts and cost of a GRPO run.")
-    ap.add_argument("--model", required=True, help="HF model folder or its config.json")
+    ap.add_argument("--model", help="HF model folder or its config.json (or take it from --run-dir / --config)")
+    ap.add_argument("--run-dir", help="a run dir: its config.yaml gives the model, lengths and batch sizes")
+    ap.add_argument("--config", help="a twinplane config YAML: the model, lengths and batch sizes of that run")
     ap.add_argument("--gpu", required=True, help=f"device key: cpu, {', '.join(BY_KEY)}")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs per node")
     ap.add_argument("--nodes", type=int, default=1, help="nodes (TP stays within a node)")
@@ -517,14 +560,20 @@ def main(argv: list[str] | None = None) -> int:
            ns.logprob_chunk_tokens) < 1:
         print("error: --gpus, --nodes, batch sizes and lengths must be >= 1", file=sys.stderr)
         return 2
+    w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
+                 ns.logprob_chunk_tokens)
     try:
-        cfg = load_model_config(ns.model)
+        if ns.run_dir or ns.config:
+            cfg, w = from_run_config(Path(ns.config) if ns.config else Path(ns.run_dir) / "config.yaml", ns.model)
+        elif ns.model:
+            cfg = load_model_config(ns.model)
+        else:
+            print("error: give --model, --run-dir or --config", file=sys.stderr)
+            return 2
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cluster = Cluster(device, ns.gpus, ns.nodes, ns.price_per_gpu_hour, ns.overlap)
-    w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
-                 ns.logprob_chunk_tokens)
     print(json.dumps(plan(cfg, cluster, w), indent=2) if ns.json else format_plan(cfg, cluster, w))
     return 0
 

@@ -119,8 +119,10 @@ def plot_reward(rows: list[dict], fig) -> bool:
         if std and std.x == mean.x:
             w = _window(len(mean.x))
             m, sd = smooth(mean.y, w), smooth(std.y, w)
-            lo = [a - b for a, b in zip(m, sd, strict=True)]
-            hi = [a + b for a, b in zip(m, sd, strict=True)]
+            # the band stays inside the rewards' range: a 0/1 reward's mean ± std must not draw above 1 or below 0
+            floor, ceil = min(0.0, min(mean.y)), max(1.0, max(mean.y))
+            lo = [max(a - b, floor) for a, b in zip(m, sd, strict=True)]
+            hi = [min(a + b, ceil) for a, b in zip(m, sd, strict=True)]
             ax.fill_between(mean.x, lo, hi, color="C0", alpha=0.15, label="reward ± std")
     if acc:
         _line(ax, acc, "accuracy", "C1")
@@ -137,10 +139,22 @@ def plot_validation(rows: list[dict], fig) -> bool:
     if not series:
         return False
     ax = fig.add_subplot()
-    for i, (k, s) in enumerate(series):
+    # fractions (accuracy, pass@k, mean@k, truncation) on their own 0-1 axis; lengths (tokens) on a second one
+    fractions = [(k, s) for k, s in series if "length" not in k and "errors" not in k]
+    lengths = [(k, s) for k, s in series if "length" in k]
+    for i, (k, s) in enumerate(fractions):
         ax.plot(s.x, s.y, marker="o", color=f"C{i}", label=k[4:])
-    ax.set(title="Validation (held-out prompts; step 0 = before RL)", xlabel="step", ylabel="accuracy")
-    _legend(ax)
+    ax.set(title="Validation (held-out prompts; step 0 = before RL)", xlabel="step", ylabel="fraction")
+    ax.set_ylim(-0.02, 1.02)
+    axes = [ax]
+    if lengths:
+        ax2 = ax.twinx()
+        for i, (k, s) in enumerate(lengths, start=len(fractions)):
+            ax2.plot(s.x, s.y, marker="s", linestyle="--", color=f"C{i}", label=k[4:])
+        ax2.set_ylabel("tokens")
+        ax2.set_ylim(bottom=0)
+        axes.append(ax2)
+    _legend(*axes)
     return True
 
 
@@ -230,7 +244,8 @@ def plot_kl_entropy(rows: list[dict], fig) -> bool:
     for i, (k, lab, s) in enumerate(panels):
         ax = fig.add_subplot(nrows, cols, i + 1)
         _line(ax, s, lab, f"C{i}")
-        ax.set(title=lab, xlabel="step", ylabel=k.split("/")[1])
+        off = k == "actor/kl" and all(v == 0 for v in s.y)  # no KL term: say so rather than draw a flat line
+        ax.set(title=lab + (" — off (algo.kl_coef=0)" if off else ""), xlabel="step", ylabel=k.split("/")[1])
         _legend(ax)
     fig.suptitle("Policy: KL, entropy, clipping")
     return True

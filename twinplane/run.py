@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,30 +20,37 @@ import torch
 import yaml
 from rich.console import Console
 
-from twinplane import checkpoint, platform, run_state
+from twinplane import checkpoint, platform, preflight, run_state
+from twinplane import run_dir as rundir
 from twinplane.cluster import WorkerError, build_algorithm, build_planes
 from twinplane.config import Config, ConfigError
 from twinplane.controller import Controller
 from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_records
+from twinplane.errors import InputError, Preempted
 from twinplane.evaluation import evaluate
 from twinplane.loggers import build_loggers, check_backends
-from twinplane.metrics import MetricsLog, progress_line
-from twinplane.model import ModelConfig, Transformer, load_model, load_weights, save_pretrained
+from twinplane.metrics import LiveLine, MetricsLog, progress_line, summary_table
+from twinplane.model import ModelConfig, Transformer, load_weights, save_pretrained
 from twinplane.prompts import Prompt, encode_prompts
 from twinplane.rewards.runner import RewardRunner
 from twinplane.rollout import SamplingParams
+from twinplane.signals import StopRequests
 from twinplane.tasks import ALPHABET, ArithmeticTask
-from twinplane.tokenizer import Tokenizer, build_char_tokenizer, load_tokenizer
+from twinplane.tokenizer import Tokenizer, build_char_tokenizer
 from twinplane.train.sft import warm_start
 
 
-def build_demo_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) -> Transformer:
+def demo_model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     m = cfg.model
-    mc = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                     num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                     head_dim=m.hidden_size // m.num_heads, max_position_embeddings=64, tie_word_embeddings=True,
-                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id)
+    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size,
+                       intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                       num_kv_heads=m.num_kv_heads, head_dim=m.hidden_size // m.num_heads,
+                       max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def build_demo_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) -> Transformer:
+    mc = demo_model_config(cfg, tokenizer)
     model = Transformer(mc)
     with torch.no_grad():  # GPT-2-style small init keeps the tiny model's first steps stable
         for p in model.parameters():
@@ -57,6 +65,7 @@ def save_hf_folder(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
     c = model.config
     gen = {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    rundir.respect_umask(out)
 
 
 @dataclass
@@ -72,17 +81,33 @@ class Setup:
     data_stats: dict
     run_dir: Path
     resume_from: Path | None = None  # the checkpoint to continue from
+    stop: StopRequests | None = None  # SIGTERM/SIGINT requests, installed at startup by the CLI
+    faults: Faults | None = None  # test-only preemption points (TWINPLANE_FAULT)
+    restart: bool = False  # the run dir holds this run, preempted before its first checkpoint: start it over
 
 
 def load_prompts(cfg: Config, tokenizer: Tokenizer, path: str) -> tuple[list[Prompt], dict]:
     d = cfg.data
     records, stats = load_records(path, d.prompt_field, d.answer_field, d.system_field, on_error=d.on_error)
-    prompts, dropped = encode_prompts(records, formatter(cfg).format, tokenizer, d.max_prompt_tokens)
+    prompts, dropped = _encode(records, formatter(cfg).format, tokenizer, d.max_prompt_tokens, path)
     if not prompts:
-        raise ValueError(f"{path}: all {len(records)} prompts are longer than data.max_prompt_tokens="
-                         f"{d.max_prompt_tokens}")
+        raise DataError(f"{path}: all {len(records)} prompts are longer than data.max_prompt_tokens="
+                        f"{d.max_prompt_tokens}")
     stats = {"loaded": stats["loaded"], "skipped": stats["skipped"], "too_long": dropped}
     return prompts, stats
+
+
+def _encode(records, fmt, tokenizer: Tokenizer, max_tokens: int, path: str) -> tuple[list[Prompt], int]:
+    try:
+        return encode_prompts(records, fmt, tokenizer, max_tokens)
+    except Exception as e:  # `tokenizers` raises a bare Exception for a character outside its vocabulary
+        for i, rec in enumerate(records):
+            text = fmt(rec)
+            ch = preflight.unencodable(text, tokenizer)
+            if ch is not None:
+                raise DataError(f"{preflight.locate(path, ch)}: record {i + 1}: character {ch!r} (U+{ord(ch):04X}) "
+                                "cannot be encoded by the model's tokenizer") from None
+        raise DataError(f"{path}: the model's tokenizer cannot encode it ({preflight._first_line(e)})") from None
 
 
 def formatter(cfg: Config) -> PromptFormatter:
@@ -95,43 +120,110 @@ def formatter(cfg: Config) -> PromptFormatter:
             if d.template == "chat" or "no chat template was found" not in str(e):
                 raise
     elif d.template == "chat":
-        raise ValueError("data.template=chat needs model.path with a chat template (or use data.template=plain)")
+        raise ConfigError("data.template=chat needs model.path with a chat template (or use data.template=plain)")
     return PromptFormatter(mode="plain", **kw)
 
 
-def find_resume(cfg: Config, resume: str | None, log=print) -> Path | None:
-    """The checkpoint to resume from, after checking the config may continue it (one-line errors otherwise)."""
+def claim_run_dir(cfg: Config, run_dir: Path, resume: str | None, overwrite: bool = False,
+                  delete_old: bool = False, log=print) -> tuple[Path | None, bool, Callable[[], None]]:
+    """Decide, before any work, what this invocation does with the run dir; returns (checkpoint to resume from,
+    whether to start the run dir's own run over, the moves to make once every other check has passed). One run
+    per folder: a new run never writes into a folder that holds another (refused, or with --overwrite moved
+    aside); a resume continues only the run whose config it has, from an intact checkpoint; damaged checkpoints
+    are moved to checkpoints/quarantine/, never reused or overwritten."""
+    rundir.check_usable(run_dir)
+    present = rundir.holds_run(run_dir)
     if resume is None:
-        return None
+        if present and not overwrite:
+            raise InputError(f"--run-dir {run_dir} already holds a run ({', '.join(present)}): continue it with "
+                             "--resume auto, or start over with --overwrite (moves it aside)")
+        return None, False, (lambda: rundir.set_aside(run_dir, delete_old, log)) if present else (lambda: None)
+    if overwrite:
+        raise InputError("--overwrite starts a new run: it cannot be combined with --resume")
     if resume == "auto" and not cfg.run_dir:
         raise ConfigError("--resume auto needs --run-dir (the run to continue)")
-    ckpt = checkpoint.resolve(Path(cfg.run_dir or "."), resume, log)
-    if ckpt is None:
-        log(f"--resume auto: no complete checkpoint in {cfg.run_dir}; starting from scratch")
-        return None
-    bad, ok = run_state.config_changes(run_state.read_config(ckpt), cfg.to_dict())
-    if bad:
-        raise ConfigError(f"--resume {ckpt}: {bad[0].split(':')[0]} cannot change on resume ({bad[0]})")
-    for change in ok:
-        log(f"resume: {change}")
-    return ckpt
+    damaged: list[tuple[Path, str]] = []
+    ckpt = checkpoint.resolve(run_dir, resume, lambda m: None, damaged=damaged)
+    if ckpt is not None:
+        saved, what = run_state.read_config(ckpt), f"--resume {ckpt}"
+    elif (run_dir / "config.yaml").is_file():
+        saved, what = rundir_config(run_dir), f"--resume {resume}: {run_dir}"
+    else:
+        saved, what = None, ""
+    if saved is not None:
+        bad, ok = run_state.config_changes(saved, cfg.to_dict())
+        if bad:
+            raise ConfigError(f"{what}: {bad[0].split(':')[0]} cannot change on resume ({bad[0]})")
+        for change in ok:
+            log(f"resume: {change}")
+
+    def apply() -> None:  # only after every check: a refused run leaves the run dir exactly as it was
+        for path, why in damaged:
+            rundir.quarantine(path, why, log)
+        if ckpt is None:
+            log(f"--resume {resume}: no complete checkpoint in {run_dir}; "
+                + ("starting its run over from the beginning" if present else "starting from scratch"))
+    return ckpt, ckpt is None and bool(present), apply
 
 
-def prepare(cfg: Config, resume: str | None = None) -> Setup:
+def rundir_config(run_dir: Path) -> dict:
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise InputError(f"{run_dir / 'config.yaml'}: not a readable config ({preflight._first_line(e)})") from None
+    if not isinstance(saved, dict):
+        raise InputError(f"{run_dir / 'config.yaml'}: expected a mapping of sections")
+    return saved
+
+
+def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True, overwrite: bool = False,
+            delete_old: bool = False, stop: StopRequests | None = None, faults: Faults | None = None,
+            log=print) -> Setup:
+    """Every check that bad input can fail, in order of cost, before any training work: config (already
+    validated), model folder (config, weight files, tokenizer), device and memory, templates, run dir and resume
+    point, data, reward function. `stop` is looked at between the expensive parts. `own_run_dir=False` (eval):
+    no run dir is claimed."""
+    stop = stop or StopRequests()
+    faults = faults or Faults(os.environ.get("TWINPLANE_FAULT"))
     check_backends(cfg.log.backends)
     if cfg.cluster.backend == "ray" and importlib.util.find_spec("ray") is None:
         raise ConfigError("cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'")
-    resume_from = find_resume(cfg, resume)
-    platform.setup(cfg.seed, cfg.threads or None)
-    # With Ray the workers take the devices; this process only holds a host copy (warm start, checkpoints).
-    device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
-    dtype = platform.resolve_dtype(cfg.model.dtype)
+    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if cfg.data.train_file and not Path(cfg.data.train_file).exists():
+        raise DataError(f"data.train_file {cfg.data.train_file}: no such file or directory")
+    if cfg.data.val_file and not Path(cfg.data.val_file).exists():
+        raise DataError(f"data.val_file {cfg.data.val_file}: no such file or directory")
     if cfg.model.path:
-        tokenizer = load_tokenizer(cfg.model.path)
-        model = load_model(cfg.model.path, device=device, dtype=dtype)
+        mc = preflight.model_config(cfg.model.path)
+        preflight.check_weight_files(cfg.model.path)
+        tokenizer = preflight.open_tokenizer(cfg.model.path)
+        preflight.check_tools(cfg.rollout.tools, tokenizer, cfg.model.path)
+        prompt_tokens = cfg.data.max_prompt_tokens
     else:
         tokenizer = build_char_tokenizer(ALPHABET)
+        mc = demo_model_config(cfg, tokenizer)
+        prompt_tokens = 2 * cfg.task.digits + 2
+    device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
+    if cfg.cluster.backend == "local":
+        memory = platform.device_memory(device)
+        preflight.check_memory(cfg, mc, prompt_tokens, memory, f"this {device.type} device")
+    try:  # the template, rendered once on a sample: a missing or broken one fails before the model is loaded
+        formatter(cfg).format(Record("What is 1+1?", "2"))
+    except InputError:
+        raise
+    except Exception as e:  # jinja2 raises its own types for a template that does not render
+        raise InputError(f"data.template: the prompt template of {cfg.model.path or 'the config'} fails on a sample "
+                         f"prompt ({preflight._first_line(e)})") from None
+    resume_from, restart, claim = claim_run_dir(cfg, run_dir, resume, overwrite, delete_old, log) if own_run_dir \
+        else (None, False, lambda: None)
+    platform.setup(cfg.seed, cfg.threads or None)
+    dtype = platform.resolve_dtype(cfg.model.dtype)
+    faults("load")
+    if cfg.model.path:
+        model = preflight.open_model(cfg.model.path, device, dtype)
+    else:
         model = build_demo_model(cfg, tokenizer, device).to(dtype)
+    stop.check("model loading")
     task, stats = None, {}
     if cfg.data.train_file:
         train_prompts, stats["train"] = load_prompts(cfg, tokenizer, cfg.data.train_file)
@@ -147,12 +239,18 @@ def prepare(cfg: Config, resume: str | None = None) -> Setup:
                                           tokenizer, cfg.data.max_prompt_tokens)
         val_prompts, _ = encode_prompts([Record(p.prompt, p.answer) for p in task.heldout()], fmt,
                                         tokenizer, cfg.data.max_prompt_tokens)
+        if not train_prompts:
+            raise ConfigError(f"data.max_prompt_tokens: must be >= {prompt_tokens} for task.digits="
+                              f"{cfg.task.digits}, got {cfg.data.max_prompt_tokens}")
     if cfg.data.val_size:
         val_prompts = val_prompts[:cfg.data.val_size]
+    stop.check("data loading")
     r = cfg.reward
-    scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight)
-    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats, run_dir, resume_from)
+    scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight,
+                          step_timeout_s=r.step_timeout_s)
+    claim()
+    return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats, run_dir,
+                 resume_from, stop, faults, restart)
 
 
 def run_eval(s: Setup, rollout, n: int = 1, temperature: float = 0.0) -> dict[str, float]:
@@ -163,54 +261,58 @@ def run_eval(s: Setup, rollout, n: int = 1, temperature: float = 0.0) -> dict[st
 PREEMPTED = 75  # exit code after a SIGTERM/SIGINT was handled and an emergency checkpoint written
 
 
-class Preempted(Exception):
-    pass
-
-
-def fault_hook(spec: str | None, planes=None):
+class Faults:
     """TWINPLANE_FAULT="phase@step[xN],..." sends this process N (default 1) SIGTERMs when `phase` starts at
-    `step` (rollout, reward, train, weight_sync, checkpoint, ...): deterministic preemption points for tests.
-    "kill:WORKER@phase@step" instead kills a cluster worker (e.g. kill:rollout engine 0@rollout@2).
-    With TWINPLANE_FAULT_ONCE=FILE a fault fires only if FILE does not exist yet (and creates it), so a
-    relaunched run is not preempted again at the same point."""
-    points, kills = {}, {}
-    for p in filter(None, (spec or "").split(",")):
-        if p.startswith("kill:"):
-            worker, phase, at = p[5:].split("@")
-            kills[(phase, at)] = worker
-            continue
-        where, _, count = p.partition("x")
-        points[tuple(where.split("@"))] = int(count or 1)
-    current = {"step": 0}
+    `step`: deterministic preemption points for tests. Phases: load (model loading, step 0), warmstart (at
+    warm-start step K), eval (a validation at step K, 0 = before RL), rollout, reward, train, weight_sync,
+    checkpoint, ... (RL step K), final (saving final/). "kill:WORKER@phase@step" instead kills a cluster worker
+    (e.g. kill:rollout engine 0@rollout@2). With TWINPLANE_FAULT_ONCE=FILE a fault fires only if FILE does not
+    exist yet (and creates it), so a relaunched run is not preempted again at the same point.
+    TWINPLANE_FAULT_SIGNAL=INT sends SIGINT (Ctrl-C) instead."""
 
-    once = os.environ.get("TWINPLANE_FAULT_ONCE")
+    def __init__(self, spec: str | None):
+        self.points, self.kills, self.step, self.planes = {}, {}, 0, None
+        for p in filter(None, (spec or "").split(",")):
+            if p.startswith("kill:"):
+                worker, phase, at = p[5:].split("@")
+                self.kills[(phase, at)] = worker
+                continue
+            where, _, count = p.partition("x")
+            self.points[tuple(where.split("@"))] = int(count or 1)
+        self.once = os.environ.get("TWINPLANE_FAULT_ONCE")
+        self.signal = getattr(signal, "SIG" + os.environ.get("TWINPLANE_FAULT_SIGNAL", "TERM"))  # TERM | INT
 
-    def hook(phase: str) -> None:
-        worker = kills.get((phase, str(current["step"])))
-        if worker is not None and planes is not None:
-            planes.kill(worker)
-        count = points.get((phase, str(current["step"])), 0)
-        if count and once:
-            if os.path.exists(once):
+    def __call__(self, phase: str, step: int | None = None) -> None:
+        at = str(self.step if step is None else step)
+        worker = self.kills.get((phase, at))
+        if worker is not None and self.planes is not None:
+            self.planes.kill(worker)
+        count = self.points.get((phase, at), 0)
+        if count and self.once:
+            if os.path.exists(self.once):
                 return
-            Path(once).touch()
+            Path(self.once).touch()
         for i in range(count):
             if i:
                 time.sleep(1.1)  # a separate request, not a duplicate delivery of the first
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return hook, current
+            os.kill(os.getpid(), self.signal)
 
 
 def train(s: Setup, console: Console | None = None) -> dict:
-    """Run (or continue) the job. Raises `Preempted` after a handled SIGTERM/SIGINT (checkpoint written)."""
+    """Run (or continue) the job. Raises `Preempted` after a handled SIGTERM/SIGINT (state saved: a checkpoint
+    once the warm start is done; before that the warm start is short and reruns on resume)."""
     cfg, tokenizer, model, run_dir = s.cfg, s.tokenizer, s.model, s.run_dir
     console = console or Console(stderr=True)
+    own_stop = s.stop is None  # called from Python rather than the CLI: handle signals for this call only
+    stop = (s.stop or StopRequests(log=console.print)).install()
+    faults = s.faults or Faults(os.environ.get("TWINPLANE_FAULT"))
+    live = LiveLine(console, cfg.log.progress and "console" in cfg.log.backends, cfg.log.every)
     t_start = time.perf_counter()
     dtype = platform.resolve_dtype(cfg.model.dtype)
     rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if s.resume_from is None:  # on resume, written once the checkpoint has loaded (a bad one changes nothing)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     console.print(f"[bold]twinplane[/] run dir {run_dir} | device {s.device} | model {model.config.model_type} "
                   f"{model.config.num_params / 1e6:.2f}M params | {dtype} | {len(s.train_prompts)} train prompts, "
                   f"{len(s.val_prompts)} validation prompts {s.data_stats or ''}")
@@ -222,7 +324,19 @@ def train(s: Setup, console: Console | None = None) -> dict:
         prompts = [tokenizer.encode(p) for p, _ in pairs]
         answers = [tokenizer.encode(a) + [tokenizer.eos_token_id] for _, a in pairs]
         t0 = time.perf_counter()
-        losses = warm_start(model, prompts, answers, ws.steps, ws.batch_size, ws.lr, tokenizer.pad_token_id, cfg.seed)
+
+        def on_step(i: int, loss: float) -> bool:  # live progress with an ETA; True stops (a signal arrived)
+            elapsed = time.perf_counter() - t0
+            live.update(i, ws.steps, f"warm start {i}/{ws.steps}  loss={loss:.3f}  "
+                        f"{elapsed:.0f}s, eta {elapsed / i * (ws.steps - i):.0f}s")
+            faults("warmstart", i)
+            return stop.requested
+
+        losses = warm_start(model, prompts, answers, ws.steps, ws.batch_size, ws.lr, tokenizer.pad_token_id, cfg.seed,
+                            on_step=on_step)
+        live.done()
+        stop.check(f"the warm start (step {len(losses)}/{ws.steps}, {time.perf_counter() - t0:.0f}s: a resume "
+                   "reruns it)")
         console.print(f"warm start: {ws.steps} steps on imperfect-teacher answers, loss "
                       f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
 
@@ -237,20 +351,22 @@ def train(s: Setup, console: Console | None = None) -> dict:
     start, state = 1, None
     if s.resume_from is not None:
         state = run_state.restore(s.resume_from, policy=model, reference=reference, stream=stream)
-        start, summary, phase_sums = state["step"] + 1, state["summary"], state["phase_sums"]
+        try:
+            start, summary, phase_sums = state["step"] + 1, dict(state["summary"]), dict(state["phase_sums"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise checkpoint.CheckpointError(f"{s.resume_from / 'state.json'}: wrong shape ({e!r})") from None
     planes = build_planes(cfg, model, reference, tokenizer, log=console.print)
+    faults.planes = planes
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
-    hook, fault_step = fault_hook(os.environ.get("TWINPLANE_FAULT"), planes)
     controller = Controller(planes.engine, planes.trainer, planes.reference, s.scorer, tokenizer, sampling,
                             cfg.train.mini_batches, cfg.algo.recompute_old_logprobs or rollout_dtype != dtype,
                             algo=algo, critic=planes.critic, critic_warmup=cfg.critic.warmup_steps,
                             more_prompts=lambda: stream.next_batch(r.prompts_per_step), rollout=planes.rollout,
-                            on_phase=hook,
+                            on_phase=faults,
                             peak_flops=platform.detect().peak_flops, sync=planes.sync, async_=cfg.cluster.async_,
                             devices=(planes.train_devices, planes.rollout_devices))
-    log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
-    sinks = build_loggers(cfg.log.backends, run_dir, cfg.to_dict(), cfg.log.wandb_project, cfg.log.wandb_mode)
+    log, sinks = None, []
 
     def record(step: int, metrics: dict) -> None:
         log.write({"step": step, **metrics})
@@ -258,9 +374,9 @@ def train(s: Setup, console: Console | None = None) -> dict:
             sink.log(step, metrics)
 
     def validate(step: int) -> dict:
+        faults("eval", step)
         ev = {f"val/{k}": v for k, v in run_eval(s, planes.rollout, cfg.eval.n, cfg.eval.temperature).items()}
-        console.print(f"validation at step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()),
-                      highlight=False, soft_wrap=True)
+        live.print(f"validation at step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()))
         return ev
 
     def due(step: int) -> bool:
@@ -281,36 +397,34 @@ def train(s: Setup, console: Console | None = None) -> dict:
         path = checkpoint.save(run_dir, step, lambda out: run_state.write(
             out, config=cfg.to_dict(), policy=model, save_policy_extras=lambda m, d: save_hf_folder(m, tokenizer, d),
             reference=reference if warm else None, planes_state=planes_state, stream=stream, step=step,
-            extra=extra), cfg.checkpoint.keep, before_manifest=lambda: hook("checkpoint"))
-        console.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+            extra=extra), cfg.checkpoint.keep, before_manifest=lambda: faults("checkpoint"))
+        live.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
 
-    signals = {"count": 0, "first": 0.0}
-
-    def on_signal(signum, frame):
-        now = time.monotonic()
-        if signals["count"] and now - signals["first"] < 1.0:
-            return  # the same stop request delivered twice (e.g. Slurm signals every process of the job)
-        signals["count"] += 1
-        if signals["count"] > 1:  # a second request: leave now; a half-written checkpoint has no manifest
-            os._exit(128 + signum)
-        signals["first"] = now
-        console.print(f"received {signal.Signals(signum).name}: finishing step, then an emergency checkpoint")
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if state is not None:
-            planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"], state["weight_version"],
-                              critic=state.get("critic"))
-            controller.version = state["weight_version"]
-            controller.load_state_dict(state.get("controller", {}))
-            controller.load_pending(state.get("pending"))
+            try:
+                planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"],
+                                  state["weight_version"], critic=state.get("critic"))
+                controller.version = state["weight_version"]
+                controller.load_state_dict(state.get("controller", {}))
+                controller.load_pending(state.get("pending"))
+            except Exception as e:  # any failure here is the checkpoint's content (torch/numpy raise many types)
+                raise checkpoint.CheckpointError(f"{s.resume_from}: optimizer, scheduler or rollout state has "
+                                                 f"the wrong shape ({type(e).__name__})") from None
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             console.print(f"resumed from {s.resume_from} (step {state['step']})")
-        if cfg.eval.before and s.val_prompts and s.resume_from is None:
-            ev = validate(0)
-            record(0, ev)  # step 0: the policy before any RL update
-            summary["warmstart_accuracy"] = ev["val/accuracy"]
+        log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
+        sinks = build_loggers(cfg.log.backends, run_dir, cfg.to_dict(), cfg.log.wandb_project, cfg.log.wandb_mode)
+        if s.resume_from is None:
+            if cfg.eval.before and s.val_prompts:
+                ev = validate(0)
+                record(0, ev)  # step 0: the policy before any RL update
+                summary["warmstart_accuracy"] = ev["val/accuracy"]
+            if stop.requested and cfg.train.steps > 0:  # the warm start is done: keep it
+                save_checkpoint(0)
+                raise Preempted("preempted before the first RL step; resume with --resume auto")
         for step in range(start, cfg.train.steps + 1):
-            fault_step["step"] = step
+            faults.step = step
             prompts = controller.pending[0] if controller.pending else stream.next_batch(r.prompts_per_step)
             upcoming = stream.next_batch(r.prompts_per_step) if cfg.cluster.async_ and step < cfg.train.steps \
                 else None
@@ -318,18 +432,18 @@ def train(s: Setup, console: Console | None = None) -> dict:
             for k, v in m.items():
                 if k.startswith("time/"):
                     phase_sums[k] = phase_sums.get(k, 0.0) + v
-            if cfg.log.progress and "console" in cfg.log.backends:
-                console.print(progress_line(step, cfg.train.steps, m), highlight=False, markup=False, soft_wrap=True)
+            live.update(step, cfg.train.steps, progress_line(step, cfg.train.steps, m))
             if due(step):
                 m |= validate(step)
                 if step == cfg.train.steps:
                     summary["final_accuracy"] = m["val/accuracy"]
             record(step, m)
             periodic = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps)
-            if periodic or signals["count"]:
+            if periodic or stop.requested:
                 save_checkpoint(step)
-            if signals["count"]:
+            if stop.requested:
                 raise Preempted(f"preempted at step {step}; resume with --resume auto")
+        live.done()
         if cfg.eval.after and s.val_prompts and cfg.train.steps == 0:
             summary["final_accuracy"] = validate(0)["val/accuracy"]
         if cfg.cluster.backend != "local":
@@ -339,17 +453,23 @@ def train(s: Setup, console: Console | None = None) -> dict:
         last = f"last complete checkpoint {done[-1]} (continue with --resume auto)" if done else "no checkpoint yet"
         raise WorkerError(f"{e}; {last}") from None
     finally:
+        live.done()
         planes.close()
-        log.close()
+        if log is not None:
+            log.close()
         for sink in sinks:
             sink.close()
         s.scorer.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if own_stop:
+            stop.restore()
+    # The run is complete: a stop request from here on only lets these few writes finish.
+    faults("final", cfg.train.steps)
     save_hf_folder(model, tokenizer, run_dir / "final")
     steps = max(cfg.train.steps, 1)
     summary.update(steps=cfg.train.steps, wall_seconds=time.perf_counter() - t_start,
                    phase_seconds_mean={k[5:]: v / steps for k, v in phase_sums.items()})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"summary: {json.dumps(summary)}", highlight=False, soft_wrap=True)
+    console.print(summary_table(summary, run_dir))
+    if stop.requested:
+        console.print("a stop request arrived while saving final/: the run had finished, so it completed")
     return summary

@@ -11,7 +11,9 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from twinplane.checkpoint import CheckpointError
 from twinplane.model import Transformer, iter_safetensors, load_weights
+from twinplane.run_dir import respect_umask
 from twinplane.train.export import export_weights
 
 # Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
@@ -85,16 +87,34 @@ def write(out: Path, *, config: dict, policy: Transformer, save_policy_extras, r
              "weight_version": planes_state["weight_version"], "rng": plain, **extra}
     (out / "state.json").write_text(json.dumps(state))
     (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    respect_umask(out)
 
 
 def read_config(ckpt: Path) -> dict:
-    return yaml.safe_load((ckpt / "config.yaml").read_text())
+    try:
+        saved = yaml.safe_load((ckpt / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{ckpt / 'config.yaml'}: not a readable config ({type(e).__name__})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{ckpt / 'config.yaml'}: expected a mapping of sections")
+    return saved
 
 
 def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:
     """Load a checkpoint's weights into freshly built models (on any device), the data cursor and the process
     RNGs; returns state.json's contents plus `optimizer`, `engine_rng` and (with a critic) `critic`, for
-    `Planes.load_state`."""
+    `Planes.load_state`. A file of the wrong shape (its checksum can be right: it was written so) is a
+    CheckpointError naming it."""
+    try:
+        return _restore(ckpt, policy=policy, reference=reference, stream=stream)
+    except CheckpointError:
+        raise
+    except Exception as e:  # reading only the checkpoint's files: safetensors, torch and numpy raise many types
+        raise CheckpointError(f"{ckpt}: a checkpoint file has the wrong shape ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+
+
+def _restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:
     state = json.loads((ckpt / "state.json").read_text())
     load_weights(policy, iter_safetensors(ckpt / "model"))
     if reference is not None and (ckpt / "reference.safetensors").exists():

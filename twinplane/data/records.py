@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from twinplane.errors import InputError
+
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Bad prompt data or data options; the message is one line and names the file (and line) at fault."""
 
 

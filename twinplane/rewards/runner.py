@@ -7,14 +7,19 @@ try/except. User functions and `math` (sympy can run unboundedly) run in a worke
 process can be killed: the worker scores one sample at a time and streams each result back, so when a
 sample hangs the runner kills the worker, scores that sample 0, starts a new worker and resumes after it.
 
-The worker (see `worker.py`) is a fresh interpreter: starting one costs an import of twinplane (about 2 s,
-mostly torch), once per run and again after each timeout or crash.
+The worker (see `worker.py`) is a fresh interpreter that imports the reward code only (not torch): starting one
+costs a fraction of a second, once per run and again after each timeout or crash.
+
+`step_timeout_s` bounds a whole call (one RL step's scoring): when it passes, every sample without a result
+scores 0 and counts in `reward/timeouts` and `reward/deadline`, and the worker is replaced once, not once per
+sample, so a function that always hangs costs about one deadline per step, not `timeout_s` per sample.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -45,9 +50,10 @@ class RewardRunner:
     """
 
     def __init__(self, name: str, options: dict | None = None, timeout_s: float = 10.0, format_weight: float = 0.0,
-                 reward_model: str | None = None, reward_model_weight: float = 1.0):
+                 reward_model: str | None = None, reward_model_weight: float = 1.0, step_timeout_s: float = 0.0):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.step_timeout_s = float(step_timeout_s)  # 0 = no deadline for a whole call
         self.name, self.options = absolute_spec(name), dict(options or {})
         self.timeout_s, self.format_weight = float(timeout_s), float(self.options.pop("format_weight", format_weight))
         self.reward_model_weight = reward_model_weight
@@ -82,10 +88,10 @@ class RewardRunner:
             raise RuntimeError("RewardRunner is closed")
         if self._worker is None:
             results = [score_one(self._fn, c, a, self._kwargs) for c, a in zip(completions, answers, strict=True)]
-            timeouts = 0
+            timeouts = cut = 0
         else:
             try:
-                results, timeouts = self._score_in_worker(completions, answers)
+                results, timeouts, cut = self._score_in_worker(completions, answers)
             except BaseException:  # e.g. Ctrl-C mid-batch: its unread results must not leak into the next call
                 self._worker.kill()
                 raise
@@ -94,6 +100,8 @@ class RewardRunner:
         metrics = {"reward/errors": 0.0}
         if self._worker is not None:
             metrics["reward/timeouts"] = float(timeouts)
+            if self.step_timeout_s > 0:
+                metrics["reward/deadline"] = float(cut)
         fmt = [format_ok(self.name, c) or 0.0 for c in completions]
         if self.has_format:
             metrics["reward/format"] = sum(fmt) / max(n, 1)
@@ -117,12 +125,32 @@ class RewardRunner:
             log.warning("reward %r: %d of %d samples scored 0 (e.g. %s)", self.name, len(failed), n, self.last_error)
         return rewards, metrics
 
-    def _score_in_worker(self, completions: list[str], answers: list[str]) -> tuple[list[Result], int]:
-        """-> ([(reward | None, error | None)] per sample, number of timeouts). Resumes after a hung sample."""
+    def _score_in_worker(self, completions: list[str], answers: list[str]) -> tuple[list[Result], int, int]:
+        """-> ([(reward | None, error | None)] per sample, timeouts, samples cut by the step deadline). Resumes
+        after a hung sample; at the deadline, stops scoring and replaces the worker once."""
         n, w = len(completions), self._worker
         results: list[Result] = [(None, "not scored")] * n
         timeouts, start = 0, 0
+        deadline = time.monotonic() + self.step_timeout_s if self.step_timeout_s > 0 else math.inf
+
+        def wait() -> tuple[bool, bool]:
+            """(a message is ready, the step deadline passed first)."""
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False, True
+            ready = w.conn.poll(min(self.timeout_s, left))
+            return ready, not ready and time.monotonic() >= deadline
+
+        def cut(first: int) -> tuple[list[Result], int, int]:
+            w.kill()
+            late = [i for i in range(first, n) if results[i][1] == "not scored"]
+            for i in late:
+                results[i] = (None, f"scoring deadline reward.step_timeout_s={self.step_timeout_s:g} s passed")
+            return results, timeouts + len(late), len(late)
+
         while start < n:
+            if time.monotonic() >= deadline:
+                return cut(start)
             if not w.alive:
                 w.start()
             try:
@@ -133,18 +161,24 @@ class RewardRunner:
                 start += 1
                 continue
             if w.batched:
-                if not w.conn.poll(self.timeout_s):
+                ready, late = wait()
+                if late:
+                    return cut(0)
+                if not ready:
                     w.kill()
-                    return [(None, f"timed out after {self.timeout_s:g} s")] * n, n
+                    return [(None, f"timed out after {self.timeout_s:g} s")] * n, n, 0
                 try:
-                    return w.conn.recv(), 0
+                    return w.conn.recv(), 0, 0
                 except (EOFError, OSError):
                     why = f"worker process died (exit code {w.exit_code()})"
                     w.kill()
-                    return [(None, why)] * n, 0
+                    return [(None, why)] * n, 0, 0
             done = start  # samples [start, done) have results
             while done < n:
-                if not w.conn.poll(self.timeout_s):
+                ready, late = wait()
+                if late:
+                    return cut(done)
+                if not ready:
                     results[done] = (None, f"timed out after {self.timeout_s:g} s")
                     timeouts += 1
                     w.kill()
@@ -160,7 +194,7 @@ class RewardRunner:
                 results[start + i] = (value, error)
                 done = start + i + 1
             start = done
-        return results, timeouts
+        return results, timeouts, 0
 
     def close(self) -> None:
         """Stop the worker process (idempotent); the runner cannot be called afterwards."""

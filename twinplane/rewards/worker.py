@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 
 from twinplane.rewards.registry import resolve, to_reward
 
-STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter imports torch (via twinplane); slow shared filesystems need time
+STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter imports the reward code (not torch); slow filesystems need time
 Result = tuple[float | None, str | None]  # (reward, None) or (None, why the sample failed)
 _ENTRY = "import sys; from twinplane.rewards.worker import serve; serve(int(sys.argv[1]))"
 

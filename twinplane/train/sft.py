@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -14,8 +14,10 @@ from twinplane.train.optim import build_optimizer
 
 
 def warm_start(model: Transformer, prompts: Sequence[list[int]], responses: Sequence[list[int]], steps: int,
-               batch_size: int, lr: float, pad_id: int, seed: int, warmup_steps: int = 20) -> list[float]:
-    """`steps` AdamW steps (cosine to 10%) on random batches of (prompt, response) pairs; returns the losses."""
+               batch_size: int, lr: float, pad_id: int, seed: int, warmup_steps: int = 20,
+               on_step: Callable[[int, float], bool] | None = None) -> list[float]:
+    """`steps` AdamW steps (cosine to 10%) on random batches of (prompt, response) pairs; returns the losses.
+    `on_step(step, loss)` is called after each step (progress); returning True stops early (a stop request)."""
     rng = random.Random(seed)
     device = model.output_weight().device
     opt, sched = build_optimizer(model.parameters(), lr, (0.9, 0.98), 0.0, min(warmup_steps, steps), steps,
@@ -33,4 +35,6 @@ def warm_start(model: Transformer, prompts: Sequence[list[int]], responses: Sequ
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if on_step is not None and on_step(len(losses), losses[-1]):
+            break
     return losses

@@ -1,0 +1,149 @@
+"""Checks that need more than the config: the model folder, the machine's memory, the tokenizer's alphabet.
+
+All run before any weights are loaded or any step is taken, and each failure is an `InputError` whose one-line
+message names the file (and the tensor or line) at fault, so a bad input costs seconds and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from twinplane.config import Config
+from twinplane.errors import InputError
+from twinplane.model import ModelConfig, Transformer, load_model
+from twinplane.model.weights import checkpoint_files
+from twinplane.tokenizer import Tokenizer, load_tokenizer
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+         "max_position_embeddings")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def model_config(path: str) -> ModelConfig:
+    """`path/config.json` as a ModelConfig; a missing folder, bad JSON or a mistyped value names the file."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InputError(f"model.path {path}: no such folder")
+    try:
+        mc = ModelConfig.from_file(folder)
+    except FileNotFoundError as e:
+        raise InputError(str(e)) from None
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise InputError(f"{folder / 'config.json'}: {_first_line(e)}") from None
+    for name in SIZES:  # JSON lets a size be a string or a float; the model needs positive integers
+        value = getattr(mc, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{folder / 'config.json'}: {name} must be a positive integer, got {value!r}")
+    if not isinstance(mc.rope_theta, (int, float)) or not isinstance(mc.rms_norm_eps, (int, float)):
+        raise InputError(f"{folder / 'config.json'}: rope_theta and rms_norm_eps must be numbers")
+    return mc
+
+
+def check_weight_files(path: str) -> None:
+    """Every safetensors file opens and its data is complete (a truncated download fails here, named)."""
+    try:
+        files = checkpoint_files(Path(path))
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: {_first_line(e)}") from None
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                st.keys()
+        except Exception as e:  # safetensors raises its own error type for every malformed header
+            raise InputError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+
+
+def open_tokenizer(path: str) -> Tokenizer:
+    try:
+        return load_tokenizer(path)
+    except FileNotFoundError as e:
+        raise InputError(str(e)) from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}/tokenizer_config.json: invalid JSON ({e})") from None
+    except Exception as e:  # the `tokenizers` library raises a bare Exception for a malformed tokenizer.json
+        raise InputError(f"{Path(path) / 'tokenizer.json'}: not a valid tokenizer ({_first_line(e)})") from None
+
+
+def open_model(path: str, device: torch.device, dtype: torch.dtype) -> Transformer:
+    try:
+        return load_model(path, device=device, dtype=dtype)
+    except (KeyError, ValueError, RuntimeError) as e:  # a tensor missing, extra or of the wrong shape
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else _first_line(e)
+        raise InputError(f"model.path {path}: {msg}") from None
+
+
+def estimate_bytes(cfg: Config, mc: ModelConfig, prompt_tokens: int) -> dict[str, float]:
+    """What the run must hold at once, by part: the training plane's weights, gradients and AdamW moments, the
+    engine's copy when its dtype differs, the reference model, and the KV cache of the sequences in flight.
+    Activations and logits are left out: micro-batching, chunking and checkpointing can shrink them."""
+    p, b = mc.num_params, DTYPE_BYTES[cfg.model.dtype]
+    rb = DTYPE_BYTES[cfg.model.rollout_dtype or cfg.model.dtype]
+    r = cfg.rollout
+    seqs = min(r.max_num_seqs, r.prompts_per_step * r.n)
+    context = prompt_tokens + r.max_new_tokens * r.max_turns
+    parts = {"weights, grads and AdamW": 4.0 * p * b, "KV cache": 2.0 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+             * rb * seqs * context}
+    if rb != b:
+        parts["engine weights"] = float(p * rb)
+    if cfg.algo.kl_coef > 0:
+        parts["reference"] = float(p * b)
+    return parts
+
+
+def check_memory(cfg: Config, mc: ModelConfig, prompt_tokens: int, memory_bytes: int, where: str) -> None:
+    """Refuse a run whose model and KV cache alone exceed the memory of the device it runs on."""
+    parts = estimate_bytes(cfg, mc, prompt_tokens)
+    total = sum(parts.values())
+    if memory_bytes and total > memory_bytes:
+        detail = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in parts.items())
+        raise InputError(f"the run needs at least {total / 1e9:.3g} GB ({detail}: model {mc.num_params / 1e6:.4g}M "
+                         f"params, {prompt_tokens}+{cfg.rollout.max_new_tokens * cfg.rollout.max_turns} tokens x "
+                         f"{min(cfg.rollout.max_num_seqs, cfg.rollout.prompts_per_step * cfg.rollout.n)} sequences) "
+                         f"but {where} has {memory_bytes / 1e9:.3g} GB; reduce the model, rollout.max_new_tokens or "
+                         "rollout.max_num_seqs")
+
+
+def check_tools(tools: list[str], tokenizer: Tokenizer, path: str) -> None:
+    """Tool calls must survive the tokenizer: the markup the engine looks for has to come back out of decode."""
+    sample = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>' \
+             '<tool_response>5</tool_response>'
+    if not tools:
+        return
+    try:
+        back = tokenizer.decode(tokenizer.encode(sample), skip_special_tokens=False)
+    except Exception as e:  # a vocabulary without these characters raises inside `tokenizers`
+        raise InputError(f"rollout.tools: the tokenizer of {path} cannot encode a tool call ({_first_line(e)})") \
+            from None
+    if back.replace(" ", "") != sample.replace(" ", ""):
+        raise InputError(f"rollout.tools: the tokenizer of {path} cannot spell a tool call (it decodes "
+                         f"{back[:60]!r})")
+
+
+def unencodable(text: str, tokenizer: Tokenizer) -> str | None:
+    """The first character the tokenizer cannot encode (tokenizers without an unknown token raise on it)."""
+    for ch in dict.fromkeys(text):
+        try:
+            tokenizer.encode(ch)
+        except Exception:
+            return ch
+    return None
+
+
+def locate(path: str, ch: str) -> str:
+    """`file:line` of the first line holding `ch` (JSON Lines and other text files), else the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if ch in line:
+                    return f"{path}:{i}"
+    except (OSError, UnicodeDecodeError):
+        pass
+    return path
