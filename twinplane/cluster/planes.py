@@ -29,7 +29,7 @@ class WorkerError(RuntimeError):
 def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
     if not cfg.rollout.tools:
         return engine
-    return MultiTurnRollout(engine, tokenizer, build_tools(cfg.rollout.tools), cfg.rollout.max_turns)
+    return MultiTurnRollout(engine, tokenizer, build_tools(cfg.rollout.tools, cfg.sandbox), cfg.rollout.max_turns)
 
 
 class LocalPlanes:
