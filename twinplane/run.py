@@ -21,9 +21,9 @@ from rich.console import Console
 
 from twinplane import checkpoint, platform, run_state
 from twinplane.cluster import WorkerError, build_planes
-from twinplane.config import Config, ConfigError
+from twinplane.config import Config, ConfigError, DataSection
 from twinplane.controller import Controller
-from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_records
+from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_code_records, load_records
 from twinplane.evaluation import evaluate
 from twinplane.loggers import build_loggers, check_backends
 from twinplane.metrics import MetricsLog, progress_line
@@ -31,6 +31,7 @@ from twinplane.model import ModelConfig, Transformer, load_model, load_weights, 
 from twinplane.prompts import Prompt, encode_prompts
 from twinplane.rewards.runner import RewardRunner
 from twinplane.rollout import SamplingParams
+from twinplane.sandbox import SandboxUnavailable, get_sandbox
 from twinplane.tasks import ALPHABET, ArithmeticTask
 from twinplane.tokenizer import Tokenizer, build_char_tokenizer, load_tokenizer
 from twinplane.train.sft import warm_start
@@ -76,7 +77,11 @@ class Setup:
 
 def load_prompts(cfg: Config, tokenizer: Tokenizer, path: str) -> tuple[list[Prompt], dict]:
     d = cfg.data
-    records, stats = load_records(path, d.prompt_field, d.answer_field, d.system_field, on_error=d.on_error)
+    if cfg.reward.name == "code":  # the answers are the rows' unit tests; a default prompt field means "find it"
+        prompt_field = None if d.prompt_field == DataSection.prompt_field else d.prompt_field
+        records, stats = load_code_records(path, prompt_field, d.answer_field, d.system_field, d.on_error)
+    else:
+        records, stats = load_records(path, d.prompt_field, d.answer_field, d.system_field, on_error=d.on_error)
     prompts, dropped = encode_prompts(records, formatter(cfg).format, tokenizer, d.max_prompt_tokens)
     if not prompts:
         raise ValueError(f"{path}: all {len(records)} prompts are longer than data.max_prompt_tokens="
@@ -122,6 +127,11 @@ def prepare(cfg: Config, resume: str | None = None) -> Setup:
     if cfg.cluster.backend == "ray" and importlib.util.find_spec("ray") is None:
         raise ConfigError("cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'")
     resume_from = find_resume(cfg, resume)
+    if "python" in cfg.rollout.tools or cfg.reward.name == "code":  # model-written code runs: isolation or exit 2
+        try:
+            get_sandbox(cfg.sandbox)
+        except SandboxUnavailable as e:
+            raise ConfigError(f"sandbox={cfg.sandbox}: {e}") from None
     platform.setup(cfg.seed, cfg.threads or None)
     # With Ray the workers take the devices; this process only holds a host copy (warm start, checkpoints).
     device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
@@ -150,7 +160,8 @@ def prepare(cfg: Config, resume: str | None = None) -> Setup:
     if cfg.data.val_size:
         val_prompts = val_prompts[:cfg.data.val_size]
     r = cfg.reward
-    scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight)
+    scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight, cfg.sandbox,
+                          r.partial)
     run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats, run_dir, resume_from)
 
