@@ -7,9 +7,13 @@ user namespace, so it holds no capability even when the trainer is root, and in 
 Its `/proc` is the new PID namespace's: no other process is visible, so none can be read or signalled.
 
 Limits are rlimits set on the sandbox's first process before it runs anything (bwrap blocks on `--block-fd`
-while we `prlimit` it: no extra interpreter start). RLIMIT_NPROC counts per user namespace since Linux 5.14,
-so the process limit binds for root too. When the call ends the outer bwrap is killed; `--die-with-parent`
-then kills the namespace's init and with it every process in the namespace.
+while we `prlimit` it: no extra interpreter start). The kernel exempts real uid 0 from RLIMIT_NPROC even in a
+user namespace, so when the trainer is root the process count is bound by a `pids` cgroup per call instead
+(v1 or v2, created and removed around the call); a root trainer without a writable pids cgroup refuses to start.
+bwrap starts with an empty environment (its in-sandbox init would otherwise expose the trainer's in
+`/proc/1/environ`) and `--disable-userns` stops the program from nesting a user namespace of its own.
+When the call ends the outer bwrap is killed; `--die-with-parent` then kills the namespace's init and with it
+every process in the namespace.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ class BwrapSandbox:
         return args
 
     def command(self, limits: Limits, files: dict[str, int], block_fd: int, info_fd: int) -> list[str]:
-        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        args = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+                "--new-session", "--cap-drop", "ALL",
                 "--uid", "65534", "--gid", "65534", "--hostname", "sandbox", "--clearenv",
                 "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK_DIR, "--setenv", "TMPDIR", WORK_DIR,
                 "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
@@ -132,24 +137,33 @@ class BwrapSandbox:
         keep = (*fds.values(), block_r, info_w)
         try:
             proc = subprocess.Popen(self.command(limits, fds, block_r, info_w) + list(argv), stdin=stdin_fd,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=keep)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=keep, env={})
         except OSError as e:
             for fd in (*keep, stdin_fd, block_w, info_r):
                 os.close(fd)
             return ExecResult(b"", f"sandbox failed to start: {e}".encode(), None, "error", 0.0)
         for fd in (*keep, stdin_fd):
             os.close(fd)
+        group = None
         try:
             child = _read_child_pid(info_r)
             if child is not None:
                 _set_limits(child, limits)
-                os.write(block_w, b"1")  # go: the limits are in place before the program's first instruction
+                if os.geteuid() == 0:
+                    group = PidsCgroup.create(child, limits.processes)
+                    child = child if group else None
+                if child is not None:
+                    os.write(block_w, b"1")  # go: the limits are in place before the program's first instruction
         finally:
             os.close(block_w)  # on failure bwrap reads EOF and goes on; the kill below stops it
             os.close(info_r)
         if child is None:
             proc.kill()
-        return collect(proc, limits, start, proc.kill, high_codes_are_signals=True)
+        try:
+            return collect(proc, limits, start, proc.kill, high_codes_are_signals=True)
+        finally:
+            if group:
+                group.remove()
 
 
 def _read_child_pid(fd: int) -> int | None:
@@ -178,9 +192,55 @@ def _set_limits(pid: int, limits: Limits) -> None:
         resource.prlimit(pid, res, (soft, hard))
 
 
+class PidsCgroup:
+    """A `pids` cgroup holding one call's sandbox (root trainers only: see the module docstring)."""
+
+    ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))  # cgroup v1 pids hierarchy, or v2
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def root(cls) -> Path | None:
+        for r in cls.ROOTS:
+            v2 = (r / "cgroup.subtree_control").is_file()
+            if (r / "cgroup.procs").is_file() and os.access(r, os.W_OK) and (
+                    not v2 or "pids" in (r / "cgroup.subtree_control").read_text().split()):
+                return r
+        return None
+
+    @classmethod
+    def create(cls, pid: int, max_pids: int) -> PidsCgroup | None:
+        root = cls.root()
+        if root is None:
+            return None
+        path = root / f"twinplane-sandbox-{pid}"
+        try:
+            path.mkdir()
+            (path / "pids.max").write_text(str(max_pids))
+            (path / "cgroup.procs").write_text(str(pid))
+        except OSError:
+            cls(path).remove()
+            return None
+        return cls(path)
+
+    def remove(self) -> None:
+        for _ in range(200):  # the killed processes leave the group once reaped by the kernel
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.005)
+
+
 def probe(sandbox: BwrapSandbox) -> str | None:
     """None when a trivial program runs isolated here; else why not (bwrap's own message, one line)."""
     r = sandbox.run({}, [sandbox.python, "-I", "-c", "import os; print(os.getuid())"], limits=Limits(wall_s=20))
+    if os.geteuid() == 0 and PidsCgroup.root() is None:
+        return ("running as root, where the kernel ignores the process limit, and no writable pids cgroup "
+                "(/sys/fs/cgroup/pids or cgroup v2 with the pids controller) to bound it instead")
     if r.success and r.stdout.strip() == b"65534":
         return None
     why = (r.stderr.decode(errors="replace").strip().splitlines() or [r.status])[-1]
