@@ -18,6 +18,7 @@ import sys
 
 PASS = b"P"
 MAX_FD = 1 << 16
+EFBIG = 27  # "File too large" (the errno module is not worth its import here)
 
 
 def child(kind: str, program: str, setup: str, test: str, index: int, report: int) -> None:
@@ -53,6 +54,8 @@ def child(kind: str, program: str, setup: str, test: str, index: int, report: in
         code = 1
     except MemoryError:
         code = 3
+    except OSError as e:
+        code = 4 if e.errno == EFBIG else 2  # Python ignores SIGXFSZ: the file-size limit surfaces as EFBIG
     except BaseException:
         code = 2
     try:
@@ -95,7 +98,7 @@ def run_test(kind: str, program: str, setup: str, test: str, index: int, timeout
         return ["ran", out.decode("utf-8", errors="replace")]
     if passed and code == 0:
         return ["pass", None]
-    return [{1: "fail", 3: "memory"}.get(code, "crash"), None]
+    return [{1: "fail", 3: "memory", 4: "output_limit"}.get(code, "crash"), None]
 
 
 def main() -> None:

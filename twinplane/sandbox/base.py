@@ -107,16 +107,16 @@ def collect(proc: subprocess.Popen, limits: Limits, start: float, kill, high_cod
     wall = time.monotonic() - start
     code = proc.returncode
     sig = -code if code < 0 else code - 128 if high_codes_are_signals and 128 < code < 160 else None
+    exit_code = None if sig is not None else code
     if verdict is not None:  # we ended it (wall clock, output cap): the signal is ours, not a limit's
         sig = None
+    elif sig is not None:
+        verdict = _SIGNAL_STATUS.get(sig, "error")
+    elif code != 0 and b"MemoryError" in err[-4096:]:
+        verdict = "memory"
     else:
-        if sig is not None:
-            verdict = _SIGNAL_STATUS.get(sig, "error")
-        elif code != 0 and b"MemoryError" in err[-4096:]:
-            verdict = "memory"
-        else:
-            verdict = "ok"
-    return ExecResult(bytes(out), bytes(err), None if sig is not None else code, verdict, wall, sig)
+        verdict = "ok"
+    return ExecResult(bytes(out), bytes(err), exit_code, verdict, wall, sig)
 
 
 def _readable(sel: selectors.BaseSelector, pidfd: int) -> bool:
