@@ -127,6 +127,7 @@ def test_doctor_on_this_machine(capsys):
     assert d["attention"]["backend"] == "sdpa" and d["gemm_tflops"] > 0 and d["copy_bandwidth_gb_s"] > 0
     text = doctor.format_report(d)
     assert "sdpa" in text and len(text.splitlines()) < 25
+    assert d["sandbox"]["backend"] in ("bwrap", None) and "sandbox" in text  # which backend can run code here
     assert doctor.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["device_type"] == platform.detect().device_type
 
