@@ -129,6 +129,7 @@ def test_doctor_on_this_machine(capsys):
     assert "sdpa" in text and len(text.splitlines()) < 25 and text.startswith("in short")
     if d["device_type"] == "cpu":  # the peak is the best GEMM seen, this run's included: never above 100%
         assert 0 < d["gemm_mfu"] <= 1.0
+    assert d["sandbox"]["backend"] in ("bwrap", None) and "sandbox" in text  # which backend can run code here
     assert doctor.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["device_type"] == platform.detect().device_type
 

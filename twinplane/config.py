@@ -60,6 +60,7 @@ class RewardSection:
     format_weight: float = 0.0  # bonus for a well-formatted answer ('#### N', \boxed{})
     timeout_s: float = 10.0  # per sample (per call for batched functions); late samples score 0, in reward/errors
     step_timeout_s: float = 300.0  # scoring deadline per step: unfinished samples score 0 (reward/timeouts); 0 = off
+    partial: bool = False  # code reward: the fraction of tests passed instead of 1 only when all pass
     model: str | None = None  # local sequence-classification reward model folder
     model_weight: float = 1.0  # weight of the reward model's score in the reward
 
@@ -206,6 +207,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (ROCm GPUs are "cuda" too)
     threads: int = 0  # torch CPU threads (0 = torch's default)
     run_dir: str | None = None  # default runs/<timestamp>
+    sandbox: str = "bwrap"  # bwrap | unsafe-local (no isolation): where the python tool and the code reward run
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)
@@ -270,6 +272,7 @@ class Config:
              "needs data.train_file (the built-in task has its own held-out set)"),
             (self.reward.timeout_s > 0, "reward.timeout_s", "must be > 0"),
             (set(self.rollout.tools) <= {"calculator", "python"}, "rollout.tools", "must name calculator or python"),
+            (self.sandbox in ("bwrap", "unsafe-local"), "sandbox", "must be bwrap or unsafe-local"),
             (set(self.log.backends) <= {"console", "jsonl", "tensorboard", "wandb"}, "log.backends",
              "must name console, jsonl, tensorboard or wandb"),
             (self.log.wandb_mode in ("offline", "online", "disabled"), "log.wandb_mode",

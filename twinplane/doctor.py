@@ -44,6 +44,17 @@ def _collective_version(info: platform.PlatformInfo) -> str | None:
     return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
+def sandbox_report() -> dict:
+    """Which sandbox backend can run model-written code here (the python tool, the code reward)."""
+    from twinplane.sandbox import SandboxUnavailable, get_sandbox
+
+    try:
+        get_sandbox("bwrap")
+        return {"backend": "bwrap", "isolated": True, "detail": "bwrap works (user, pid and network namespaces)"}
+    except SandboxUnavailable as e:
+        return {"backend": None, "isolated": False, "detail": str(e)}
+
+
 def report() -> dict:
     info = platform.detect()
     gpu = info.device_type == "cuda"
@@ -88,6 +99,7 @@ def report() -> dict:
         "gemm_mfu": gemm / peak if peak else None,
         "summary": _plain_words(info, gpu),
         "copy_bandwidth_gb_s": bandwidth,
+        "sandbox": sandbox_report(),
     }
 
 
@@ -134,6 +146,8 @@ def format_report(d: dict) -> str:
         f"peak      {peak}",
         f"measured  {d['gemm_dtype']} GEMM {_flops(d['gemm_tflops'])} (MFU {mfu}),"
         f" copy {d['copy_bandwidth_gb_s']:.1f} GB/s",
+        f"sandbox   {d['sandbox']['backend'] or 'NONE (python tool and code reward need sandbox=unsafe-local)'}: "
+        f"{d['sandbox']['detail']}",
     ]
     return "\n".join(lines)
 

@@ -23,9 +23,9 @@ from rich.console import Console
 from twinplane import checkpoint, platform, preflight, run_state
 from twinplane import run_dir as rundir
 from twinplane.cluster import WorkerError, build_algorithm, build_planes
-from twinplane.config import Config, ConfigError
+from twinplane.config import Config, ConfigError, DataSection
 from twinplane.controller import Controller
-from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_records
+from twinplane.data import DataError, PromptFormatter, PromptStream, Record, load_code_records, load_records
 from twinplane.errors import InputError, Preempted
 from twinplane.evaluation import evaluate
 from twinplane.loggers import build_loggers, check_backends
@@ -34,6 +34,7 @@ from twinplane.model import ModelConfig, Transformer, load_weights, save_pretrai
 from twinplane.prompts import Prompt, encode_prompts
 from twinplane.rewards.runner import RewardRunner
 from twinplane.rollout import SamplingParams
+from twinplane.sandbox import SandboxUnavailable, get_sandbox
 from twinplane.signals import StopRequests
 from twinplane.tasks import ALPHABET, ArithmeticTask
 from twinplane.tokenizer import Tokenizer, build_char_tokenizer
@@ -88,7 +89,11 @@ class Setup:
 
 def load_prompts(cfg: Config, tokenizer: Tokenizer, path: str) -> tuple[list[Prompt], dict]:
     d = cfg.data
-    records, stats = load_records(path, d.prompt_field, d.answer_field, d.system_field, on_error=d.on_error)
+    if cfg.reward.name == "code":  # the answers are the rows' unit tests; a default prompt field means "find it"
+        prompt_field = None if d.prompt_field == DataSection.prompt_field else d.prompt_field
+        records, stats = load_code_records(path, prompt_field, d.answer_field, d.system_field, d.on_error)
+    else:
+        records, stats = load_records(path, d.prompt_field, d.answer_field, d.system_field, on_error=d.on_error)
     prompts, dropped = _encode(records, formatter(cfg).format, tokenizer, d.max_prompt_tokens, path)
     if not prompts:
         raise DataError(f"{path}: all {len(records)} prompts are longer than data.max_prompt_tokens="
@@ -193,6 +198,11 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
         raise DataError(f"data.train_file {cfg.data.train_file}: no such file or directory")
     if cfg.data.val_file and not Path(cfg.data.val_file).exists():
         raise DataError(f"data.val_file {cfg.data.val_file}: no such file or directory")
+    if "python" in cfg.rollout.tools or cfg.reward.name == "code":  # model-written code runs: isolation or exit 2
+        try:
+            get_sandbox(cfg.sandbox)
+        except SandboxUnavailable as e:
+            raise ConfigError(f"sandbox={cfg.sandbox}: {e}") from None
     if cfg.model.path:
         mc = preflight.model_config(cfg.model.path)
         preflight.check_weight_files(cfg.model.path)
@@ -247,7 +257,7 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     stop.check("data loading")
     r = cfg.reward
     scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight,
-                          step_timeout_s=r.step_timeout_s)
+                          step_timeout_s=r.step_timeout_s, sandbox=cfg.sandbox, partial=r.partial)
     claim()
     return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats, run_dir,
                  resume_from, stop, faults, restart)

@@ -81,7 +81,7 @@ def build_char_tokenizer(alphabet: str, pad: str = "<pad>", eos: str = "<eos>", 
     for ch in alphabet:
         vocab.setdefault(ch, len(vocab))
     tok = HFTokenizer(models.WordLevel(vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # "." skips newlines
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
     config = {

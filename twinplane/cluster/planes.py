@@ -45,7 +45,7 @@ def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_off
 def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
     if not cfg.rollout.tools:
         return engine
-    return MultiTurnRollout(engine, tokenizer, build_tools(cfg.rollout.tools), cfg.rollout.max_turns)
+    return MultiTurnRollout(engine, tokenizer, build_tools(cfg.rollout.tools, cfg.sandbox), cfg.rollout.max_turns)
 
 
 def build_critic(cfg: Config, policy: Transformer, device: torch.device) -> Critic:

@@ -16,8 +16,9 @@ Invalid UTF-8 always fails: it almost always means the whole file is in another 
 
 from __future__ import annotations
 
+import gzip
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,9 @@ def _kind(value: Any) -> str:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | _RowError]]:
-    """JSON Lines, read as bytes so that a line number can be given for invalid UTF-8; blank lines are ignored."""
-    with path.open("rb") as f:
+    """JSON Lines (optionally gzipped), read as bytes so that a line number can be given for invalid UTF-8; blank
+    lines are ignored."""
+    with (gzip.open(path, "rb") if path.suffix.lower() == ".gz" else path.open("rb")) as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             try:
@@ -167,11 +169,18 @@ def _messages(value: list) -> list[dict]:
 
 
 def _to_record(row: dict, prompt_field: str, answer_field: str, system_field: str | None,
-               meta_fields: Sequence[str]) -> Record:
-    for name in (prompt_field, answer_field):
+               meta_fields: Sequence[str], answer_fn: Callable[[dict], str] | None = None) -> Record:
+    for name in (prompt_field, *([] if answer_fn else [answer_field])):
         if name not in row:
             raise _RowError(f"missing field {name!r} (fields: {', '.join(map(str, row))})")
-    prompt, answer = row[prompt_field], row[answer_field]
+    prompt = row[prompt_field]
+    if answer_fn is not None:
+        try:
+            answer = answer_fn(row)
+        except ValueError as e:
+            raise _RowError(str(e)) from None
+    else:
+        answer = row[answer_field]
     if isinstance(prompt, list):
         prompt = _messages(prompt)
     elif not isinstance(prompt, str):
@@ -195,35 +204,42 @@ def _check_fields(where: str, available: Sequence[str], wanted: Sequence[str]) -
         raise DataError(f"{where}: no field {names} (fields: {', '.join(map(str, available))})")
 
 
-def load_records(path: str | Path, prompt_field: str = "question", answer_field: str = "answer",
+def load_records(path: str | Path, prompt_field: str | Sequence[str] = "question", answer_field: str = "answer",
                  system_field: str | None = None, meta_fields: Sequence[str] = (), on_error: str = "fail",
-                 split: str | None = None) -> tuple[list[Record], dict]:
+                 split: str | None = None, answer_fn: Callable[[dict], str] | None = None
+                 ) -> tuple[list[Record], dict]:
     """Load every row of a local prompt file as a `Record`.
 
     The format follows the path: `.jsonl`/`.json` (JSON Lines; a `.json` file holding one array of objects also
     works), `.parquet`, or a folder written by `datasets` `save_to_disk` (`split` picks one split of a saved
     `DatasetDict`). Returns the records and stats: `loaded`, `skipped` (malformed rows skipped under
     `on_error="skip"`) and `skipped_examples` (the first few reasons, to print).
+    prompt_field: a name, or candidate names: the first one the schema (or first row) has is used.
+    answer_fn: builds the answer from the whole row instead of reading `answer_field` (code tasks: the tests);
+    a ValueError it raises is a row error.
     """
     if on_error not in ("fail", "skip"):
         raise DataError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
     if isinstance(meta_fields, str):
         meta_fields = (meta_fields,)
     path = Path(path)
-    wanted = [prompt_field, answer_field, *([system_field] if system_field else []), *meta_fields]
+    candidates = [prompt_field] if isinstance(prompt_field, str) else list(prompt_field)
+    prompt_field = candidates[0]
+    rest = [*([] if answer_fn else [answer_field]), *([system_field] if system_field else []), *meta_fields]
     if not path.exists():
         raise DataError(f"{path}: no such file or directory")
     if path.is_dir():
         columns, rows = _saved_dataset_rows(path, split)
     elif path.suffix.lower() == ".parquet":
         columns, rows = _parquet_rows(path)
-    elif path.suffix.lower() in JSON_SUFFIXES:
+    elif path.suffix.lower() in JSON_SUFFIXES or "".join(path.suffixes[-2:]).lower() == ".jsonl.gz":
         columns, rows = None, _rows_of_json(path)
     else:
-        raise DataError(f"{path}: unknown data format {path.suffix!r} (use .jsonl, .json, .parquet or a folder "
-                        "written by datasets' save_to_disk)")
+        raise DataError(f"{path}: unknown data format {path.suffix!r} (use .jsonl, .jsonl.gz, .json, .parquet or a "
+                        "folder written by datasets' save_to_disk)")
     if columns is not None:
-        _check_fields(str(path), columns, wanted)
+        prompt_field = next((c for c in candidates if c in columns), prompt_field)
+        _check_fields(str(path), columns, [prompt_field, *rest])
 
     records: list[Record] = []
     skipped: list[str] = []
@@ -232,9 +248,10 @@ def load_records(path: str | Path, prompt_field: str = "question", answer_field:
             if isinstance(row, _RowError):
                 raise row
             if columns is None:  # JSON: the first well-formed object stands in for the schema
-                _check_fields(where, list(row), wanted)
+                prompt_field = next((c for c in candidates if c in row), prompt_field)
+                _check_fields(where, list(row), [prompt_field, *rest])
                 columns = list(row)
-            records.append(_to_record(row, prompt_field, answer_field, system_field, meta_fields))
+            records.append(_to_record(row, prompt_field, answer_field, system_field, meta_fields, answer_fn))
         except _RowError as e:
             if on_error == "fail":
                 raise DataError(f"{where}: {e} (on_error=skip skips such rows)") from None

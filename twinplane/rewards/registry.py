@@ -12,11 +12,14 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from twinplane.rewards.code import code
 from twinplane.rewards.verifiers import VERIFIERS, format_ok
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], list[float]]  # batched: (completions, answers) -> rewards
 # Options the framework reads itself; every other option is passed to the reward function as a keyword.
 RESERVED = ("batched", "format_weight")
+# Built-ins that score a whole batch at once: `code` runs its programs concurrently in the sandbox.
+BATCHED = {"code": code}
 
 
 def to_reward(value: object) -> float:
@@ -117,13 +120,13 @@ def resolve(name: str, options: dict | None = None) -> tuple[Callable, bool, dic
         fn = load_user_fn(name)
         flag = (options or {}).get("batched")
         batched = bool(getattr(fn, "batched", False) if flag is None else flag)
-    elif name in VERIFIERS:
-        fn, batched = VERIFIERS[name], False
+    elif name in VERIFIERS or name in BATCHED:
+        fn, batched = (VERIFIERS[name], False) if name in VERIFIERS else (BATCHED[name], True)
         if (options or {}).get("batched"):
             raise ValueError(f"reward {name!r}: 'batched' applies to user functions only")
     else:
-        raise ValueError(f"unknown reward {name!r} (available: {', '.join(VERIFIERS)}, module:function, "
-                         "path/to/file.py:function)")
+        raise ValueError(f"unknown reward {name!r} (available: {', '.join([*VERIFIERS, *BATCHED])}, "
+                         "module:function, path/to/file.py:function)")
     try:
         probe = ([""], [""]) if batched else ("", "")
         inspect.signature(fn).bind(*probe, **kwargs)

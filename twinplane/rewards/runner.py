@@ -6,6 +6,7 @@ batch keeps its real scores. Cheap built-ins (gsm8k, exact_match, exact_int) run
 try/except. User functions and `math` (sympy can run unboundedly) run in a worker process, because only a
 process can be killed: the worker scores one sample at a time and streams each result back, so when a
 sample hangs the runner kills the worker, scores that sample 0, starts a new worker and resumes after it.
+`code` runs model-written programs, so they go to the sandbox (`code.py`), called from this process.
 
 The worker (see `worker.py`) is a fresh interpreter that imports the reward code only (not torch): starting one
 costs a fraction of a second, once per run and again after each timeout or crash.
@@ -23,6 +24,7 @@ import time
 import weakref
 from collections.abc import Sequence
 
+from twinplane.rewards.code import CodeScorer, code_metrics
 from twinplane.rewards.registry import absolute_spec, is_user_spec, precheck_user_spec, resolve
 from twinplane.rewards.verifiers import CHEAP, VERIFIERS, format_ok
 from twinplane.rewards.worker import Result, Worker, score_one
@@ -35,11 +37,13 @@ class RewardRunner:
     a bad sample. reward = verifier + format_weight * format_ok + reward_model_weight * reward model score;
     a sample whose verifier failed scores 0 outright.
 
-    name: gsm8k | math | exact_match | exact_int | module:function | path/to/file.py:function.
+    name: gsm8k | math | exact_match | exact_int | code | module:function | path/to/file.py:function.
     options: keywords for the function (e.g. {"mode": "strict"}); `batched: True` calls a user function on the
         whole lists (also when the function has `batched = True`).
     timeout_s: how long one sample may take (per-sample functions), or the whole call (batched ones).
     reward_model: a local sequence-classification checkpoint folder, scored on prompt + completion.
+    sandbox, partial: for `code` (unit tests run in `twinplane.sandbox`; partial = fraction of tests passed).
+        A failing program is a real 0, not an error: its kind is counted in reward/code_* (see `code_metrics`).
 
     metrics: reward/errors (samples scored 0 because their reward failed, timeouts included), reward/timeouts
     (worker-run rewards only), reward/format (mean format_ok, gsm8k/math only), reward/model (mean model score).
@@ -50,7 +54,8 @@ class RewardRunner:
     """
 
     def __init__(self, name: str, options: dict | None = None, timeout_s: float = 10.0, format_weight: float = 0.0,
-                 reward_model: str | None = None, reward_model_weight: float = 1.0, step_timeout_s: float = 0.0):
+                 reward_model: str | None = None, reward_model_weight: float = 1.0, step_timeout_s: float = 0.0,
+                 sandbox: str = "bwrap", partial: bool = False):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.step_timeout_s = float(step_timeout_s)  # 0 = no deadline for a whole call
@@ -62,7 +67,14 @@ class RewardRunner:
         self.last_verifier: list[float] = []  # the latest call's verifier scores alone (no format, no model)
         self._closed = False
         self._worker: Worker | None = None
-        if self.name in CHEAP:
+        self._code: CodeScorer | None = None
+        if self.name == "code":  # untrusted programs: isolated by the sandbox, so scored from this process
+            kwargs = {"partial": partial, "timeout_s": self.timeout_s, **self.options}
+            try:
+                self._code = CodeScorer(sandbox, **kwargs)
+            except TypeError as e:
+                raise ValueError(f"reward 'code': options {sorted(self.options)} do not fit ({e})") from None
+        elif self.name in CHEAP:
             self._fn, _, self._kwargs = resolve(self.name, self.options)
         else:
             if is_user_spec(self.name):
@@ -86,7 +98,11 @@ class RewardRunner:
         completions, answers = [str(c) for c in completions], [str(a) for a in answers]
         if self._closed:
             raise RuntimeError("RewardRunner is closed")
-        if self._worker is None:
+        code_metrics_ = {}
+        if self._code is not None:
+            scored = self._code(completions, answers)
+            results, timeouts, code_metrics_ = [(r.reward, None) for r in scored], 0, code_metrics(scored)
+        elif self._worker is None:
             results = [score_one(self._fn, c, a, self._kwargs) for c, a in zip(completions, answers, strict=True)]
             timeouts = cut = 0
         else:
@@ -97,7 +113,7 @@ class RewardRunner:
                 raise
         values = [v for v, _ in results]
         self.last_verifier = [0.0 if v is None else v for v in values]
-        metrics = {"reward/errors": 0.0}
+        metrics = {"reward/errors": 0.0, **code_metrics_}
         if self._worker is not None:
             metrics["reward/timeouts"] = float(timeouts)
             if self.step_timeout_s > 0:

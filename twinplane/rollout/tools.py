@@ -1,4 +1,4 @@
-"""Tools a model can call during a multi-turn rollout: a safe calculator and a resource-limited Python runner.
+"""Tools a model can call during a multi-turn rollout: a safe calculator and a sandboxed Python runner.
 
 A tool is anything with a `name`, a `parameter` (the key of the JSON argument that holds its string input, e.g.
 `{"expression": "2+3"}`) and `__call__(arguments: str) -> ToolResult`. Tools never raise on bad input: a
@@ -11,15 +11,11 @@ from __future__ import annotations
 import ast
 import math
 import operator
-import os
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
+
+from twinplane.sandbox import Limits, Sandbox, get_sandbox
 
 
 @dataclass
@@ -119,121 +115,57 @@ class Calculator:
 
 # ---------------------------------------------------------------------------------------------- python
 
-# Runs inside the child before the model's code. Limits are set here rather than in a `preexec_fn`: the
-# parent is a multi-threaded trainer/engine process, where CPython documents preexec_fn as deadlock-prone and
-# where it also forces a full fork() instead of vfork. Nothing untrusted has run yet, so the effect is the same.
-_PREAMBLE = r"""
-import resource, socket, sys
-def _cap(res, soft, extra=0):
-    hard = resource.getrlimit(res)[1]
-    fit = lambda v: v if hard == resource.RLIM_INFINITY else min(v, hard)
-    resource.setrlimit(res, (fit(soft), fit(soft + extra)))
-_cap(resource.RLIMIT_CPU, {cpu}, 1)  # SIGXCPU at the soft limit, SIGKILL a second later
-_cap(resource.RLIMIT_AS, {mem})
-_cap(resource.RLIMIT_FSIZE, {fsize})
-_cap(resource.RLIMIT_NPROC, {nproc})
-def _no_network(*args, **kwargs):
-    raise OSError("network access is disabled in the python tool")
-class _NoSocket(socket.socket):  # a subclass, not a function, so `ssl` and friends still import
-    def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
-        if fileno is None and family != socket.AF_UNIX:  # local pipes (asyncio's socketpair) still work
-            _no_network()
-        super().__init__(family, type, proto, fileno)
-socket.socket = _NoSocket
-socket.create_connection = socket.create_server = _no_network
-socket.getaddrinfo = socket.gethostbyname = socket.gethostbyname_ex = _no_network
-sys.argv = ["main.py"]
-with open("main.py", encoding="utf-8") as f:
-    _code = compile(f.read(), "main.py", "exec")
-try:
-    exec(_code, {{"__name__": "__main__", "__builtins__": __builtins__}})
-except SystemExit:
-    raise
-except BaseException as e:
-    import traceback
-    traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # drop this preamble's frame
-    sys.exit(1)
-"""
-
-_SIGNALS = {signal.SIGXCPU: "CPU time limit exceeded", signal.SIGKILL: "killed", signal.SIGXFSZ: "output too large"}
+_SIGNALS = {signal.SIGXCPU: "CPU time limit exceeded", signal.SIGKILL: "CPU time limit exceeded",
+            signal.SIGXFSZ: "file size limit exceeded"}
 
 
 class PythonTool:
-    """Runs a snippet with `sys.executable -I` in a fresh temporary directory (its cwd and HOME), as its own
-    session, with RLIMIT_CPU / RLIMIT_AS / RLIMIT_FSIZE / RLIMIT_NPROC, a wall-clock timeout that kills the
-    whole process group, an environment built from scratch (no proxies, no PYTHON* variables, one BLAS/OpenMP
-    thread) and stdout+stderr merged into an unnamed temp file whose size RLIMIT_FSIZE bounds (so an output
-    flood cannot grow the parent's memory). Output is truncated to `max_output_chars` (head and tail).
+    """Runs a snippet with `python -I` in a sandbox (`twinplane.sandbox`; `bwrap` by default: its own user,
+    PID and network namespaces, a fresh tmpfs work dir, read-only interpreter and allowed packages), with
+    per-call limits on wall time, CPU, memory, file size, processes and output. The model sees stdout then
+    stderr, truncated to `max_output_chars` (head and tail), and an `error:` line when the run failed.
 
-    Network blocking is best effort: the child replaces `socket.socket` and the resolver/connect helpers with
-    ones that raise, which stops ordinary library code but not a determined program (`_socket`, ctypes).
-    RLIMIT_NPROC counts all of the user's processes and threads and is ignored for root. Real isolation (no
-    network namespace, read-only filesystem, seccomp) is the container's job."""
+    sandbox: a backend name (`bwrap` | `unsafe-local`) or a `Sandbox`; the name is checked here, so a tool
+    that cannot run isolated fails when it is built, not at the first call."""
 
     name = "python"
     parameter = "code"
 
     def __init__(self, timeout_s: float = 5, cpu_s: int = 5, memory_mb: int = 512, max_output_chars: int = 2000,
-                 max_file_mb: int = 16, max_processes: int = 32, max_code_chars: int = 20_000):
-        self.timeout_s, self.cpu_s, self.memory_mb = timeout_s, cpu_s, memory_mb
-        self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
-        self.max_processes, self.max_code_chars = max_processes, max_code_chars
+                 max_file_mb: int = 16, max_processes: int = 32, max_code_chars: int = 20_000,
+                 sandbox: str | Sandbox = "bwrap"):
+        self.sandbox = get_sandbox(sandbox) if isinstance(sandbox, str) else sandbox
+        self.limits = Limits(wall_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, file_mb=max_file_mb,
+                             processes=max_processes, output_bytes=max(4 * max_output_chars, 1 << 16))
+        self.max_output_chars, self.max_code_chars = max_output_chars, max_code_chars
 
     def __call__(self, arguments: str) -> ToolResult:
         if len(arguments) > self.max_code_chars:
             return ToolResult(f"error: code longer than {self.max_code_chars} characters", True)
-        preamble = _PREAMBLE.format(cpu=self.cpu_s, mem=self.memory_mb << 20, fsize=self.max_file_mb << 20,
-                                    nproc=self.max_processes)
-        with tempfile.TemporaryDirectory(prefix="twinplane-py-") as tmp, tempfile.TemporaryFile() as out:
-            Path(tmp, "main.py").write_text(arguments, encoding="utf-8")
-            env = {"PATH": os.defpath, "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
-                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-            proc = subprocess.Popen([sys.executable, "-I", "-u", "-c", preamble], cwd=tmp, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            timed_out = not _wait_unreaped(proc.pid, self.timeout_s)
-            _kill_group(proc.pid)  # the snippet's background children too; the pid is still ours (unreaped)
-            proc.wait()
-            out.seek(0)
-            text = out.read((self.max_file_mb << 20) + 1).decode("utf-8", errors="replace")
+        r = self.sandbox.run({"main.py": arguments}, [self.sandbox.python, "-I", "-u", "main.py"],
+                             limits=self.limits)
+        text = (r.stdout + r.stderr).decode("utf-8", errors="replace")
         text = truncate_middle(text.rstrip(), self.max_output_chars)  # no trailing newline before the wrapper
-        if timed_out:
-            return ToolResult(f"error: wall-clock limit of {self.timeout_s}s exceeded\n{text}".rstrip(), True)
-        if proc.returncode < 0:
-            why = _SIGNALS.get(-proc.returncode, f"killed by signal {-proc.returncode}")
-            return ToolResult(f"error: {why}\n{text}".rstrip(), True)
-        if proc.returncode != 0:
-            return ToolResult(f"error: exit code {proc.returncode}\n{text}".rstrip(), True)
-        return ToolResult(text)
-
-
-def _wait_unreaped(pid: int, timeout_s: float) -> bool:
-    """Wait up to timeout_s for `pid` to exit without reaping it (WNOWAIT): while it is a zombie its pid, which
-    is also its process-group id, cannot be reused, so killing the group afterwards cannot hit a stranger."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-    except ChildProcessError:  # someone else reaped it (a waitpid(-1) elsewhere in the process)
-        pass
-    return True
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        if r.status == "timeout" and r.signal is None:
+            why = f"wall-clock limit of {self.limits.wall_s:g}s exceeded"
+        elif r.status == "output_limit" and r.signal is None:
+            why = "output limit exceeded"
+        elif r.signal is not None:
+            why = _SIGNALS.get(r.signal, f"killed by signal {r.signal}")
+        elif r.exit_code != 0:
+            why = f"exit code {r.exit_code}"
+        else:
+            return ToolResult(text)
+        return ToolResult(f"error: {why}\n{text}".rstrip(), True)
 
 
 TOOLS: dict[str, type] = {"calculator": Calculator, "python": PythonTool}
 
 
-def build_tools(names: list[str]) -> dict[str, Tool]:
-    """Instantiate built-in tools with their default limits, keyed by the name the model calls them by."""
+def build_tools(names: list[str], sandbox: str = "bwrap") -> dict[str, Tool]:
+    """Instantiate built-in tools with their default limits, keyed by the name the model calls them by.
+    Raises `SandboxUnavailable` when `python` is asked for and `sandbox` cannot start here."""
     unknown = [n for n in names if n not in TOOLS]
     if unknown:
         raise ValueError(f"unknown tools {unknown}; available: {sorted(TOOLS)}")
-    return {n: TOOLS[n]() for n in names}
+    return {n: PythonTool(sandbox=sandbox) if n == "python" else TOOLS[n]() for n in names}
