@@ -1,9 +1,11 @@
-"""One decoder implementation for the Llama/Mistral/Qwen2/Qwen3 family, serving both planes.
+"""One decoder implementation for the Llama/Mistral/Qwen2/Qwen3 family and their MoE variants (Qwen2-MoE,
+Qwen3-MoE, Mixtral), serving both planes.
 
 - training plane: `model(input_ids, attention_mask)` over a padded batch (left- or right-padded);
 - rollout plane: the same call with a `KVCache`, for prefill and one-token decode steps.
 Module and parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`),
-so checkpoints load with no renaming and what we save loads in transformers.
+so checkpoints load with no renaming and what we save loads in transformers (stacked experts are the one
+exception, mapped in `moe.checkpoint_to_param`). A family's MLP block comes from `MLP_BUILDERS`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from twinplane.model.config import ModelConfig, rope_inv_freq
 from twinplane.model.kv_cache import KVCache
+from twinplane.model.moe import RoutingState, SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -70,36 +73,59 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, d: int, f: int, bias: bool = False):
         super().__init__()
-        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=b)
-        self.up_proj = nn.Linear(d, f, bias=b)
-        self.down_proj = nn.Linear(f, d, bias=b)
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
 
-    def forward(self, x):
+    def forward(self, x, routing: RoutingState | None = None):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+
+def sparse_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Qwen3-MoE and Mixtral (Mixtral's always-renormalised top-k is `norm_topk_prob` in its config)."""
+    if not cfg.is_moe_layer(layer):
+        return dense_mlp(cfg, layer)
+    return SparseMoE(cfg, cfg.moe_layers.index(layer))
+
+
+def sparse_mlp_shared(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Qwen2-MoE: the routed experts plus one always-on shared expert behind a sigmoid gate."""
+    if not cfg.is_moe_layer(layer):
+        return dense_mlp(cfg, layer)
+    shared = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+    return SparseMoE(cfg, cfg.moe_layers.index(layer), shared)
+
+
+# model_type -> the builder of a decoder layer's MLP block (a new family is one entry here plus its config).
+MLP_BUILDERS = {"llama": dense_mlp, "mistral": dense_mlp, "qwen2": dense_mlp, "qwen3": dense_mlp,
+                "qwen3_moe": sparse_mlp, "mixtral": sparse_mlp, "qwen2_moe": sparse_mlp_shared}
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP_BUILDERS[cfg.model_type](cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, recompute: bool = False):
+    def forward(self, x, cos, sin, mask, cache, recompute: bool = False, routing: RoutingState | None = None):
         """`recompute`: activation checkpointing. It sits inside the block's forward so that FSDP2's unshard hooks
         (on this module's call) stay outside the recomputed region, the arrangement torchtitan uses."""
         if recompute:  # no dropout anywhere, so there is no RNG state to replay
-            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, mask, cache, use_reentrant=False,
-                                                     preserve_rng_state=False)
-        return self.block(x, cos, sin, mask, cache)
+            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, mask, cache, routing,
+                                                     use_reentrant=False, preserve_rng_state=False)
+        return self.block(x, cos, sin, mask, cache, routing)
 
-    def block(self, x, cos, sin, mask, cache):
+    def block(self, x, cos, sin, mask, cache, routing=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), routing)
 
 
 class Backbone(nn.Module):
@@ -154,12 +180,13 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B, T], 1 = token, 0 = padding
         cache: KVCache | None = None,
         logits_start: int = 0,  # only compute logits for positions >= this (the response region)
+        routing: RoutingState | None = None,  # MoE: record / replay expert choices, tokens in [B*T] order
     ) -> torch.Tensor:  # logits [B, T - logits_start, V]
-        h = self.hidden_states(input_ids, attention_mask, cache)
+        h = self.hidden_states(input_ids, attention_mask, cache, routing)
         return F.linear(h[:, logits_start:], self.output_weight())
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      cache: KVCache | None = None) -> torch.Tensor:
+                      cache: KVCache | None = None, routing: RoutingState | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, D] (what the LM head, or a reward head, reads)."""
         B, T = input_ids.shape
         dev = input_ids.device
@@ -187,7 +214,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache, recompute)
+            x = layer(x, cos, sin, mask, cache, recompute, routing)
         if cache is not None:
             cache.advance(T)
         return self.model.norm(x)
