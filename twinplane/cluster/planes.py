@@ -42,11 +42,13 @@ class LocalPlanes:
         r, t = cfg.rollout, cfg.train
         rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
         self.engine = RolloutEngine(copy.deepcopy(model).to(rollout_dtype), tokenizer.eos_token_id,
-                                    tokenizer.pad_token_id, r.max_num_seqs, seed=cfg.seed)
+                                    tokenizer.pad_token_id, r.max_num_seqs, seed=cfg.seed,
+                                    record_routing=r.record_routing)
         self.rollout = build_rollout(cfg, self.engine, tokenizer)
         self.trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap)
         self.reference = None if reference is None else Reference(
-            reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch)
+            reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch,
+            routing_replay=cfg.algo.routing_replay)
 
     def sync(self, version: int) -> SyncReport:
         return sync_in_process(self.engine, self.trainer, version)

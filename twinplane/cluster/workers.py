@@ -92,7 +92,7 @@ class _Worker:
         model = build_model(s.model_config, policy, self.device, dtype)
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
         self.engine = RolloutEngine(model, s.tokenizer.eos_token_id, s.tokenizer.pad_token_id, r.max_num_seqs,
-                                    seed=s.cfg.seed + 1_000_003 * index)
+                                    seed=s.cfg.seed + 1_000_003 * index, record_routing=r.record_routing)
         self.rollout = build_rollout(s.cfg, self.engine, s.tokenizer)
         self.engine_dtype = dtype
 
@@ -154,7 +154,8 @@ class TrainWorker(_Worker):
         if reference is not None:
             ref = self._shard(build_model(s.model_config, reference, self.device, dtype), group)
             self.reference = Reference(ref, cfg.rollout.temperature, t.micro_batch_size, group=group,
-                                       max_tokens=t.max_tokens_per_micro_batch)
+                                       max_tokens=t.max_tokens_per_micro_batch,
+                                       routing_replay=cfg.algo.routing_replay)
         if cfg.cluster.colocate:
             self._build_engine(policy, self.rank)
 

@@ -4,6 +4,8 @@ Scheduling is static batching with compaction: prompts are left-padded and prefi
 however many samples it has), the cache is expanded to n rows per prompt, and rows that finish are dropped
 from the cache after each step, so finished sequences cost no further compute.
 Interface: `generate(requests, sampling) -> samples`, `load_weights(named_tensors)`, `checksum()`.
+With `record_routing` (MoE models) every sample carries the experts each sparse layer chose for each of its
+tokens (`Sample.routing`), for the trainer to replay.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from twinplane.model import Transformer, load_weights
+from twinplane.model.moe import RoutingState
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.sync import weights_checksum
 
@@ -32,6 +35,9 @@ class Sample:
     num_turns: int = 1
     num_tool_calls: int = 0
     num_tool_errors: int = 0
+    # MoE routing record [len(prompt_ids) + len(token_ids), M sparse layers, k] int16 expert ids; -1 where the
+    # engine never ran the token (the last sampled one). None unless the engine records routing.
+    routing: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -40,8 +46,9 @@ class Sample:
 
 class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
-                 max_num_seqs: int = 512, seed: int = 0):
+                 max_num_seqs: int = 512, seed: int = 0, record_routing: bool = False):
         self.model = model.eval().requires_grad_(False)
+        self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_num_seqs = max_num_seqs
@@ -83,7 +90,12 @@ class RolloutEngine:
             ids[i, plen - len(p):] = torch.tensor(p)
             mask[i, plen - len(p):] = 1
         cache = self.model.new_cache(len(prompts), plen + max_new)
-        logits = self.model(ids.to(dev), mask.to(dev), cache=cache, logits_start=plen - 1)[:, -1]  # [P, V]
+        rec = RoutingState() if self.record_routing else None
+        logits = self.model(ids.to(dev), mask.to(dev), cache=cache, logits_start=plen - 1, routing=rec)[:, -1]  # [P, V]
+        if rec is not None:  # prompt routing [P, plen, M, k]; generated tokens' routing filled per decode step
+            prompt_route = rec.indices().to(torch.int16).view(len(prompts), plen, *rec.indices().shape[1:])
+            out_route = torch.full((len(prompts) * n, max_new, *prompt_route.shape[2:]), -1, dtype=torch.int16,
+                                   device=dev)
         cache.repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)  # [P*n, V]
 
@@ -116,14 +128,22 @@ class RolloutEngine:
                 keep = (~done).nonzero().squeeze(-1)
                 cache.select(keep)
                 rows, tok = rows[keep], tok[keep]
-            logits = self.model(tok[:, None], cache=cache)[:, -1]
+            if rec is not None:
+                rec = RoutingState()
+            logits = self.model(tok[:, None], cache=cache, routing=rec)[:, -1]
+            if rec is not None:
+                out_route[rows, step] = rec.indices().to(torch.int16)
         if step + 1 == max_new:  # rows still running at the last step may have stopped on it
             stopped[rows[done]] = True
 
         out_tok, out_lp, lengths, stopped = out_tok.cpu(), out_lp.cpu(), lengths.tolist(), stopped.tolist()
+        if rec is not None:
+            prompt_route, out_route = prompt_route.cpu(), out_route.cpu()
         samples = []
         for r in range(total):
             i = r // n
+            routing = None if rec is None else torch.cat(
+                [prompt_route[i, plen - len(prompts[i]):], out_route[r, :lengths[r]]])
             samples.append(Sample(
                 request_index=offset + i,
                 prompt_ids=list(prompts[i]),
@@ -131,6 +151,7 @@ class RolloutEngine:
                 logprobs=out_lp[r, :lengths[r]].tolist(),
                 finish_reason="stop" if stopped[r] else "length",
                 weight_version=self.weight_version,
+                routing=routing,
             ))
         return samples
 

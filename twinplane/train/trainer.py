@@ -19,23 +19,25 @@ from twinplane.train.batch import Batch
 from twinplane.train.logprobs import response_logprobs, score
 from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
+from twinplane.train.routing import RoutingStats, routing_state
 
 
 class Reference:
     """Frozen reference policy for the KL term."""
 
     def __init__(self, model: Transformer, temperature: float, micro_batch_size: int, group=None,
-                 max_tokens: int = 0):
+                 max_tokens: int = 0, routing_replay: bool = False):
         """`group`: the data-parallel process group when `model` is FSDP-sharded; `max_tokens`: the micro-batch
-        token budget (0 = off), as `train.max_tokens_per_micro_batch`."""
+        token budget (0 = off), as `train.max_tokens_per_micro_batch`; `routing_replay`: MoE, run the engine's
+        recorded experts (`algo.routing_replay`)."""
         self.model = model.eval().requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
-        self.group, self.max_tokens = group, max_tokens
+        self.group, self.max_tokens, self.replay = group, max_tokens, routing_replay
         self.device = model.output_weight().device
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                     self.max_tokens)
+                     self.max_tokens, self.replay)
 
 
 class Trainer:
@@ -60,7 +62,7 @@ class Trainer:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
         return score(self.model, batch.to(self.device), self.temperature, self.cfg.micro_batch_size, self.group,
-                     self.cfg.max_tokens_per_micro_batch)
+                     self.cfg.max_tokens_per_micro_batch, self.algo.routing_replay)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
@@ -86,8 +88,10 @@ class Trainer:
         keys = ["pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"]
         sums = dict.fromkeys(keys + (["tis_weight_mean", "tis_clip_frac"] if tis else []), 0.0)
         mbs = fsdp.micro_batches(batch, self.cfg.micro_batch_size, self.group, self.cfg.max_tokens_per_micro_batch)
+        moe = RoutingStats(self.config, self.device) if self.config.num_experts else None
         for mb, weight in mbs:
-            lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
+            rs = routing_state(mb, a.routing_replay, keep_logits=moe is not None)
+            lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, routing=rs)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
             pg, clipped = clipped_policy_loss(lp, old, mb.advantages, a.clip_low, a.clip_high)
@@ -107,6 +111,9 @@ class Trainer:
                 stats["kl"] = kl.detach()
             if a.entropy_coef > 0:
                 loss = loss - a.entropy_coef * token_sum(ent, m, num_tokens)
+            if moe is not None:  # load-balancing loss, weighted by the micro-batch's share of the step's tokens
+                share = weight * mb.num_response_tokens / num_tokens
+                loss = loss + self.cfg.router_aux_loss_coef * share * moe.aux_loss(rs, mb, share)
             if mb.rollout_logprobs is not None:
                 stats["logprob_gap"] = token_sum((lp.detach() - mb.rollout_logprobs).abs(), m, num_tokens)
             (loss * weight).backward()
@@ -126,4 +133,5 @@ class Trainer:
             move_optimizer_state(self.opt, "cpu")
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": float(grad_norm), "actor/lr": lr}
+        out = {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": float(grad_norm), "actor/lr": lr}
+        return out | (moe.metrics(self.group) if moe is not None else {})
