@@ -11,9 +11,18 @@ def tiny_model(seed: int = 0, **over) -> Transformer:
     model = Transformer(ModelConfig(**{**cfg, **over}))
     with torch.no_grad():  # larger-than-default weights so distributions are peaked and sampling is varied
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:  # (MoE experts are stacked 3-D weights)
                 p.normal_(0, 0.15)
     return model.eval()
+
+
+MOE = dict(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           norm_topk_prob=True, mlp_only_layers=[1], num_layers=3)
+
+
+def tiny_moe(seed: int = 0, **over) -> Transformer:
+    """A Qwen3-MoE-shaped tiny model (layers 0 and 2 sparse, layer 1 dense)."""
+    return tiny_model(seed, **{**MOE, **over})
 
 
 @pytest.fixture

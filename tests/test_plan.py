@@ -135,3 +135,17 @@ def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
     count = int(out.split("feasible layouts: ")[1].split(",")[0].split(" ")[0])
     rows = [ln for ln in out.splitlines() if ln.startswith("  colocated") or ln.startswith("  split")]
     assert count == len(rows) and "cluster.backend=local" in out and "cluster.backend=ray" not in out
+
+
+def test_moe_planner_counts_total_for_memory_and_active_for_flops():
+    from pathlib import Path
+
+    from twinplane.flops import decode_read_params, matmul_params
+    from twinplane.plan import load_model_config
+
+    cfg = load_model_config(str(Path(__file__).resolve().parent.parent / "examples/models/qwen3_30b_a3b"))
+    assert 30.4e9 < cfg.num_params < 30.6e9 and 3.3e9 < cfg.active_params < 3.4e9  # published: 30.5B / 3.3B
+    embed = cfg.vocab_size * cfg.hidden_size
+    assert matmul_params(cfg) == cfg.active_params - embed - cfg.hidden_size * (2 * 48 + 1)  # no embedding, norms
+    assert decode_read_params(cfg, 1) == pytest.approx(cfg.active_params)  # one token reads its 8 experts
+    assert decode_read_params(cfg, 4096) == pytest.approx(cfg.num_params, rel=1e-6)  # a big batch reads them all

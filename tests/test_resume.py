@@ -163,3 +163,17 @@ def test_restart_loop_resumes_after_crash_and_stops_on_config_error(tmp_path, re
     assert outcome(tmp_path) == reference_run
     bad = subprocess.run([*cmd, "train.lrr=1", "--max-restarts", "3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("unknown key train.lrr") == 1
+
+
+def test_moe_run_with_routing_replay_resumes_bitwise(tmp_path):
+    """A tiny MoE policy with recorded/replayed routing and the aux loss, killed mid-train and resumed."""
+    moe = ["model.num_experts=4", "model.moe_intermediate_size=32", "rollout.record_routing=true",
+           "algo.routing_replay=true", "train.router_aux_loss_coef=0.01", "train.steps=3", "eval.every=0",
+           "eval.before=false", "eval.after=false"]
+    assert train(tmp_path / "whole", *moe) == 0
+    assert train(tmp_path / "cut", *moe, fault="train@2") == 75
+    assert train(tmp_path / "cut", *moe, "--resume", "auto") == 0
+    weights, rows = outcome(tmp_path / "cut")
+    want = outcome(tmp_path / "whole")
+    assert weights == want[0] and rows == want[1]
+    assert rows[-1]["rollout/routing_agreement"] == 1.0 and rows[-1]["moe/aux_loss"] > 0

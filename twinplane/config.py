@@ -33,6 +33,9 @@ class ModelSection:
     num_heads: int = 4  # demo model only
     num_kv_heads: int = 2  # demo model only
     intermediate_size: int = 512  # demo model only
+    num_experts: int = 0  # demo model only: > 0 builds a Qwen3-MoE-style policy with this many experts per layer
+    num_experts_per_tok: int = 2  # demo MoE only: experts each token runs (top-k)
+    moe_intermediate_size: int = 128  # demo MoE only: each expert's hidden size
     dtype: str = "float32"  # training-plane dtype (master weights)
     rollout_dtype: str | None = None  # engine dtype; unset = same as dtype
 
@@ -96,6 +99,7 @@ class RolloutSection:
     tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
     max_turns: int = 1  # model turns per sample when tools are on
     tp: int = 1  # tensor-parallel size of one engine (1 in this version: engines are data parallel)
+    record_routing: bool = False  # MoE: record each token's experts per sparse layer (for algo.routing_replay)
 
 
 @dataclass
@@ -116,6 +120,7 @@ class TrainSection:
     compute_dtype: str = "auto"  # auto (bf16 on GPUs, else model.dtype) | float32 | bfloat16 | float16
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, ~30% more compute
     optimizer_offload: bool = False  # keep AdamW state in host memory between updates (frees device memory)
+    router_aux_loss_coef: float = 0.0  # MoE: weight of the load-balancing loss (transformers' formula; 0 = off)
 
 
 @dataclass
@@ -146,6 +151,7 @@ class AlgoSection:
     overlong_buffer: int | None = None  # DAPO shaping over the last N tokens before the cap (0 = off; -1 = a fifth)
     overlong_penalty: float = 1.0  # overlong shaping: the reward penalty at rollout.max_new_tokens
     mask_truncated: bool = False  # leave samples cut off at rollout.max_new_tokens out of the loss
+    routing_replay: bool = False  # MoE: trainer and reference run the engine's recorded experts (R3)
 
     def __post_init__(self):
         """Keys left unset take the preset's value (an unknown name is reported by `Config.validate`)."""
@@ -310,6 +316,15 @@ class Config:
             (self.rollout.prompts_per_step * self.rollout.n // self.train.mini_batches >= self.cluster.train_devices,
              "cluster.train_devices", "must be <= the samples per mini-batch (every rank needs a sample)"),
             (not (self.cluster.async_ and self.rollout.tools), "cluster.async", "does not support rollout.tools yet"),
+            (self.model.num_experts >= 0 and 1 <= self.model.num_experts_per_tok and self.model.moe_intermediate_size
+             >= 1, "model", "needs num_experts >= 0, num_experts_per_tok >= 1 and moe_intermediate_size >= 1"),
+            (self.model.num_experts == 0 or self.model.num_experts_per_tok <= self.model.num_experts,
+             "model.num_experts_per_tok", "must be <= model.num_experts"),
+            (self.train.router_aux_loss_coef >= 0, "train.router_aux_loss_coef", "must be >= 0"),
+            (not self.algo.routing_replay or self.rollout.record_routing, "algo.routing_replay",
+             "needs rollout.record_routing=true (the engine's record is what is replayed)"),
+            (not (self.rollout.record_routing and self.rollout.tools), "rollout.record_routing",
+             "does not support rollout.tools yet"),
             (not self.rollout.tools or self.model.path, "rollout.tools",
              "needs model.path (the built-in demo's digit vocabulary cannot spell tool calls)"),
             # ranges and choices of every remaining key, then keys that depend on each other

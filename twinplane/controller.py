@@ -84,7 +84,8 @@ class Controller:
                     timer, len(prompts), samples, source, rewards, correct, groups)
             batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples],
                                   self.tokenizer.pad_token_id, [s.logprobs for s in samples],
-                                  [s.loss_mask for s in samples])
+                                  [s.loss_mask for s in samples],
+                                  [s.routing for s in samples] if samples[0].routing is not None else None)
             truncated = torch.tensor([s.finish_reason == "length" for s in samples])
             scores = rewards.clone()
             buffer = overlong_buffer(a.overlong_buffer, self.sampling.max_new_tokens)
@@ -218,11 +219,17 @@ class Controller:
             return None
         prompts, handle = self.pending
         self.pending = (prompts, _Done(handle.result()))
-        return {"prompts": [asdict(p) for p in prompts], "samples": [asdict(s) for s in self.pending[1].samples]}
+        samples = [asdict(s) | {"routing": None if s.routing is None else s.routing.tolist()}  # JSON
+                   for s in self.pending[1].samples]
+        return {"prompts": [asdict(p) for p in prompts], "samples": samples}
 
     def load_pending(self, state: dict | None) -> None:
+        def sample(s: dict) -> Sample:
+            routing = s.get("routing")
+            return Sample(**s | {"routing": None if routing is None else torch.tensor(routing, dtype=torch.int16)})
+
         self.pending = None if state is None else (
-            [Prompt(**p) for p in state["prompts"]], _Done([Sample(**s) for s in state["samples"]]))
+            [Prompt(**p) for p in state["prompts"]], _Done([sample(s) for s in state["samples"]]))
 
     def sync_weights(self) -> SyncReport:
         """Push the trainer's weights to every engine and verify each holds exactly them."""
@@ -271,7 +278,9 @@ class Controller:
             m[k] = sum(vals) / len(vals)
         actor = [u for u in updates if "actor/lr" in u]
         if actor:
-            m["actor/logprob_gap"] = actor[0]["actor/logprob_gap"]
+            for k in ("actor/logprob_gap", "rollout/routing_agreement", "moe/router_agreement"):
+                if k in actor[0]:  # engine-vs-trainer comparisons: before any update
+                    m[k] = actor[0][k]
             m["actor/lr"] = actor[-1]["actor/lr"]
         return m | times
 

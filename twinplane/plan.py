@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from twinplane.devices import BY_KEY, DeviceSpec
-from twinplane.flops import forward_flops_per_token, matmul_params, train_flops_per_token
+from twinplane.flops import decode_read_params, forward_flops_per_token, matmul_params, mlp_width, train_flops_per_token
 from twinplane.model import ModelConfig
 
 GB = 1e9
@@ -169,8 +169,9 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int) -> float:
       attention output (input of o_proj): a, plus the kernel's own rotated q/k/v copies: a + 2k
       SwiGLU: gate, up, silu(gate), silu(gate)*up (input of down_proj): 4f
     = 4d + 5a + 6k + 4f elements. Residual adds keep nothing; the attention's log-sum-exp is ignored.
+    MoE: f is the per-token width over the top-k experts (`flops.mlp_width`); router logits are ignored.
     """
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d, f = cfg.hidden_size, mlp_width(cfg)
     a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return float(4 * d + 5 * a + 6 * k + 4 * f) * act_bytes
 
@@ -226,7 +227,7 @@ def rollout_workspace(cfg: ModelConfig, device: DeviceSpec, seqs: int, prompt_to
     b = Dtypes.for_device(device).param
     logits = 3.0 * seqs * cfg.vocab_size * 4
     a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    prefill = prompt_tokens * (2 * cfg.hidden_size + (a + 2 * k + 3 * cfg.intermediate_size) / tp) * b
+    prefill = prompt_tokens * (2 * cfg.hidden_size + (a + 2 * k + 3 * mlp_width(cfg)) / tp) * b
     return logits + prefill
 
 
@@ -256,7 +257,8 @@ def rollout_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, engines: 
     """Time to generate the step's samples on `engines` engines of TP `tp`, each decoding `in_flight` sequences
     at a time. A decode step reads the weights once and the KV of every sequence in flight (mean context =
     prompt + response/2), at DECODE_EFFICIENCY of HBM bandwidth (x TP_EFFICIENCY and two all-reduces per layer
-    when tp > 1), and is never faster than the matmul FLOPs at PREFILL_MFU. Prefill is compute bound. Assumes
+    when tp > 1), and is never faster than the matmul FLOPs at PREFILL_MFU. Prefill is compute bound. MoE: the
+    step reads the experts the batch's tokens pick (`flops.decode_read_params`), FLOPs count active ones. Assumes
     every sample runs to response_len (no early stop) and static batches."""
     b = Dtypes.for_device(device).param
     bw = device.hbm_tb_s * 1e12 * DECODE_EFFICIENCY * (TP_EFFICIENCY if tp > 1 else 1.0)
@@ -265,7 +267,7 @@ def rollout_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, engines: 
     passes = math.ceil(per_engine / in_flight)
     batch = math.ceil(per_engine / passes)
     ctx = w.prompt_len + w.response_len / 2
-    read = (cfg.num_params * b + batch * ctx * kv_bytes_per_token(cfg, device, 1)) / tp
+    read = (decode_read_params(cfg, batch) * b + batch * ctx * kv_bytes_per_token(cfg, device, 1)) / tp
     step = max(read / bw, batch * 2 * matmul_params(cfg) / tp / (flops * PREFILL_MFU))
     if tp > 1:
         step += 2 * cfg.num_layers * ALLREDUCE_LATENCY_S
@@ -443,7 +445,8 @@ def plan(cfg: ModelConfig, cluster: Cluster, w: Workload) -> dict:
     tm = training_memory(cfg, dev, w, fsdp, best.checkpointing if best else False, best.offload if best else False)
     rm = rollout_memory(cfg, dev, w, tp, best.seqs_in_flight if best else None)
     return {
-        "model": {"params": cfg.num_params, "layers": cfg.num_layers, "hidden": cfg.hidden_size},
+        "model": {"params": cfg.num_params, "active_params": cfg.active_params, "layers": cfg.num_layers,
+                  "hidden": cfg.hidden_size},
         "cluster": {"device": dev.key, "memory_gb": dev.memory_gb, "gpus": g, "price_per_gpu_hour":
                     cluster.price_per_gpu_hour},
         "workload": asdict(w),
@@ -461,7 +464,9 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
     p = plan(cfg, cluster, w)
     tm, rm, best = p["training_memory"], p["rollout_memory"], p["recommended"]
     div, unit = _unit(max(tm["total"], rm["total"]))
-    lines = [f"model: {_params(cfg.num_params)} params ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    moe = (f", {_params(cfg.active_params)} active: top-{cfg.num_experts_per_tok} of {cfg.num_experts} experts"
+           if cfg.num_experts else "")
+    lines = [f"model: {_params(cfg.num_params)} params{moe} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size})",
              f"cluster: {cluster.nodes} x {cluster.gpus} {dev.key} ({dev.memory_gb:g} GB, {dev.hbm_tb_s:g} TB/s, "
              f"{dev.bf16_tflops:g} TFLOP/s bf16)",

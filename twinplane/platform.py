@@ -164,6 +164,40 @@ def varlen_backend(device: torch.device, compute_dtype: torch.dtype) -> str:
     return "flex" if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None else "sdpa"
 
 
+_GROUPED_MM: dict[tuple[str, torch.dtype, bool], bool] = {}
+
+
+def grouped_mm_ok(device: torch.device, dtype: torch.dtype, expert_shape: tuple[int, ...], grad: bool) -> bool:
+    """Whether the MoE experts may use `torch._grouped_mm` (else the per-expert loop) for this device and dtype.
+
+    Support differs by build and hardware (CUDA sm90+, recent ROCm, CPU forward only in torch 2.13, whose CPU
+    backward raises), so instead of a vendor table this runs one tiny forward (and backward when `grad`) per
+    (device type, dtype) and remembers whether it worked. `expert_shape` (F, D): the kernel needs every row
+    stride to be a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or os.environ.get("TWINPLANE_GROUPED_MM", "1") == "0":
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    if any(n * size % 16 for n in expert_shape):
+        return False
+    key = (device.type, dtype, grad)
+    if key not in _GROUPED_MM:
+        _GROUPED_MM[key] = _probe_grouped_mm(device, dtype, grad)
+    return _GROUPED_MM[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+    try:
+        with torch.enable_grad() if grad else torch.no_grad():
+            x = torch.ones(24, 16, device=device, dtype=dtype, requires_grad=grad)
+            w = torch.ones(2, 32, 16, device=device, dtype=dtype, requires_grad=grad)
+            y = torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([8, 24], device=device, dtype=torch.int32))
+            if grad:
+                y.sum().backward()
+            return bool(y.shape == (24, 32) and float(y[0, 0]) == 16.0)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 # --- hardware description ----------------------------------------------------------------------------------------
 
 VISIBLE_DEVICES_ENV = {"nvidia": ("CUDA_VISIBLE_DEVICES",), "amd": ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}

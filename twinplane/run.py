@@ -43,11 +43,14 @@ from twinplane.train.sft import warm_start
 
 def demo_model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     m = cfg.model
+    moe = dict(model_type="qwen3_moe", qk_norm=True, num_experts=m.num_experts, norm_topk_prob=True,
+               num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size)
     return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size,
                        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, head_dim=m.hidden_size // m.num_heads,
                        max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       **(moe if m.num_experts else {}))
 
 
 def build_demo_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) -> Transformer:
@@ -55,7 +58,7 @@ def build_demo_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) ->
     model = Transformer(mc)
     with torch.no_grad():  # GPT-2-style small init keeps the tiny model's first steps stable
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:  # (stacked experts are 3-D)
                 p.normal_(0.0, 0.02)
     return model.to(device)
 
@@ -213,6 +216,10 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
         tokenizer = build_char_tokenizer(ALPHABET)
         mc = demo_model_config(cfg, tokenizer)
         prompt_tokens = 2 * cfg.task.digits + 2
+    for key, on in (("rollout.record_routing", cfg.rollout.record_routing),
+                    ("train.router_aux_loss_coef", cfg.train.router_aux_loss_coef > 0)):
+        if on and not mc.num_experts:
+            raise ConfigError(f"{key}: needs a mixture-of-experts model, {mc.model_type} is dense")
     device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
     if cfg.cluster.backend == "local":
         memory = platform.device_memory(device)

@@ -71,7 +71,8 @@ class LocalPlanes:
         self.trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap,
                                horizon=r.max_new_tokens)
         self.reference = None if reference is None else Reference(
-            reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, train=t)
+            reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, train=t,
+            routing_replay=cfg.algo.routing_replay)
         needs_critic = build_algorithm(cfg).needs_critic
         self.critic = build_critic(cfg, model, model.output_weight().device) if needs_critic else None
 

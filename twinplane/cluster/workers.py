@@ -154,7 +154,8 @@ class TrainWorker(_Worker):
         if reference is not None:
             ref = self._shard(build_model(s.model_config, reference, self.device, dtype), group)
             self.reference = Reference(ref, cfg.rollout.temperature, t.micro_batch_size, group=group,
-                                       max_tokens=t.max_tokens_per_micro_batch, train=t)
+                                       max_tokens=t.max_tokens_per_micro_batch, train=t,
+                                       routing_replay=cfg.algo.routing_replay)
         if cfg.cluster.colocate:
             self._build_engine(policy, self.rank)
 

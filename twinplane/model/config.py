@@ -1,4 +1,4 @@
-"""Model configuration for the Llama/Qwen decoder family, read from and written to HF `config.json`.
+"""Model configuration for the Llama/Qwen/Mixtral decoder family, read from and written to HF `config.json`.
 
 Both config forms that exist in the wild are accepted:
 - transformers 4.x (what published checkpoints carry): `rope_theta` + `rope_scaling`;
@@ -14,13 +14,18 @@ from pathlib import Path
 
 import torch
 
-# model_type -> (q/k/v bias, q/k RMSNorm, HF architecture name)
+# model_type -> (q/k/v bias, q/k RMSNorm, HF architecture name). The MoE families' MLP blocks and checkpoint
+# names are in `twinplane.model.moe.MOE_FAMILIES`.
 FAMILIES = {
     "llama": (False, False, "LlamaForCausalLM"),
     "mistral": (False, False, "MistralForCausalLM"),
     "qwen2": (True, False, "Qwen2ForCausalLM"),
     "qwen3": (False, True, "Qwen3ForCausalLM"),
+    "qwen2_moe": (True, False, "Qwen2MoeForCausalLM"),
+    "qwen3_moe": (False, True, "Qwen3MoeForCausalLM"),
+    "mixtral": (False, False, "MixtralForCausalLM"),
 }
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -47,6 +52,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Mixture of experts (0 experts = dense). A layer is sparse unless listed in `mlp_only_layers`, and only
+    # every `decoder_sparse_step`-th layer is (Qwen-MoE's two ways of keeping some layers dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's hidden size (dense layers use intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k gate weights to sum to 1 (always on in Mixtral)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate (0 = none)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back on save
 
     def __post_init__(self):
@@ -58,20 +72,51 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                             f"{self.num_experts}")
+        if self.num_experts and (self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1):
+            raise ValueError("an MoE config needs moe_intermediate_size >= 1 and decoder_sparse_step >= 1")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the sparse layers; the routing record's layer axis runs over these, in order."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     @property
     def num_params(self) -> int:
-        d, f, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        """Every parameter (what memory holds)."""
+        return self._params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: the top-k experts of each sparse layer (what FLOPs count)."""
+        return self._params(self.num_experts_per_tok)
+
+    def mlp_params(self, layer: int, experts: int) -> int:
+        """One layer's MLP parameters with `experts` routed experts counted."""
+        d = self.hidden_size
+        if not self.is_moe_layer(layer):
+            return 3 * d * self.intermediate_size
+        shared = 3 * d * self.shared_expert_intermediate_size + (d if self.shared_expert_intermediate_size else 0)
+        return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts + shared  # + router
+
+    def _params(self, experts: int) -> int:
+        d, v, L = self.hidden_size, self.vocab_size, self.num_layers
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        block = attn + 3 * d * f + 2 * d
-        return L * block + v * d * (1 if self.tie_word_embeddings else 2) + d
+        mlp = sum(self.mlp_params(i, experts) for i in range(L))
+        return L * (attn + 2 * d) + mlp + v * d * (1 if self.tie_word_embeddings else 2) + d
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
         model_type = hf.get("model_type", "llama")
         qkv_bias, qk_norm, _ = FAMILIES.get(model_type, (False, False, None))
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError("qwen2 with use_sliding_window=true is not supported")
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
+            raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
         # 5.x keeps theta and scaling together in rope_parameters; 4.x splits them.
         rope = dict(hf.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -87,7 +132,11 @@ class ModelConfig:
             "num_key_value_heads", "head_dim", "model_type", "rms_norm_eps", "rope_theta", "rope_scaling",
             "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
             "sliding_window", "use_sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "architectures",
+            "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+            "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
         }
+        moe = model_type in MOE_TYPES
+        mixtral = model_type == "mixtral"  # experts use intermediate_size and always renormalise the top-k
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -106,10 +155,17 @@ class ModelConfig:
             o_bias=bias and model_type == "llama",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=qk_norm,
-            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
+            sliding_window=hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 2) if moe else 0,
+            moe_intermediate_size=hf["intermediate_size" if mixtral else "moe_intermediate_size"] if moe else 0,
+            norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) if moe else 0,
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=list(hf.get("mlp_only_layers") or []),
             extra={k: v for k, v in hf.items() if k not in known},
         )
 
@@ -154,12 +210,20 @@ class ModelConfig:
         )
         if self.model_type == "llama":
             hf.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             hf.update(sliding_window=self.sliding_window)
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             hf.update(use_sliding_window=False, sliding_window=None)
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "qwen3_moe"):
             hf.update(attention_bias=self.qkv_bias)
+        if self.model_type == "mixtral":
+            hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        elif self.model_type in MOE_TYPES:
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers)
+        if self.model_type == "qwen2_moe":
+            hf.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         return hf
 
 

@@ -1,4 +1,5 @@
-"""One decoder implementation for the Llama/Mistral/Qwen2/Qwen3 family, serving both planes.
+"""One decoder implementation for the Llama/Mistral/Qwen2/Qwen3 family and their MoE variants (Qwen2-MoE,
+Qwen3-MoE, Mixtral), serving both planes.
 
 - training plane: `model(input_ids, attention_mask)` over a padded batch (left- or right-padded), or
   `model(input_ids, meta=AttentionMetadata.packed(lengths))` over packed sequences;
@@ -6,7 +7,8 @@
   engine (prefill chunks and decodes of many sequences in one row).
 Attention only sees an `AttentionMetadata` (twinplane.model.attention): the layout of the tokens is the caller's.
 Module and parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`),
-so checkpoints load with no renaming and what we save loads in transformers.
+so checkpoints load with no renaming and what we save loads in transformers (stacked experts are the one
+exception, mapped in `moe.checkpoint_to_param`). A family's MLP block comes from `MLP_BUILDERS`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from twinplane.model.attention import AttentionMetadata, attention, build_mask
 from twinplane.model.config import ModelConfig, rope_inv_freq
+from twinplane.model.moe import RoutingState, SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -70,36 +73,59 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, d: int, f: int, bias: bool = False):
         super().__init__()
-        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=b)
-        self.up_proj = nn.Linear(d, f, bias=b)
-        self.down_proj = nn.Linear(f, d, bias=b)
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
 
-    def forward(self, x):
+    def forward(self, x, routing: RoutingState | None = None):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+
+def sparse_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Qwen3-MoE and Mixtral (Mixtral's always-renormalised top-k is `norm_topk_prob` in its config)."""
+    if not cfg.is_moe_layer(layer):
+        return dense_mlp(cfg, layer)
+    return SparseMoE(cfg, cfg.moe_layers.index(layer))
+
+
+def sparse_mlp_shared(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Qwen2-MoE: the routed experts plus one always-on shared expert behind a sigmoid gate."""
+    if not cfg.is_moe_layer(layer):
+        return dense_mlp(cfg, layer)
+    shared = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+    return SparseMoE(cfg, cfg.moe_layers.index(layer), shared)
+
+
+# model_type -> the builder of a decoder layer's MLP block (a new family is one entry here plus its config).
+MLP_BUILDERS = {"llama": dense_mlp, "mistral": dense_mlp, "qwen2": dense_mlp, "qwen3": dense_mlp,
+                "qwen3_moe": sparse_mlp, "mixtral": sparse_mlp, "qwen2_moe": sparse_mlp_shared}
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP_BUILDERS[cfg.model_type](cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, recompute: bool = False):
+    def forward(self, x, cos, sin, meta, recompute: bool = False, routing: RoutingState | None = None):
         """`recompute`: activation checkpointing. It sits inside the block's forward so that FSDP2's unshard hooks
         (on this module's call) stay outside the recomputed region, the arrangement torchtitan uses."""
         if recompute:  # no dropout anywhere, so there is no RNG state to replay
-            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, meta, use_reentrant=False,
+            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, meta, routing, use_reentrant=False,
                                                      preserve_rng_state=False)
-        return self.block(x, cos, sin, meta)
+        return self.block(x, cos, sin, meta, routing)
 
-    def block(self, x, cos, sin, meta):
+    def block(self, x, cos, sin, meta, routing=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), routing)
 
 
 class Backbone(nn.Module):
@@ -140,16 +166,17 @@ class Transformer(nn.Module):
         logits_start: int = 0,  # only compute logits for positions >= this (the response region)
         meta: AttentionMetadata | None = None,  # the caller's token layout (packed rows); None = from the mask
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,  # replaces the LM head, see below
+        routing: RoutingState | None = None,  # MoE: record / replay expert choices, tokens in [B*T] order
     ) -> torch.Tensor:  # logits [B, T - logits_start, V]
         """`head(hidden [B, T, D], output weight [V, D])`, when given, is returned instead of the logits: the trainer's
         chunked log-probs read the LM head weight here, inside the forward, where FSDP has gathered it."""
-        h = self.hidden_states(input_ids, attention_mask, meta)
+        h = self.hidden_states(input_ids, attention_mask, meta, routing)
         if head is not None:
             return head(h, self.output_weight())
         return F.linear(h[:, logits_start:], self.output_weight())
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      meta: AttentionMetadata | None = None) -> torch.Tensor:
+                      meta: AttentionMetadata | None = None, routing: RoutingState | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, D] (what the LM head, or a reward head, reads)."""
         if meta is None:
             meta = self.dense_metadata(input_ids, attention_mask)
@@ -157,7 +184,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(meta.positions, x.dtype)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, recompute)
+            x = layer(x, cos, sin, meta, recompute, routing)
         return self.model.norm(x)
 
     def dense_metadata(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> AttentionMetadata:

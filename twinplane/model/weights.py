@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from twinplane.model.config import ModelConfig
+from twinplane.model.moe import checkpoint_to_param, param_to_checkpoint
 from twinplane.model.transformer import Transformer
 
 SINGLE = "model.safetensors"
@@ -40,22 +41,30 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
     """Copy named tensors into the model's parameters (casting dtype/device). Used for loading a checkpoint
-    and for the trainer -> engine weight sync alike."""
+    and for the trainer -> engine weight sync alike. Names are ours or the published per-expert ones
+    (`...mlp.experts.E.gate_proj.weight`), which fill one expert's slice of a stacked parameter."""
     params = dict(model.named_parameters())
-    seen = set()
+    seen, slices = set(), {}
     with torch.no_grad():
         for name, tensor in named:
             if name.endswith(IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy of the embedding
-            p = params.get(name)
-            if p is None:
+            target, expert = checkpoint_to_param(name)
+            p = params.get(target)
+            if p is None or (expert is not None and expert >= p.shape[0]):
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {model.config.model_type} model")
+            if expert is not None:
+                p = p[expert]
             if p.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
             p.copy_(tensor)
-            seen.add(name)
+            if expert is None:
+                seen.add(target)
+            else:
+                slices.setdefault(target, set()).add(expert)
+    seen |= {n for n, got in slices.items() if len(got) == params[n].shape[0]}
     missing = set(params) - seen
     if strict and missing:
         raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -70,7 +79,8 @@ def save_pretrained(model: Transformer, out: str | Path, max_shard_bytes: int | 
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     from twinplane.train.export import export_weights  # lazily: the training package imports this one
 
-    state = {n: t.contiguous().cpu() for n, t in export_weights(model)}
+    state = {name: t.contiguous().cpu() for n, p in export_weights(model)
+             for name, t in param_to_checkpoint(n, p, model.config.model_type)}
     if max_shard_bytes is None or sum(t.nbytes for t in state.values()) <= max_shard_bytes:
         save_file(state, out / SINGLE, metadata={"format": "pt"})
         return

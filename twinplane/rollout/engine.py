@@ -14,6 +14,8 @@ so a sample whose uniform lands on a CDF boundary could flip); on CPU the tests 
 
 Interface: `generate(requests, sampling) -> samples`, `submit` (the same, as a handle), `load_weights(named)`,
 `checksum()`, and `pop_metrics()` (occupancy, preemptions, KV usage, prefill/decode tokens/s since last call).
+With `record_routing` (MoE models) every sample carries the experts each sparse layer chose for each of its
+tokens (`Sample.routing`), for the trainer to replay.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from twinplane import platform
 from twinplane.model import AttentionMetadata, PagedKV, Transformer, load_weights
+from twinplane.model.moe import RoutingState
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
@@ -54,11 +57,14 @@ class EngineStats:
 class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
-                 max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9):
-        """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`)."""
+                 max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
+                 record_routing: bool = False):
+        """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
+        `record_routing`: MoE, keep each token's experts per sparse layer in its sample."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.model = model.eval().requires_grad_(False)
+        self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -187,7 +193,12 @@ class RolloutEngine:
                         torch.tensor(ctx, dtype=torch.int32).to(dev), cu.to(dev), qlens, batch.num_decodes, max(ctx))
         meta = AttentionMetadata(torch.tensor(pos).to(dev)[None], window=self.model.config.sliding_window,
                                  backend=self.backend, paged=paged)
-        h = self.model.hidden_states(torch.tensor(ids).to(dev)[None], meta=meta)[0]  # [T, D]
+        rec = RoutingState() if self.record_routing else None
+        h = self.model.hidden_states(torch.tensor(ids).to(dev)[None], meta=meta, routing=rec)[0]  # [T, D]
+        if rec is not None:  # this step's experts [T, M, k], handed to each sequence at its token positions
+            chosen = rec.indices().to(torch.int16).cpu().split(qlens)
+            for seq, k, route in zip(batch.seqs, qlens, chosen, strict=True):
+                seq.record_routing(seq.num_computed - k, route)
         if not ready:
             return []
         logits = F.linear(h[torch.tensor(rows, device=dev)], self.model.output_weight())  # [R, V]
@@ -239,4 +250,4 @@ def engine_options(rollout) -> dict:
     """RolloutEngine keyword arguments from a config's `rollout` section."""
     return {"max_num_seqs": rollout.max_num_seqs, "max_num_batched_tokens": rollout.max_num_batched_tokens,
             "kv_cache_bytes": int(rollout.kv_cache_gb * 2**30),
-            "gpu_memory_utilization": rollout.gpu_memory_utilization}
+            "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing}

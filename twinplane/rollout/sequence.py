@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import torch
+
 from twinplane.rollout.sampling import SamplingParams
 
 
@@ -28,6 +30,9 @@ class Sample:
     num_turns: int = 1
     num_tool_calls: int = 0
     num_tool_errors: int = 0
+    # MoE routing record [len(prompt_ids) + len(token_ids), M sparse layers, k] int16 expert ids; -1 where the
+    # engine never ran the token (the last sampled one). None unless the engine records routing.
+    routing: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -56,6 +61,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
+        self.routes: list[tuple[int, torch.Tensor]] = []  # MoE record: (first position, experts [T, M, k] int16)
 
     @property
     def width(self) -> int:
@@ -78,6 +84,7 @@ class Sequence:
             c = Sequence.__new__(Sequence)
             c.__dict__.update(self.__dict__)
             c.tokens, c.block_table, c.logprobs = list(self.tokens), list(self.block_table), list(self.logprobs)
+            c.routes = list(self.routes)
             c.rngs, c.sample_indices = [rng], [index]
             children.append(c)
         return children
@@ -98,6 +105,16 @@ class Sequence:
         gen = self.tokens[self.prompt_len:]
         return any(len(s) <= len(gen) and gen[len(gen) - len(s):] == s for s in self.sampling.stop_sequences)
 
+    def record_routing(self, start: int, experts: torch.Tensor) -> None:
+        """Keep the experts [T, M, k] that tokens start.. ran through; a recompute after preemption (which
+        restarts at an earlier position) replaces what was recorded from there on."""
+        self.routes = [r for r in self.routes if r[0] < start] + [(start, experts)]
+
     def to_sample(self, weight_version: int) -> Sample:
+        routing = None
+        if self.routes:  # tokens the engine never ran (the last sampled one) get -1
+            ran = torch.cat([r for _, r in self.routes])
+            routing = torch.full((len(self.tokens), *ran.shape[1:]), -1, dtype=torch.int16)
+            routing[:len(ran)] = ran
         return Sample(self.request_index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:],
-                      list(self.logprobs), self.finish_reason or "length", weight_version)
+                      list(self.logprobs), self.finish_reason or "length", weight_version, routing=routing)

@@ -38,20 +38,30 @@ class Batch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None  # value targets (PPO critic)
     old_values: torch.Tensor | None = None  # the critic's values at rollout time (value-loss clipping)
+    # MoE: the engine's expert ids per token [N, P + R, M, k] (int16, -1 = none, e.g. padding), for replay
+    routing: torch.Tensor | None = None
 
     @classmethod
     def collate(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
                 rollout_logprobs: Sequence[Sequence[float]] | None = None,
-                loss_masks: Sequence[Sequence[int]] | None = None) -> Batch:
+                loss_masks: Sequence[Sequence[int]] | None = None,
+                routing: Sequence[torch.Tensor] | None = None) -> Batch:
         """`loss_masks` (per response token, 1 = trained on) excludes e.g. tool outputs from the loss while
-        keeping them in the context the model attends to."""
+        keeping them in the context the model attends to. `routing`: per sample [len(prompt + response), M, k]
+        expert ids (`Sample.routing`), laid out like `input_ids`."""
         p = pad_rows(prompts, pad_id, torch.long, left=True)
         r = pad_rows(responses, pad_id, torch.long)
         pm = pad_rows([[1] * len(x) for x in prompts], 0, torch.long, left=True)
         rm = pad_rows([[1] * len(x) for x in responses], 0, torch.long)
         lm = rm.float() if loss_masks is None else pad_rows(loss_masks, 0, torch.float32)
         lp = None if rollout_logprobs is None else pad_rows(rollout_logprobs, 0.0, torch.float32)
-        return cls(torch.cat([p, r], 1), torch.cat([pm, rm], 1), lm, p.shape[1], rollout_logprobs=lp)
+        batch = cls(torch.cat([p, r], 1), torch.cat([pm, rm], 1), lm, p.shape[1], rollout_logprobs=lp)
+        if routing is not None:
+            P, R = p.shape[1], r.shape[1]
+            batch.routing = torch.full((len(prompts), P + R, *routing[0].shape[1:]), -1, dtype=torch.int16)
+            for i, (x, y) in enumerate(zip(prompts, responses, strict=True)):
+                batch.routing[i, P - len(x):P + len(y)] = routing[i]
+        return batch
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -70,7 +80,7 @@ class Batch:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                v = fn_tokens(v) if f.name in ("input_ids", "attention_mask") else fn_resp(v)
+                v = fn_tokens(v) if f.name in ("input_ids", "attention_mask", "routing") else fn_resp(v)
             out[f.name] = v
         return Batch(**out)
 

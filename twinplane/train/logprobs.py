@@ -17,18 +17,21 @@ import torch
 
 from twinplane import platform
 from twinplane.model import AttentionMetadata, Transformer
+from twinplane.model.moe import RoutingState
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.chunked_logprobs import token_logprobs
+from twinplane.train.routing import routing_state
 
 DEFAULT_CHUNK_TOKENS = 512
 
 
 def response_logprobs(model: Transformer, batch: Batch, temperature: float, with_entropy: bool = False,
                       packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      routing: RoutingState | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) [N, R] for the response tokens, and the policy's entropy at each position [N, R]
-    (None unless `with_entropy`); 0 at padding. Differentiable; no [N, R, V] tensor is ever built."""
+    (None unless `with_entropy`); 0 at padding. Differentiable; no [N, R, V] tensor is ever built. `routing`: MoE
+    record/replay state in this call's token order (`routing_state(batch, replay, packed)`)."""
     P = batch.prompt_len
     valid = batch.attention_mask.bool()  # [N, P + R]
     resp = valid[:, P:]  # [N, R] real response tokens (tool outputs included: the loss mask is the caller's)
@@ -52,7 +55,7 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
     def head(h: torch.Tensor, weight: torch.Tensor):
         return token_logprobs(h.flatten(0, 1)[rows], weight, targets, temperature, chunk_tokens, with_entropy)
 
-    lp, ent = model(ids, mask, meta=meta, head=head)
+    lp, ent = model(ids, mask, meta=meta, head=head, routing=routing)
     zeros = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
     return zeros.masked_scatter(resp, lp), None if ent is None else zeros.masked_scatter(resp, ent)
 
@@ -65,7 +68,7 @@ def _compute_dtype(model: Transformer) -> torch.dtype:
 @torch.no_grad()
 def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size: int, group=None,
           max_tokens: int = 0, packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-          precision: platform.Precision | None = None) -> torch.Tensor:
+          precision: platform.Precision | None = None, replay: bool = False) -> torch.Tensor:
     """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs).
 
     With an FSDP `group`, every rank runs as many forwards (padding micro-batches, weight 0, are scored and
@@ -75,7 +78,8 @@ def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size
     for rows, weight in fsdp.micro_batch_rows(batch, micro_batch_size, group, max_tokens, packed):
         mb = batch.select(rows)
         with platform.autocast(precision, dev) if precision is not None else contextlib.nullcontext():
-            lp, _ = response_logprobs(model, mb, temperature, packed=packed, chunk_tokens=chunk_tokens)
+            lp, _ = response_logprobs(model, mb, temperature, packed=packed, chunk_tokens=chunk_tokens,
+                                      routing=routing_state(mb, replay, packed))
         if weight:
             out[rows, :lp.shape[1]] = lp * mb.response_mask
     return out

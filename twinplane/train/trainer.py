@@ -22,19 +22,21 @@ from twinplane.train.export import export_weights
 from twinplane.train.logprobs import response_logprobs, score
 from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
+from twinplane.train.routing import RoutingStats, routing_state
 
 
 class Reference:
     """Frozen reference policy for the KL term."""
 
     def __init__(self, model: Transformer, temperature: float, micro_batch_size: int, group=None,
-                 max_tokens: int = 0, train: TrainSection | None = None):
+                 max_tokens: int = 0, train: TrainSection | None = None, routing_replay: bool = False):
         """`group`: the data-parallel process group when `model` is FSDP-sharded; `max_tokens`: the micro-batch
         token budget (0 = off), as `train.max_tokens_per_micro_batch`; `train`: packing, log-prob chunk and
-        compute dtype as the trainer's (defaults when None)."""
+        compute dtype as the trainer's (defaults when None); `routing_replay`: MoE, run the engine's recorded
+        experts (`algo.routing_replay`)."""
         self.model = model.eval().requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
-        self.group, self.max_tokens = group, max_tokens
+        self.group, self.max_tokens, self.replay = group, max_tokens, routing_replay
         self.train = train or TrainSection()
         self.device = model.output_weight().device
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, self.train.compute_dtype)
@@ -42,7 +44,7 @@ class Reference:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         t = self.train
         return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                     self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision)
+                     self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision, self.replay)
 
 
 class Trainer:
@@ -73,7 +75,8 @@ class Trainer:
         self.model.eval()
         c = self.cfg
         return score(self.model, batch.to(self.device), self.temperature, c.micro_batch_size, self.group,
-                     c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision)
+                     c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision,
+                     self.algo.cfg.routing_replay)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return export_weights(self.model)
@@ -104,10 +107,12 @@ class Trainer:
         sums = dict.fromkeys(keys + (["tis_weight_mean", "tis_clip_frac"] if tis else []), 0.0)
         c = self.cfg
         mbs = fsdp.micro_batches(batch, c.micro_batch_size, self.group, c.max_tokens_per_micro_batch, c.packing)
+        moe = RoutingStats(self.config, self.device) if self.config.num_experts else None
         for mb, weight in mbs:
+            rs = routing_state(mb, self.algo.cfg.routing_replay, c.packing, keep_logits=moe is not None)
             with platform.autocast(self.precision, self.device):
                 lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, packed=c.packing,
-                                            chunk_tokens=c.logprob_chunk_tokens)
+                                            chunk_tokens=c.logprob_chunk_tokens, routing=rs)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
             w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap) if tis else None  # [n, R]
@@ -116,6 +121,9 @@ class Trainer:
             if tis:
                 stats |= {"tis_weight_mean": token_sum(w, m, num_tokens),
                           "tis_clip_frac": token_sum((w >= self.tis_cap).float(), m, num_tokens)}
+            if moe is not None:  # load-balancing loss, weighted by the micro-batch's share of the step's tokens
+                share = weight * mb.num_response_tokens / num_tokens
+                loss = loss + c.router_aux_loss_coef * share * moe.aux_loss(rs, mb, share, c.packing)
             if mb.rollout_logprobs is not None:
                 stats["logprob_gap"] = token_sum((lp.detach() - mb.rollout_logprobs).abs(), m, num_tokens)
             (loss * weight).backward()
@@ -126,7 +134,8 @@ class Trainer:
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
                                   self.cfg.optimizer_offload)
         lr = self.sched.get_last_lr()[0]
-        return {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr}
+        out = {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr}
+        return out | (moe.metrics(self.group) if moe is not None else {})
 
 
 def clip_and_step(model: torch.nn.Module, opt, sched, grad_clip: float, device: torch.device,
