@@ -90,3 +90,34 @@ def test_aux_loss_coef_changes_only_through_the_router_balance():
     assert metrics["moe/aux_loss"] > 0
     gate = f"model.layers.{model.config.moe_layers[0]}.mlp.gate.weight"
     assert not torch.equal(dict(a.named_parameters())[gate], dict(b.named_parameters())[gate])
+
+
+def test_routing_record_survives_chunked_prefill_forks_and_preemption():
+    """The paged engine records per step: prefill chunks, n-way forks and recompute after preemption must give the
+    record of an unconstrained run."""
+    from twinplane.rollout.kv_cache import bytes_per_block
+
+    model = tiny_moe()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5)
+    want = RolloutEngine(copy.deepcopy(model), eos_token_id=None, record_routing=True).generate(PROMPTS, sp)
+    free = RolloutEngine(copy.deepcopy(model), eos_token_id=None)
+    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, record_routing=True, max_num_batched_tokens=4,
+                          kv_cache_bytes=3 * bytes_per_block(model.config, free.block_size, torch.float32))
+    got = tight.generate(PROMPTS, sp)
+    assert tight.pop_metrics()["rollout/preemptions"] > 0
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.routing.shape == (len(a.prompt_ids) + len(a.token_ids), 2, 2)
+        torch.testing.assert_close(a.routing.sort(-1).values, b.routing.sort(-1).values, atol=0, rtol=0)
+
+
+def test_replay_is_the_same_in_packed_and_padded_micro_batches():
+    model = tiny_moe()
+    batch = sampled_batch(model, torch.bfloat16)
+    lps = []
+    for packing in (True, False):
+        train = TrainSection(micro_batch_size=5, packing=packing)
+        trainer = Trainer(copy.deepcopy(model), train, AlgoSection(routing_replay=True), 1.0, 1)
+        lps.append(trainer.logprobs(batch))
+        assert trainer.train_step(batch)["rollout/routing_agreement"] == 1.0
+    torch.testing.assert_close(lps[0], lps[1], atol=1e-5, rtol=0)
