@@ -17,7 +17,7 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
     from twinplane.cluster.ray_planes import RayPlanes  # Ray's presence is checked by `run.prepare`
 
     def cpu_state(m: Transformer) -> dict:
-        return {n: p.detach().cpu() for n, p in m.named_parameters()}
+        return {n: p.detach().cpu() for n, p in m.named_parameters()}  # with LoRA: base and adapters
 
     return RayPlanes(cfg, model.config, tokenizer, cpu_state(model), reference and cpu_state(reference),
                      total_steps, tis_cap, log)

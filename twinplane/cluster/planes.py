@@ -15,6 +15,7 @@ import torch
 from twinplane import platform
 from twinplane.config import Config
 from twinplane.model import Transformer
+from twinplane.model.lora import cast_base, merge_lora
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, build_tools
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
@@ -32,6 +33,21 @@ def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
     return MultiTurnRollout(engine, tokenizer, build_tools(cfg.rollout.tools), cfg.rollout.max_turns)
 
 
+def reference_is_base(cfg: Config) -> bool:
+    """LoRA with a KL term: the reference is the policy's own base with the adapters off (no second model)."""
+    return cfg.train.lora.rank > 0 and cfg.algo.kl_coef > 0
+
+
+def engine_model(cfg: Config, model: Transformer) -> Transformer:
+    """The engine's copy of the policy in the rollout dtype (LoRA adapters stay fp32): the same adapted model, or
+    with `rollout.lora_merge` a plain model with the adapters folded in."""
+    rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+    model = copy.deepcopy(model)
+    if cfg.rollout.lora_merge:
+        merge_lora(model)
+    return cast_base(model, rollout_dtype)
+
+
 class LocalPlanes:
     """Both planes in this process, sharing the device; the engine takes the trainer's tensors in-process."""
 
@@ -40,11 +56,12 @@ class LocalPlanes:
     def __init__(self, cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer,
                  total_steps: int, tis_cap: float | None):
         r, t = cfg.rollout, cfg.train
-        rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
-        self.engine = RolloutEngine(copy.deepcopy(model).to(rollout_dtype), tokenizer.eos_token_id,
-                                    tokenizer.pad_token_id, r.max_num_seqs, seed=cfg.seed)
+        self.engine = RolloutEngine(engine_model(cfg, model), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                    r.max_num_seqs, seed=cfg.seed)
         self.rollout = build_rollout(cfg, self.engine, tokenizer)
         self.trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap)
+        if reference_is_base(cfg):
+            reference = model
         self.reference = None if reference is None else Reference(
             reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch)
 
@@ -61,7 +78,7 @@ class LocalPlanes:
     def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int) -> None:
         load_named_optimizer_state(self.trainer.model, self.trainer.opt, optimizer)
         self.trainer.sched.load_state_dict(scheduler)
-        self.engine.load_weights(self.trainer.named_weights(), version=version)
+        sync_in_process(self.engine, self.trainer, version)
         restore_generator(self.engine.generator, engine_rng[0] if len(engine_rng) == 1 else None, version)
 
     def close(self) -> None:

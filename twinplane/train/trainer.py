@@ -6,6 +6,7 @@ Interface used by the controller: `logprobs(batch)`, `train_step(batch) -> metri
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -14,8 +15,11 @@ from torch.distributed.tensor import DTensor
 from twinplane.algos import clipped_policy_loss, kl_penalty, token_sum, truncated_is_weights
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
+from twinplane.model.lora import adapters_disabled, has_lora, is_adapter
+from twinplane.sync import tensor_checksum
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
+from twinplane.train.export import export_weights
 from twinplane.train.logprobs import response_logprobs, score
 from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
@@ -27,15 +31,19 @@ class Reference:
     def __init__(self, model: Transformer, temperature: float, micro_batch_size: int, group=None,
                  max_tokens: int = 0):
         """`group`: the data-parallel process group when `model` is FSDP-sharded; `max_tokens`: the micro-batch
-        token budget (0 = off), as `train.max_tokens_per_micro_batch`."""
-        self.model = model.eval().requires_grad_(False)
+        token budget (0 = off), as `train.max_tokens_per_micro_batch`. A `model` with LoRA adapters is the policy
+        itself: the reference is its frozen base, scored with the adapters switched off (no second copy)."""
+        self.shared = has_lora(model)
+        self.model = model if self.shared else model.eval().requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.group, self.max_tokens = group, max_tokens
         self.device = model.output_weight().device
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
-        return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                     self.max_tokens)
+        self.model.eval()  # (the trainer puts a shared model back in train mode for its own forwards)
+        with adapters_disabled(self.model) if self.shared else contextlib.nullcontext():
+            return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
+                         self.max_tokens)
 
 
 class Trainer:
@@ -52,6 +60,7 @@ class Trainer:
             model.parameters(), train.lr, train.betas, train.weight_decay, train.warmup_steps, total_steps,
             train.schedule, train.min_lr_ratio)
         self.device = model.output_weight().device
+        self._frozen_sums: dict[torch.dtype, dict[str, int]] = {}
 
     @property
     def config(self) -> ModelConfig:
@@ -62,9 +71,19 @@ class Trainer:
         return score(self.model, batch.to(self.device), self.temperature, self.cfg.micro_batch_size, self.group,
                      self.cfg.max_tokens_per_micro_batch)
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.named_parameters():
-            yield name, p.detach()
+    def named_weights(self, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
+                      merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors by name (`twinplane.train.export.export_weights`)."""
+        return export_weights(self.model, dtype, adapters_only=adapters_only, merged=merged)
+
+    def frozen_checksums(self, dtype: torch.dtype) -> dict[str, int]:
+        """Per-tensor checksums of the frozen (non-adapter) weights in `dtype`, computed once: with LoRA the base
+        never changes, so an adapter-only sync still verifies the engines' whole model without re-reading it here.
+        A collective on the first call when sharded."""
+        if dtype not in self._frozen_sums:
+            self._frozen_sums[dtype] = {n: tensor_checksum(t) for n, t in export_weights(self.model, dtype)
+                                        if not is_adapter(n)}
+        return self._frozen_sums[dtype]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (gradient-accumulated over micro-batches).
