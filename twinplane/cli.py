@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     xp = sub.add_parser("export", help="write a run's or checkpoint's policy as a Hugging Face model folder")
     xp.add_argument("source", help="a run dir (its newest complete checkpoint, else final/) or a checkpoint folder")
     xp.add_argument("--out", required=True, help="output folder")
+    xp.add_argument("--format", default="merged", choices=["merged", "peft"],
+                    help="merged: a full HF model (LoRA adapters folded in; the default); peft: LoRA adapters only "
+                         "(adapter_config.json + adapter_model.safetensors)")
     sp = sub.add_parser("supervise", help="run a command, relaunching it with --resume auto after crashes",
                         description="twinplane supervise [--max-restarts K] [--backoff S] -- twinplane train ...")
     sp.add_argument("rest", nargs=argparse.REMAINDER)
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         from twinplane.export import export
 
         try:
-            out = export(Path(ns.source), Path(ns.out))
+            out = export(Path(ns.source), Path(ns.out), ns.format)
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             print(f"twinplane: error: {e}", file=sys.stderr)
             return 2
