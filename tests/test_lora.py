@@ -278,3 +278,26 @@ def test_export_peft_of_a_full_run_is_an_error(tmp_path, capsys):
 def test_bad_lora_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, [override])
+
+
+def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
+    from test_plan import QWEN25_7B
+
+    from twinplane.devices import BY_KEY
+    from twinplane.model import ModelConfig
+    from twinplane.plan import Cluster, Workload, layouts, lora_params, main, recommend, training_memory
+
+    small = tiny_model()
+    assert lora_params(small.config, 4) == adapter_numel(lora_model(rank=4))  # against the real adapters
+    cfg = ModelConfig.from_hf(QWEN25_7B)
+    w, full = Workload(32, 8, 512, 1024, 4, lora_rank=16), Workload(32, 8, 512, 1024, 4)
+    lp, p = lora_params(cfg, 16), cfg.num_params
+    assert 0.004 < lp / p < 0.006
+    tm = training_memory(cfg, BY_KEY["h100"], w)
+    assert tm.resident == pytest.approx(2 * p + 16 * lp)  # bf16 base; fp32 adapters, grads and AdamW moments
+    for gpu in ("h100", "mi300x"):
+        one = Cluster(BY_KEY[gpu], 1, 1, 2.0)
+        assert not layouts(cfg, one, full)  # full fine-tuning does not fit on one GPU
+        best, _ = recommend(cfg, one, w)
+        assert best is not None and best.colocated and best.resharding_bytes == lp * 4
+    assert main(["--model", "x", "--gpu", "h100", "--lora", "-1"]) == 2
