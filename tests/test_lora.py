@@ -164,7 +164,7 @@ def _dp_worker(rank, world, tmp):
 
 
 def test_dp2_fsdp_with_lora_equals_dp1(tmp_path):
-    spawn(_dp_worker, (2, str(tmp_path)), nprocs=2)
+    spawn(_dp_worker, (2, str(tmp_path)), nprocs=2, timeout=300)
     got = torch.load(tmp_path / "dp2.pt")
     batch = make_batch(tiny_model())
     model = lora_model()
