@@ -75,8 +75,10 @@ class RolloutEngine:
     def dtype(self) -> torch.dtype:
         return self.model.output_weight().dtype
 
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        load_weights(self.model, named)  # copied in place
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
+                     strict: bool = True) -> None:
+        """Copied in place; `strict=False`: a subset (LoRA adapters only)."""
+        load_weights(self.model, named, strict=strict)
         self.weight_version = self.weight_version + 1 if version is None else version
 
     def checksum(self) -> int:

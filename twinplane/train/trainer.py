@@ -6,6 +6,7 @@ Interface used by the controller: `logprobs(batch)`, `train_step(batch) -> metri
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -16,6 +17,8 @@ from twinplane import platform
 from twinplane.algos import Algorithm, token_sum, truncated_is_weights
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
+from twinplane.model.lora import adapters_disabled, has_lora, is_adapter
+from twinplane.sync import tensor_checksum
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.export import export_weights
@@ -31,8 +34,10 @@ class Reference:
                  max_tokens: int = 0, train: TrainSection | None = None):
         """`group`: the data-parallel process group when `model` is FSDP-sharded; `max_tokens`: the micro-batch
         token budget (0 = off), as `train.max_tokens_per_micro_batch`; `train`: packing, log-prob chunk and
-        compute dtype as the trainer's (defaults when None)."""
-        self.model = model.eval().requires_grad_(False)
+        compute dtype as the trainer's (defaults when None). A `model` with LoRA adapters is the policy itself:
+        the reference is its frozen base, scored with the adapters switched off (no second copy)."""
+        self.shared = has_lora(model)
+        self.model = model if self.shared else model.eval().requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.group, self.max_tokens = group, max_tokens
         self.train = train or TrainSection()
@@ -41,8 +46,10 @@ class Reference:
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         t = self.train
-        return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                     self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision)
+        self.model.eval()  # (the trainer puts a shared model back in train mode for its own forwards)
+        with adapters_disabled(self.model) if self.shared else contextlib.nullcontext():
+            return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
+                         self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision)
 
 
 class Trainer:
@@ -64,6 +71,7 @@ class Trainer:
         self.device = model.output_weight().device
         # one policy for 1 and N ranks: FSDP casts the gathered params (shard_model), autocast does the rest
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
+        self._frozen_sums: dict[torch.dtype, dict[str, int]] = {}
 
     @property
     def config(self) -> ModelConfig:
@@ -75,8 +83,19 @@ class Trainer:
         return score(self.model, batch.to(self.device), self.temperature, c.micro_batch_size, self.group,
                      c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision)
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return export_weights(self.model)
+    def named_weights(self, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
+                      merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors by name (`twinplane.train.export.export_weights`)."""
+        return export_weights(self.model, dtype, adapters_only=adapters_only, merged=merged)
+
+    def frozen_checksums(self, dtype: torch.dtype) -> dict[str, int]:
+        """Per-tensor checksums of the frozen (non-adapter) weights in `dtype`, computed once: with LoRA the base
+        never changes, so an adapter-only sync still verifies the engines' whole model without re-reading it here.
+        A collective on the first call when sharded."""
+        if dtype not in self._frozen_sums:
+            self._frozen_sums[dtype] = {n: tensor_checksum(t) for n, t in export_weights(self.model, dtype)
+                                        if not is_adapter(n)}
+        return self._frozen_sums[dtype]
 
     def _global(self, x: float, op=None) -> float:
         return x if self.group is None else fsdp.all_reduce(x, self.group, *(() if op is None else (op,)))
