@@ -57,7 +57,7 @@ def test_shared_prompt_equals_separate_submissions_and_cow_keeps_shared_blocks()
     engine._step = checked_step
     together = sampled(engine, [prompt], [seeds], sp)
     m = engine.pop_metrics()
-    assert m["rollout/prefill_tokens_per_s"] > 0
+    assert m["perf/prefill_tokens_per_s"] > 0
     engine._step = step
     apart = sampled(engine, [prompt] * 4, [[s] for s in seeds], sp)
     assert [s.token_ids for s in together] == [s.token_ids for s in apart]

@@ -30,8 +30,8 @@ def step_row(step: int, rng: random.Random) -> dict:
             "time/train": 0.25, "time/weight_sync": 0.02, "time/step": 0.9, "sync/bytes": 4e6,
             "sync/gb_per_s": 0.2 + rng.uniform(0, 0.05), "rollout/running_seqs_mean": 40 + rng.uniform(-5, 5),
             "rollout/preemptions": step % 3, "rollout/kv_cache_usage_peak": 0.6,
-            "rollout/prefill_tokens_per_s": 3000.0,
-            "rollout/decode_tokens_per_s": 900.0}  # no time/ref_logprob: kl_coef 0
+            "perf/prefill_tokens_per_s": 3000.0,
+            "perf/decode_tokens_per_s": 900.0}  # no time/ref_logprob: kl_coef 0
 
 
 def write_run(run_dir, steps: int = 30, summary: bool = True, drop: tuple[str, ...] = ()) -> None:

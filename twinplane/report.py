@@ -195,7 +195,7 @@ def plot_throughput(rows: list[dict], fig) -> bool:
     if train:
         _line(ax, train, "train tokens/s", "C1")
     for key, label, color in (("prefill", "engine prefill tokens/s", "C4"), ("decode", "engine decode tokens/s", "C5")):
-        s = Series(rows, f"rollout/{key}_tokens_per_s")
+        s = Series(rows, f"perf/{key}_tokens_per_s")
         if s:
             _line(ax, s, label, color)
     ax.set(title="Throughput", xlabel="step", ylabel="tokens / s")

@@ -144,8 +144,8 @@ class RolloutEngine:
             return {}
         return {"rollout/kv_cache_usage_peak": s.usage_peak, "rollout/preemptions": s.preemptions,
                 "rollout/running_seqs_mean": s.running_sum / s.steps, "rollout/engine_steps": s.steps,
-                "rollout/prefill_tokens_per_s": s.prefill_tokens / max(s.seconds, 1e-9),
-                "rollout/decode_tokens_per_s": s.decode_tokens / max(s.seconds, 1e-9)}
+                "perf/prefill_tokens_per_s": s.prefill_tokens / max(s.seconds, 1e-9),
+                "perf/decode_tokens_per_s": s.decode_tokens / max(s.seconds, 1e-9)}
 
     # --- internals ----------------------------------------------------------------------------------------------
     def _allocate(self, seqs: list[Seq]) -> None:
