@@ -245,13 +245,13 @@ def test_silent_worker_times_out_with_its_name():
 def test_unplaceable_cluster_is_a_clear_error_and_releases_resources(tmp_path, capsys):
     before = ray.available_resources().get("CPU")
     t0 = time.monotonic()
-    assert run(tmp_path, *RAY, "cluster.train_devices=2", "cluster.rollout_devices=2") == 1
+    assert run(tmp_path / "too_big", *RAY, "cluster.train_devices=2", "cluster.rollout_devices=2") == 1
     assert "4 workers of {'CPU': 1} need {'CPU': 4}, the Ray cluster has {'CPU': 2.0}" in capsys.readouterr().err
     assert time.monotonic() - t0 < 30  # at once, not after cluster.timeout_s
     # resources exist but are taken: wait up to cluster.timeout_s, then say so
     blocker = ray.util.placement_group([{"CPU": 1}])
     ray.get(blocker.ready())
-    assert run(tmp_path, *RAY, "cluster.timeout_s=2") == 1
+    assert run(tmp_path / "taken", *RAY, "cluster.timeout_s=2") == 1  # a fresh run dir: the first one is claimed
     assert "could not place 2 workers of {'CPU': 1} within 2 s" in capsys.readouterr().err
     ray.util.remove_placement_group(blocker)
     time.sleep(1)  # resource accounting is asynchronous

@@ -43,7 +43,7 @@ def _worker(rank, world, tmp, n, clip, tool_masks, name="grpo"):
         local = split_for_rank(batch, rank, world)
         model = shard_model(tiny_model())
         algo = AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)
-        metrics = trainer(model, clip, dist.group.WORLD, algo).train_step(local)
+        metrics = trainer(model, clip, dist.group.WORLD, algo=algo).train_step(local)
         state, grads = full_state_dict(model), full_grads(model)
         if rank == 0:
             torch.save({"state": state, "grads": grads, "metrics": metrics}, f"{tmp}/dp{world}.pt")

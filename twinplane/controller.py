@@ -196,6 +196,8 @@ class Controller:
                 raise ValueError("async rollout: step() was not given the prompts submitted as next_prompts")
             samples = handle.result()
         else:
+            if hasattr(self.engine, "pop_metrics"):  # drop what validation generated: the step reports its own
+                self.engine.pop_metrics()
             samples = self.rollout.generate([p.ids for p in prompts], self.sampling)
         self.pending = None
         if self.async_ and next_prompts:
