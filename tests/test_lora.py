@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import these modules by name
 from conftest import tiny_model  # noqa: E402
 from test_fsdp import spawn  # noqa: E402
+from test_resume import train as run_train  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
 
 from twinplane import checkpoint  # noqa: E402
@@ -189,13 +190,7 @@ ARGS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
 
 
 def train(run_dir, *extra, fault=None):
-    os.environ.pop("TWINPLANE_FAULT", None)
-    if fault:
-        os.environ["TWINPLANE_FAULT"] = fault
-    try:
-        return main(["train", "--run-dir", str(run_dir), *ARGS, *extra])
-    finally:
-        os.environ.pop("TWINPLANE_FAULT", None)
+    return run_train(run_dir, *extra, fault=fault, args=ARGS)
 
 
 def outcome(run_dir):

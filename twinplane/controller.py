@@ -28,7 +28,7 @@ from twinplane.evaluation import Scorer
 from twinplane.flops import forward_flops_per_token, train_flops_per_token
 from twinplane.metrics import PhaseTimer
 from twinplane.prompts import Prompt
-from twinplane.rollout import RolloutEngine, Sample, SamplingParams, multi_turn_metrics
+from twinplane.rollout import Done, RolloutEngine, Sample, SamplingParams, multi_turn_metrics
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer
@@ -211,7 +211,7 @@ class Controller:
     def submit(self, requests):
         if hasattr(self.rollout, "submit"):
             return self.rollout.submit(requests, self.sampling)
-        return _Done(self.rollout.generate(requests, self.sampling))  # one process: run it now, same weights
+        return Done(self.rollout.generate(requests, self.sampling))  # one process: run it now, same weights
 
     def pending_state(self) -> dict | None:
         """The rollout in flight (async mode), finished and as plain data, for a checkpoint: its samples came from
@@ -219,12 +219,12 @@ class Controller:
         if self.pending is None:
             return None
         prompts, handle = self.pending
-        self.pending = (prompts, _Done(handle.result()))
+        self.pending = (prompts, Done(handle.result()))
         return {"prompts": [asdict(p) for p in prompts], "samples": [asdict(s) for s in self.pending[1].samples]}
 
     def load_pending(self, state: dict | None) -> None:
         self.pending = None if state is None else (
-            [Prompt(**p) for p in state["prompts"]], _Done([Sample(**s) for s in state["samples"]]))
+            [Prompt(**p) for p in state["prompts"]], Done([Sample(**s) for s in state["samples"]]))
 
     def sync_weights(self) -> SyncReport:
         """Push the trainer's weights to every engine and verify each holds exactly them."""
@@ -276,11 +276,3 @@ class Controller:
             m["actor/logprob_gap"] = actor[0]["actor/logprob_gap"]
             m["actor/lr"] = actor[-1]["actor/lr"]
         return m | times
-
-
-class _Done:
-    def __init__(self, samples):
-        self.samples = samples
-
-    def result(self):
-        return self.samples

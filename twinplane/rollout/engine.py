@@ -35,7 +35,7 @@ from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.rollout.sequence import Sequence as Seq
 from twinplane.sync import weights_checksum
 
-__all__ = ["RolloutEngine", "Sample"]
+__all__ = ["Done", "RolloutEngine", "Sample"]
 
 
 @dataclass
@@ -95,9 +95,9 @@ class RolloutEngine:
                 for i, p in enumerate(requests)]
         return self.run(seqs)
 
-    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> _Done:
+    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> Done:
         """The async interface (`handle.result()`): one process has one device, so it generates now."""
-        return _Done(self.generate(requests, sampling))
+        return Done(self.generate(requests, sampling))
 
     def sequence(self, prompt: Sequence[int], request_index: int, sampling: SamplingParams,
                  seeds: list[int]) -> Seq:
@@ -200,8 +200,9 @@ class RolloutEngine:
         if max(widths) > 1:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
         lp = policy_logprobs(logits, sp.temperature)  # [R, V]
-        early = [s.num_generated < sp.min_new_tokens for s in ready for _ in range(s.width)]
         banned = None
+        early = [s.num_generated < sp.min_new_tokens for s in ready for _ in range(s.width)] if sp.min_new_tokens \
+            else []
         if any(early) and ready[0].stop_ids:
             banned = torch.zeros_like(lp, dtype=torch.bool)
             rows = torch.tensor(early, device=lp.device)
@@ -229,7 +230,9 @@ class RolloutEngine:
         return finished
 
 
-class _Done:
+class Done:
+    """A rollout that has already run, behind the async handle interface (`result()`)."""
+
     def __init__(self, samples: list[Sample]):
         self.samples = samples
 

@@ -142,9 +142,9 @@ class Trainer:
                 sums[k] += weight * float(v)
         if self.group is not None:
             sums = {k: fsdp.all_reduce(v, self.group) for k, v in sums.items()}
+        lr = self.sched.get_last_lr()[0]  # the rate this update uses, read before the scheduler steps
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
                                   self.cfg.optimizer_offload)
-        lr = self.sched.get_last_lr()[0]
         return {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr}
 
 
