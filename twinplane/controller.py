@@ -169,8 +169,8 @@ class Controller:
         if kept == 0:
             return (*parts[-1][:5], metrics)
         rows = [(p, i) for p in parts for i in p[5].nonzero().squeeze(1).tolist()]
-        labels = list(dict.fromkeys(int(p[4][i]) for p, i in rows))[:target]  # first `target` groups, in order
-        rows = [(p, i) for p, i in rows if int(p[4][i]) in set(labels)]
+        labels = set(list(dict.fromkeys(int(p[4][i]) for p, i in rows))[:target])  # the first `target` groups
+        rows = [(p, i) for p, i in rows if int(p[4][i]) in labels]
         return ([p[0][i] for p, i in rows], [p[1][i] for p, i in rows], torch.stack([p[2][i] for p, i in rows]),
                 torch.stack([p[3][i] for p, i in rows]), torch.tensor([int(p[4][i]) for p, i in rows]), metrics)
 
