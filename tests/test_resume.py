@@ -17,12 +17,13 @@ ARGS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
         "checkpoint.keep=2", "eval.every=3", "eval.n=2"]
 
 
-def train(run_dir, *extra, fault=None):
+def train(run_dir, *extra, fault=None, args=ARGS):
+    """`twinplane train` on `run_dir` with `args` then `extra`, optionally with a TWINPLANE_FAULT spec."""
     os.environ.pop("TWINPLANE_FAULT", None)
     if fault:
         os.environ["TWINPLANE_FAULT"] = fault
     try:
-        return main(["train", "--run-dir", str(run_dir), *ARGS, *extra])
+        return main(["train", "--run-dir", str(run_dir), *args, *extra])
     finally:
         os.environ.pop("TWINPLANE_FAULT", None)
 

@@ -2,6 +2,8 @@
 
 Layout of `RUN_DIR/checkpoints/step_00000010/`:
   model/               the policy as an HF folder (config.json, model.safetensors, tokenizer, generation_config.json)
+  adapter/             instead of model/ with LoRA: the adapters as a PEFT folder; the frozen base is not copied,
+                       state.json's `lora_base` names it by path and sha256 (checked on resume and export)
   reference.safetensors the frozen reference policy, when it is not simply the unchanged `model.path`
   optimizer.pt         AdamW state (tensors and numbers only: loaded with `weights_only=True`)
   rng.safetensors      torch CPU / GPU generator states and the rollout engine's sampling generator

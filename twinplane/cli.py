@@ -107,6 +107,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     xp = sub.add_parser("export", help="write a run's or checkpoint's policy as a Hugging Face model folder")
     xp.add_argument("source", help="a run dir (its newest complete checkpoint, else final/) or a checkpoint folder")
     xp.add_argument("--out", required=True, help="output folder (new or empty)")
+    xp.add_argument("--format", default="merged", choices=["merged", "peft"],
+                    help="merged: a full HF model (LoRA adapters folded in; the default); peft: LoRA adapters only "
+                         "(adapter_config.json + adapter_model.safetensors)")
     sp = sub.add_parser("supervise", help="run a command, relaunching it with --resume auto after crashes",
                         description="twinplane supervise [--max-restarts K] [--backoff S] -- twinplane train ...")
     sp.add_argument("rest", nargs=argparse.REMAINDER)
@@ -138,7 +141,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         parser.print_help()
         return 0
     if ns.command == "export":
-        return _export(Path(ns.source), Path(ns.out))
+        return _export(Path(ns.source), Path(ns.out), ns.format)
     if ns.command == "train" and ns.max_restarts != 0:
         if ns.max_restarts < 0:
             raise ConfigError(f"--max-restarts: must be >= 0, got {ns.max_restarts}")
@@ -199,11 +202,11 @@ def _eval(run, setup, cfg, ns) -> int:
     return 0
 
 
-def _export(source: Path, out: Path) -> int:
+def _export(source: Path, out: Path, fmt: str) -> int:
     from twinplane.export import export
 
     try:
-        out = export(source, out)
+        out = export(source, out, fmt)
     except FileNotFoundError as e:
         raise InputError(e) from None
     print(f"exported {out}")

@@ -19,6 +19,7 @@ import yaml
 
 from twinplane.algos import AGG_MODES, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
 from twinplane.errors import InputError
+from twinplane.model.lora import TARGETS as LORA_TARGETS
 
 
 class ConfigError(InputError):
@@ -100,6 +101,15 @@ class RolloutSection:
     max_turns: int = 1  # model turns per sample when tools are on
     tp: int = 1  # tensor-parallel size of one engine (1 in this version: engines are data parallel)
     record_routing: bool = False  # MoE: record each token's experts per sparse layer (for algo.routing_replay)
+    lora_merge: bool = False  # with train.lora: engines hold merged weights (base-speed decode, full sync)
+
+
+@dataclass
+class LoraSection:
+    rank: int = 0  # LoRA rank r (0 = off: full fine-tuning); the base is frozen, only the adapters train
+    alpha: float = 32.0  # LoRA alpha: the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input (training forwards only)
+    targets: str = "all"  # all (every attention and MLP linear) or a comma list, e.g. q_proj,v_proj
 
 
 @dataclass
@@ -121,6 +131,7 @@ class TrainSection:
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, ~30% more compute
     optimizer_offload: bool = False  # keep AdamW state in host memory between updates (frees device memory)
     router_aux_loss_coef: float = 0.0  # MoE: weight of the load-balancing loss (transformers' formula; 0 = off)
+    lora: LoraSection = field(default_factory=LoraSection)  # train.lora.*: low-rank adapters instead of all weights
 
 
 @dataclass
@@ -325,6 +336,15 @@ class Config:
              "needs rollout.record_routing=true (the engine's record is what is replayed)"),
             (not (self.rollout.record_routing and self.rollout.tools), "rollout.record_routing",
              "does not support rollout.tools yet"),
+            (self.train.lora.rank >= 0, "train.lora.rank", "must be >= 0 (0 = off)"),
+            (self.train.lora.alpha > 0, "train.lora.alpha", "must be > 0"),
+            (0 <= self.train.lora.dropout < 1, "train.lora.dropout", "must be in [0, 1)"),
+            (self.train.lora.targets == "all" or set(self.train.lora.targets.split(",")) <= set(LORA_TARGETS),
+             "train.lora.targets", f"must be all or a comma list of {','.join(LORA_TARGETS)}"),
+            (not (self.train.lora.dropout > 0 and self.train.activation_checkpointing), "train.lora.dropout",
+             "must be 0 with train.activation_checkpointing (the recomputed block would draw other dropout masks)"),
+            (not self.rollout.lora_merge or self.train.lora.rank > 0, "rollout.lora_merge",
+             "needs train.lora.rank > 0"),
             (not self.rollout.tools or self.model.path, "rollout.tools",
              "needs model.path (the built-in demo's digit vocabulary cannot spell tool calls)"),
             # ranges and choices of every remaining key, then keys that depend on each other
@@ -549,7 +569,9 @@ def config_help() -> str:
     lines = []
     for name in _all_keys(Config):
         section, _, leaf = name.rpartition(".")
-        cls = typing.get_type_hints(Config)[section] if section else Config
+        cls = Config
+        for part in filter(None, section.split(".")):  # nested sections (train.lora) walk down
+            cls = typing.get_type_hints(cls)[_attr(part)]
         src = inspect.getsource(cls).splitlines()
         field_line = f"{_attr(leaf)}:"
         comment = next((s.split("#", 1)[1].strip() for s in src if s.strip().startswith(field_line) and "#" in s), "")

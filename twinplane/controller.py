@@ -28,7 +28,7 @@ from twinplane.evaluation import Scorer
 from twinplane.flops import forward_flops_per_token, train_flops_per_token
 from twinplane.metrics import PhaseTimer
 from twinplane.prompts import Prompt
-from twinplane.rollout import RolloutEngine, Sample, SamplingParams, multi_turn_metrics
+from twinplane.rollout import Done, RolloutEngine, Sample, SamplingParams, multi_turn_metrics
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer
@@ -170,8 +170,8 @@ class Controller:
         if kept == 0:
             return (*parts[-1][:5], metrics)
         rows = [(p, i) for p in parts for i in p[5].nonzero().squeeze(1).tolist()]
-        labels = list(dict.fromkeys(int(p[4][i]) for p, i in rows))[:target]  # first `target` groups, in order
-        rows = [(p, i) for p, i in rows if int(p[4][i]) in set(labels)]
+        labels = set(list(dict.fromkeys(int(p[4][i]) for p, i in rows))[:target])  # the first `target` groups
+        rows = [(p, i) for p, i in rows if int(p[4][i]) in labels]
         return ([p[0][i] for p, i in rows], [p[1][i] for p, i in rows], torch.stack([p[2][i] for p, i in rows]),
                 torch.stack([p[3][i] for p, i in rows]), torch.tensor([int(p[4][i]) for p, i in rows]), metrics)
 
@@ -197,6 +197,8 @@ class Controller:
                 raise ValueError("async rollout: step() was not given the prompts submitted as next_prompts")
             samples = handle.result()
         else:
+            if hasattr(self.engine, "pop_metrics"):  # drop what validation generated: the step reports its own
+                self.engine.pop_metrics()
             samples = self.rollout.generate([p.ids for p in prompts], self.sampling)
         self.pending = None
         if self.async_ and next_prompts:
@@ -210,7 +212,7 @@ class Controller:
     def submit(self, requests):
         if hasattr(self.rollout, "submit"):
             return self.rollout.submit(requests, self.sampling)
-        return _Done(self.rollout.generate(requests, self.sampling))  # one process: run it now, same weights
+        return Done(self.rollout.generate(requests, self.sampling))  # one process: run it now, same weights
 
     def pending_state(self) -> dict | None:
         """The rollout in flight (async mode), finished and as plain data, for a checkpoint: its samples came from
@@ -218,7 +220,7 @@ class Controller:
         if self.pending is None:
             return None
         prompts, handle = self.pending
-        self.pending = (prompts, _Done(handle.result()))
+        self.pending = (prompts, Done(handle.result()))
         samples = [asdict(s) | {"routing": None if s.routing is None else s.routing.tolist()}  # JSON
                    for s in self.pending[1].samples]
         return {"prompts": [asdict(p) for p in prompts], "samples": samples}
@@ -229,7 +231,7 @@ class Controller:
             return Sample(**s | {"routing": None if routing is None else torch.tensor(routing, dtype=torch.int16)})
 
         self.pending = None if state is None else (
-            [Prompt(**p) for p in state["prompts"]], _Done([sample(s) for s in state["samples"]]))
+            [Prompt(**p) for p in state["prompts"]], Done([sample(s) for s in state["samples"]]))
 
     def sync_weights(self) -> SyncReport:
         """Push the trainer's weights to every engine and verify each holds exactly them."""
@@ -283,11 +285,3 @@ class Controller:
                     m[k] = actor[0][k]
             m["actor/lr"] = actor[-1]["actor/lr"]
         return m | times
-
-
-class _Done:
-    def __init__(self, samples):
-        self.samples = samples
-
-    def result(self):
-        return self.samples

@@ -13,6 +13,11 @@ Everything here is an estimate from the model's shape and the datasheet numbers 
   transient activations); no paging, fragmentation or CUDA-graph memory beyond the headroom;
 - throughput: decode is memory-bandwidth bound, training runs at an assumed MFU; collectives inside FSDP are
   assumed overlapped with compute; the reference / old-log-prob forward passes are ignored.
+- LoRA (`--lora RANK`, adapters on every attention and MLP linear): the base is frozen in bf16 (2 bytes per
+  parameter, no grads, master copy or moments), the adapters carry the 16 bytes per parameter of fp32 weights,
+  grads and moments; activations add the fp32 copy of each adapted layer's input; the backward skips the base's
+  weight gradients (training FLOPs x 2/3); the sync moves only the fp32 adapters; there is no reference copy
+  (the reference is the base with the adapters off) -- and without LoRA the reference copy is not counted either.
 Ignored everywhere: framework/runtime context (CUDA context, NCCL buffers, ~1-3 GB per GPU, covered by the
 headroom), allocator fragmentation, pipeline parallelism. Sequences are packed (`train.packing`, the default), so
 a micro-batch holds micro_batch_size x seq_len real tokens and no padding; the LM head's log-probs run in chunks of
@@ -25,7 +30,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from twinplane.devices import BY_KEY, DeviceSpec
@@ -67,6 +72,7 @@ class Workload:
     response_len: int = 1024
     micro_batch_size: int = 4  # sequences per forward/backward
     logprob_chunk_tokens: int = 512  # train.logprob_chunk_tokens
+    lora_rank: int = 0  # train.lora.rank (0 = full fine-tuning)
 
     @property
     def sequences(self) -> int:
@@ -176,6 +182,14 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int) -> float:
     return float(4 * d + 5 * a + 6 * k + 4 * f) * act_bytes
 
 
+def lora_params(cfg: ModelConfig, rank: int) -> int:
+    """Adapter parameters, rank r on every attention and MLP linear: r (in + out) each, per layer
+    r (7d + 2a + 2k + 3f) with a = heads * head_dim, k = kv_heads * head_dim."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return rank * cfg.num_layers * (7 * d + 2 * a + 2 * k + 3 * f)
+
+
 def logits_bytes(cfg: ModelConfig, response_tokens: int, act_bytes: int, chunk: int = 512) -> float:
     """The LM head's transient buffers, one chunk of min(tokens, chunk) rows x vocab at a time (forward and the
     backward's recompute): the chunk's logits in the compute dtype, then fp32 log-probs (normalised in place),
@@ -193,16 +207,27 @@ def training_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, fsdp: int
     host memory between updates; master weights stay on the device.
     Activations: one micro-batch of `micro_batch_size` x seq_len tokens; with `checkpointing`, each layer keeps
     only its input (d elements per token) and one layer's activations are live during recompute.
+    With `w.lora_rank`, the base's params count at the compute dtype and the adapters take grads, master and moments
+    (see the module docstring).
     """
     dt = Dtypes.for_device(device)
     p = cfg.num_params
     tokens = w.micro_batch_size * w.seq_len
     per_layer = activation_bytes_per_token_layer(cfg, dt.act)
+    if w.lora_rank:  # each adapted layer keeps its input cast to fp32 (5d + a + f) and the r-wide intermediate
+        d, a = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        per_layer += ((5 * d + a + cfg.intermediate_size) * 4 if dt.act != 4 else 0) + 7 * w.lora_rank * 4
     if checkpointing:
         act = tokens * (cfg.num_layers * cfg.hidden_size * dt.act + per_layer)
     else:
         act = tokens * cfg.num_layers * per_layer
     act += tokens * 3 * cfg.hidden_size * dt.act  # embeddings out, final norm in/out
+    if w.lora_rank:
+        lp = lora_params(cfg, w.lora_rank)
+        return TrainMemory(params=(p * dt.param + lp * 4) / fsdp, grads=lp * 4 / fsdp, master=0.0,
+                           moments=0.0 if offload else lp * 8 / fsdp, activations=float(act),
+                           logits=logits_bytes(cfg, w.micro_batch_size * w.response_len, dt.act,
+                                               w.logprob_chunk_tokens))
     return TrainMemory(
         params=p * dt.param / fsdp,
         grads=p * dt.grad / fsdp,
@@ -240,7 +265,8 @@ def rollout_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, tp: int = 
     b = Dtypes.for_device(device).param
     kv = kv_bytes_per_token(cfg, device, tp) * seqs * w.seq_len
     prompts = max(1, math.ceil(seqs / w.n))
-    return RolloutMemory(weights=cfg.num_params * b / tp, kv_cache=kv,
+    lora = lora_params(cfg, w.lora_rank) * 4 / tp  # unmerged fp32 adapters beside the base
+    return RolloutMemory(weights=cfg.num_params * b / tp + lora, kv_cache=kv,
                          workspace=rollout_workspace(cfg, device, seqs, prompts * w.prompt_len, tp))
 
 
@@ -282,22 +308,30 @@ def train_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, gpus: int, 
     (x4/3); offload adds moving this device's share of the moments over PCIe, in before the update and out after."""
     tokens = w.sequences * w.seq_len
     f = train_flops_per_token(cfg, w.seq_len) * tokens * (4 / 3 if checkpointing else 1.0)
+    if w.lora_rank:  # no weight gradients for the frozen base: forward + input gradients only
+        f *= 2 / 3
     s = f / (gpus * device.bf16_tflops * 1e12 * MFU)
     if offload:
-        s += 2 * cfg.num_params * Dtypes.for_device(device).moments / gpus / (HOST_LINK_GB_S * GB)
+        p = lora_params(cfg, w.lora_rank) if w.lora_rank else cfg.num_params
+        s += 2 * p * Dtypes.for_device(device).moments / gpus / (HOST_LINK_GB_S * GB)
     return s
 
 
-def resharding_bytes(cfg: ModelConfig, device: DeviceSpec, dp: int) -> float:
-    """Bytes moved trainer -> engines per step: the full weights in the rollout dtype, gathered once from the
-    FSDP shards and sent to each of the `dp` engines (each TP rank of an engine receives 1/TP of it)."""
-    return float(cfg.num_params * Dtypes.for_device(device).param * dp)
+def sync_payload(cfg: ModelConfig, device: DeviceSpec, lora_rank: int = 0) -> float:
+    """Bytes one engine receives per sync: the weights in the rollout dtype, or only the fp32 LoRA adapters."""
+    return float(lora_params(cfg, lora_rank) * 4 if lora_rank else cfg.num_params * Dtypes.for_device(device).param)
 
 
-def sync_seconds(cfg: ModelConfig, device: DeviceSpec, tp: int, colocated: bool) -> float:
+def resharding_bytes(cfg: ModelConfig, device: DeviceSpec, dp: int, lora_rank: int = 0) -> float:
+    """Bytes moved trainer -> engines per step: the payload, gathered once from the FSDP shards and sent to each
+    of the `dp` engines (each TP rank of an engine receives 1/TP of it)."""
+    return sync_payload(cfg, device, lora_rank) * dp
+
+
+def sync_seconds(cfg: ModelConfig, device: DeviceSpec, tp: int, colocated: bool, lora_rank: int = 0) -> float:
     """All-gather the FSDP shards then broadcast (pipelined, so each rank receives its 1/TP share once at
     LINK_GB_S); colocated engines on the same devices still gather, so the cost is the same order."""
-    w = cfg.num_params * Dtypes.for_device(device).param
+    w = sync_payload(cfg, device, lora_rank)
     return (w + w / tp) / (LINK_GB_S * GB)
 
 
@@ -336,12 +370,12 @@ def _layout(cfg: ModelConfig, cluster: Cluster, w: Workload, colocated: bool, tr
     rollout_peak = rollout_memory(cfg, dev, w, tp, in_flight).total + (tm.resident if colocated else 0.0)
     r = rollout_seconds(cfg, dev, w, dp, tp, in_flight)
     t = train_seconds(cfg, dev, w, train_gpus, ckpt, offload)
-    s = sync_seconds(cfg, dev, tp, colocated)
+    s = sync_seconds(cfg, dev, tp, colocated, w.lora_rank)
     # Phases alternate (the controller is synchronous, on-policy), so a disaggregated plane idles while the other
     # works; with `overlap` the rollout of step k+1 runs during training of step k and the slower plane sets the pace.
     step = max(r, t) + s if cluster.overlap and not colocated else r + t + s
     return Layout(colocated, train_gpus, rollout_gpus, tp, ckpt, offload, train_peak, rollout_peak, in_flight, r, t,
-                  s, step, resharding_bytes(cfg, dev, dp), cost_per_million(cluster, step, w))
+                  s, step, resharding_bytes(cfg, dev, dp, w.lora_rank), cost_per_million(cluster, step, w))
 
 
 def layouts(cfg: ModelConfig, cluster: Cluster, w: Workload) -> list[Layout]:
@@ -446,7 +480,8 @@ def plan(cfg: ModelConfig, cluster: Cluster, w: Workload) -> dict:
     rm = rollout_memory(cfg, dev, w, tp, best.seqs_in_flight if best else None)
     return {
         "model": {"params": cfg.num_params, "active_params": cfg.active_params, "layers": cfg.num_layers,
-                  "hidden": cfg.hidden_size},
+                  "hidden": cfg.hidden_size,
+                  "trainable_params": lora_params(cfg, w.lora_rank) if w.lora_rank else cfg.num_params},
         "cluster": {"device": dev.key, "memory_gb": dev.memory_gb, "gpus": g, "price_per_gpu_hour":
                     cluster.price_per_gpu_hour},
         "workload": asdict(w),
@@ -472,6 +507,10 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
              f"{dev.bf16_tflops:g} TFLOP/s bf16)",
              f"step: {w.prompts_per_step} prompts x {w.n} samples, prompt {w.prompt_len} + response "
              f"{w.response_len} tokens, micro-batch {w.micro_batch_size}",
+             (f"LoRA r={w.lora_rank} on every attention/MLP linear: {p['model']['trainable_params'] / 1e6:.1f}M "
+              f"trainable params ({100 * p['model']['trainable_params'] / cfg.num_params:.2f}%); frozen bf16 base; "
+              "no reference copy (the base with adapters off); adapter-only sync" if w.lora_rank else
+              "full fine-tuning (the reference copy for algo.kl_coef > 0 is not counted)"),
              "",
              f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
     for k in ("params", "grads", "master", "moments", "activations", "logits", "total"):
@@ -506,7 +545,8 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
                   f"${cluster.price_per_gpu_hour:g}/GPU-hour",
                   f"  overrides: {best['overrides']} rollout.prompts_per_step={w.prompts_per_step} "
                   f"rollout.n={w.n} rollout.max_new_tokens={w.response_len} "
-                  f"train.micro_batch_size={w.micro_batch_size}"]
+                  f"train.micro_batch_size={w.micro_batch_size}"
+                  + (f" train.lora.rank={w.lora_rank}" if w.lora_rank else "")]
     if best is not None and best["overrides"].count("rollout.tp=1 ") == 0:
         lines.append("  (rollout.tp > 1 is not in this version: pick the best layout with rollout.tp=1 from the list)")
     return "\n".join(lines)
@@ -535,7 +575,7 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
         prompt = 2 * cfg.task.digits + 2
     r = cfg.rollout
     return mc, Workload(r.prompts_per_step, r.n, prompt, r.max_new_tokens * r.max_turns,
-                        min(cfg.train.micro_batch_size, r.prompts_per_step * r.n))
+                        min(cfg.train.micro_batch_size, r.prompts_per_step * r.n), lora_rank=cfg.train.lora.rank)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -555,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logprob-chunk-tokens", type=int, default=512, help="train.logprob_chunk_tokens")
     ap.add_argument("--overlap", action="store_true",
                     help="price disaggregated layouts as overlapping (one step off-policy) instead of alternating")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="LoRA adapters of this rank on every attention/MLP linear (train.lora.rank; 0 = full)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ns = ap.parse_args(argv)
     device = CPU if ns.gpu.lower() == "cpu" else BY_KEY.get(ns.gpu.lower())
@@ -565,11 +607,15 @@ def main(argv: list[str] | None = None) -> int:
            ns.logprob_chunk_tokens) < 1:
         print("error: --gpus, --nodes, batch sizes and lengths must be >= 1", file=sys.stderr)
         return 2
+    if ns.lora < 0:
+        print(f"error: --lora {ns.lora}: the rank must be >= 0 (0 = full fine-tuning)", file=sys.stderr)
+        return 2
     w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
-                 ns.logprob_chunk_tokens)
+                 ns.logprob_chunk_tokens, ns.lora)
     try:
         if ns.run_dir or ns.config:
             cfg, w = from_run_config(Path(ns.config) if ns.config else Path(ns.run_dir) / "config.yaml", ns.model)
+            w = replace(w, lora_rank=ns.lora or w.lora_rank)
         elif ns.model:
             cfg = load_model_config(ns.model)
         else:
@@ -584,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["CPU", "Cluster", "Dtypes", "Layout", "RolloutMemory", "TrainMemory", "Workload", "format_plan", "layouts",
-           "main", "plan", "recommend", "rollout_memory", "training_memory"]
+           "lora_params", "main", "plan", "recommend", "rollout_memory", "training_memory"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,7 +30,9 @@ from twinplane.errors import InputError, Preempted
 from twinplane.evaluation import evaluate
 from twinplane.loggers import build_loggers, check_backends
 from twinplane.metrics import LiveLine, MetricsLog, progress_line, summary_table
-from twinplane.model import ModelConfig, Transformer, load_weights, save_pretrained
+from twinplane.model import ModelConfig, Transformer, iter_safetensors, load_weights, save_pretrained
+from twinplane.model.lora import adapter_numel, apply_lora, merge_lora
+from twinplane.model.lora_io import base_sha256, save_adapter
 from twinplane.prompts import Prompt, encode_prompts
 from twinplane.rewards.runner import RewardRunner
 from twinplane.rollout import SamplingParams
@@ -275,6 +277,40 @@ def run_eval(s: Setup, rollout, n: int = 1, temperature: float = 0.0) -> dict[st
                     s.cfg.seed)
 
 
+def attach_lora(s: Setup, console: Console) -> dict:
+    """Freeze `s.model` as the LoRA base and add adapters (B = 0: still the base). Returns the base's identity
+    {path, sha256, dropout}, which checkpoints record instead of copying the base.
+
+    The base is `model.path`, or for the built-in demo the (warm-started) model written once to RUN_DIR/base/. On
+    resume, the base the checkpoint names is loaded (demo) and must still hash the same: one-line error if not."""
+    cfg, lora = s.cfg, s.cfg.train.lora
+    if s.resume_from is not None:
+        saved = run_state.read_lora_base(s.resume_from)
+        if saved is None:
+            raise ConfigError(f"--resume {s.resume_from}: train.lora.rank cannot change on resume (a full-weight "
+                              f"checkpoint)")
+        base_dir = Path(saved["path"])
+        if not (base_dir / "config.json").exists():
+            raise ConfigError(f"--resume {s.resume_from}: the LoRA base {base_dir} is missing")
+        digest = base_sha256(base_dir)
+        if digest != saved["sha256"]:
+            raise ConfigError(f"--resume {s.resume_from}: the LoRA base {base_dir} changed since the checkpoint "
+                              f"(sha256 {digest[:12]} != {saved['sha256'][:12]})")
+        if not cfg.model.path:
+            load_weights(s.model, iter_safetensors(base_dir))
+    else:
+        base_dir = Path(cfg.model.path) if cfg.model.path else s.run_dir / "base"
+        if not cfg.model.path:
+            save_hf_folder(s.model, s.tokenizer, base_dir)
+        digest = base_sha256(base_dir)
+    full = sum(p.numel() for p in s.model.parameters())
+    apply_lora(s.model, lora.rank, lora.alpha, lora.dropout, lora.targets, seed=cfg.seed)
+    adapters = adapter_numel(s.model)
+    console.print(f"LoRA r={lora.rank} alpha={lora.alpha:g} on {lora.targets}: {adapters:,} trainable parameters "
+                  f"({100 * adapters / full:.2f}% of {full:,}); base {base_dir} frozen")
+    return {"path": str(base_dir.resolve()), "sha256": digest, "dropout": lora.dropout}
+
+
 PREEMPTED = 75  # exit code after a SIGTERM/SIGINT was handled and an emergency checkpoint written
 
 
@@ -358,10 +394,11 @@ def train(s: Setup, console: Console | None = None) -> dict:
                       f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
 
     r = cfg.rollout
+    lora_base = attach_lora(s, console) if cfg.train.lora.rank > 0 else None
     # Taken before a restore, so without a warm start the reference is the unchanged source; after a warm start
-    # its weights are in the checkpoint.
+    # its weights are in the checkpoint. With LoRA the reference is the policy's own base (adapters off).
     algo = build_algorithm(cfg)
-    reference = copy.deepcopy(model) if algo.needs_reference else None
+    reference = copy.deepcopy(model) if algo.needs_reference and lora_base is None else None
     stream = PromptStream(s.train_prompts, cfg.seed)
     summary: dict = {"heldout_size": len(s.val_prompts)}
     phase_sums: dict[str, float] = {}
@@ -403,7 +440,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
     def pull_policy() -> dict:
         planes_state = planes.state()
         if planes_state["policy"] is not None:  # the trainer is elsewhere: bring its weights into `model`
-            load_weights(model, planes_state["policy"].items())
+            load_weights(model, planes_state["policy"].items(), strict=lora_base is None)  # LoRA: adapters only
         return planes_state
 
     def save_checkpoint(step: int) -> None:
@@ -414,7 +451,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
         path = checkpoint.save(run_dir, step, lambda out: run_state.write(
             out, config=cfg.to_dict(), policy=model, save_policy_extras=lambda m, d: save_hf_folder(m, tokenizer, d),
             reference=reference if warm else None, planes_state=planes_state, stream=stream, step=step,
-            extra=extra), cfg.checkpoint.keep, before_manifest=lambda: faults("checkpoint"))
+            extra=extra, lora_base=lora_base), cfg.checkpoint.keep, before_manifest=lambda: faults("checkpoint"))
         live.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
 
     try:
@@ -481,7 +518,11 @@ def train(s: Setup, console: Console | None = None) -> dict:
             stop.restore()
     # The run is complete: a stop request from here on only lets these few writes finish.
     faults("final", cfg.train.steps)
-    save_hf_folder(model, tokenizer, run_dir / "final")
+    if lora_base is None:
+        save_hf_folder(model, tokenizer, run_dir / "final")
+    else:  # final/ is the merged model (loads anywhere); final_adapter/ the adapters alone (PEFT)
+        save_hf_folder(merge_lora(copy.deepcopy(model)), tokenizer, run_dir / "final")
+        save_adapter(model, run_dir / "final_adapter", lora_base["path"], cfg.train.lora.dropout)
     steps = max(cfg.train.steps, 1)
     summary.update(steps=cfg.train.steps, wall_seconds=time.perf_counter() - t_start,
                    phase_seconds_mean={k[5:]: v / steps for k, v in phase_sums.items()})

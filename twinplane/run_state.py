@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from twinplane.checkpoint import CheckpointError
 from twinplane.model import Transformer, iter_safetensors, load_weights
+from twinplane.model.lora_io import load_adapter, save_adapter
 from twinplane.run_dir import respect_umask
 from twinplane.train.export import export_weights
 
@@ -34,8 +35,11 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(immutable keys that differ, mutable keys that differ), each as 'key: old -> new'."""
-    a, b = _flatten(saved), _flatten(current)
+    """(immutable keys that differ, mutable keys that differ), each as 'key: old -> new'. A key the saved config
+    lacks (added to twinplane since) counts as its default."""
+    from twinplane.config import Config
+
+    a, b = _flatten(Config().to_dict()) | _flatten(saved), _flatten(current)
     bad, ok = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -69,10 +73,15 @@ def _set_rng_state(tensors: dict, plain: dict) -> None:
 
 
 def write(out: Path, *, config: dict, policy: Transformer, save_policy_extras, reference: Transformer | None,
-          planes_state: dict, stream, step: int, extra: dict) -> None:
+          planes_state: dict, stream, step: int, extra: dict, lora_base: dict | None = None) -> None:
     """Fill a checkpoint folder (see `twinplane.checkpoint` for the layout). `planes_state` is `Planes.state()`:
-    optimizer state by parameter name with full tensors (loadable on any rank count), scheduler, engine RNGs."""
-    save_policy_extras(policy, out / "model")  # HF folder: weights, config, tokenizer, generation config
+    optimizer state by parameter name with full tensors (loadable on any rank count), scheduler, engine RNGs.
+    `lora_base` ({path, sha256}): the policy is LoRA on that base; only its adapters are written."""
+    if lora_base is not None:  # LoRA: the adapters only (PEFT folder); the base is referred to by path + sha256
+        save_adapter(policy, out / "adapter", lora_base["path"], lora_base.get("dropout", 0.0))
+        extra = extra | {"lora_base": lora_base}
+    else:
+        save_policy_extras(policy, out / "model")  # HF folder: weights, config, tokenizer, generation config
     if reference is not None:
         save_file({n: t.contiguous().cpu() for n, t in export_weights(reference)},
                   out / "reference.safetensors")
@@ -100,6 +109,11 @@ def read_config(ckpt: Path) -> dict:
     return saved
 
 
+def read_lora_base(ckpt: Path) -> dict | None:
+    """{path, sha256} of the base a LoRA checkpoint's adapters belong to (None: a full-weight checkpoint)."""
+    return json.loads((ckpt / "state.json").read_text()).get("lora_base")
+
+
 def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:
     """Load a checkpoint's weights into freshly built models (on any device), the data cursor and the process
     RNGs; returns state.json's contents plus `optimizer`, `engine_rng` and (with a critic) `critic`, for
@@ -116,7 +130,10 @@ def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, s
 
 def _restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:
     state = json.loads((ckpt / "state.json").read_text())
-    load_weights(policy, iter_safetensors(ckpt / "model"))
+    if (ckpt / "adapter").is_dir():  # LoRA: `policy` is the base with adapters applied; they take the saved ones
+        load_adapter(policy, ckpt / "adapter")
+    else:
+        load_weights(policy, iter_safetensors(ckpt / "model"))
     if reference is not None and (ckpt / "reference.safetensors").exists():
         load_weights(reference, load_file(ckpt / "reference.safetensors").items())
     stream.load_state_dict(state["stream"])

@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import torch
 
+from twinplane.model.lora import has_lora
+
 _MOD = 2**61 - 1
 _CHUNK = 1 << 20  # elements per chunk: bounds the temporary int64 memory whatever the tensor size
 
@@ -91,7 +93,7 @@ class SyncReport:
     version: int
     expected: int
     checksums: dict[str, int]  # engine name -> checksum
-    bytes: int  # payload: the model in the engine dtype (per engine)
+    bytes: int  # payload per engine: the model in the engine dtype, or only the LoRA adapters (fp32)
     seconds: float  # the sender's time for gather + transfer
 
     def mismatched(self) -> list[str]:
@@ -99,11 +101,19 @@ class SyncReport:
 
 
 def sync_in_process(engine, trainer, version: int) -> SyncReport:
-    """Colocated in one process: the engine copies the trainer's tensors directly."""
+    """Colocated in one process: the engine copies the trainer's tensors directly.
+
+    With LoRA, an engine that has adapters receives only them (it holds the base already); one without (merged,
+    `rollout.lora_merge`) receives every weight with the adapters folded in. Either way the engine's checksum covers
+    its whole model and is compared with the trainer's (the frozen base's part computed once)."""
+    adapters = has_lora(engine.model)
+    merged = not adapters and has_lora(trainer.model)
     t0 = time.perf_counter()
-    engine.load_weights(trainer.named_weights(), version=version)
+    named = list(trainer.named_weights(engine.dtype, adapters_only=adapters, merged=merged))
+    engine.load_weights(named, version=version, strict=not adapters)
     seconds = time.perf_counter() - t0
-    named = list(trainer.named_weights())
-    payload = sum(t.numel() for _, t in named) * engine.dtype.itemsize
-    return SyncReport(version, weights_checksum(named, dtype=engine.dtype), {"engine 0": engine.checksum()},
-                      payload, seconds)
+    per_tensor = {name: tensor_checksum(t) for name, t in named}
+    if adapters:
+        per_tensor |= trainer.frozen_checksums(engine.dtype)
+    payload = sum(t.numel() * t.element_size() for _, t in named)
+    return SyncReport(version, combine_checksums(per_tensor), {"engine 0": engine.checksum()}, payload, seconds)

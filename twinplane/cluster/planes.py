@@ -19,6 +19,7 @@ from twinplane import platform
 from twinplane.algos import Algorithm
 from twinplane.config import Config
 from twinplane.model import Transformer, iter_safetensors, load_weights
+from twinplane.model.lora import cast_base, merge_lora
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, build_tools, engine_options
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
@@ -49,12 +50,28 @@ def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
 
 
 def build_critic(cfg: Config, policy: Transformer, device: torch.device) -> Critic:
-    """PPO's critic: the value model from `critic.model_path`, else from the policy's current (starting) weights."""
+    """PPO's critic: the value model from `critic.model_path`, else from the policy's current (starting) weights
+    (with LoRA: folded in, base names only; the critic itself trains every weight)."""
     c, t = cfg.critic, cfg.train
-    weights = iter_safetensors(c.model_path) if c.model_path else export_weights(policy)
+    weights = iter_safetensors(c.model_path) if c.model_path else export_weights(policy, merged=True)
     model = build_value_model(policy.config, weights, device, platform.resolve_dtype(cfg.model.dtype))
     return Critic(model, c.lr, t.betas, t.weight_decay, c.value_clip, c.grad_clip, t.micro_batch_size,
                   t.max_tokens_per_micro_batch)
+
+
+def reference_is_base(cfg: Config) -> bool:
+    """LoRA with a KL term: the reference is the policy's own base with the adapters off (no second model)."""
+    return cfg.train.lora.rank > 0 and build_algorithm(cfg).needs_reference
+
+
+def engine_model(cfg: Config, model: Transformer) -> Transformer:
+    """The engine's copy of the policy in the rollout dtype (LoRA adapters stay fp32): the same adapted model, or
+    with `rollout.lora_merge` a plain model with the adapters folded in."""
+    rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+    model = copy.deepcopy(model)
+    if cfg.rollout.lora_merge:
+        merge_lora(model)
+    return cast_base(model, rollout_dtype)
 
 
 class LocalPlanes:
@@ -65,11 +82,12 @@ class LocalPlanes:
     def __init__(self, cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer,
                  total_steps: int, tis_cap: float | None):
         r, t = cfg.rollout, cfg.train
-        rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
-        self.engine = build_engine(cfg, copy.deepcopy(model).to(rollout_dtype), tokenizer)
+        self.engine = build_engine(cfg, engine_model(cfg, model), tokenizer)
         self.rollout = build_rollout(cfg, self.engine, tokenizer)
         self.trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap,
                                horizon=r.max_new_tokens)
+        if reference_is_base(cfg):
+            reference = model
         self.reference = None if reference is None else Reference(
             reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, train=t,
             routing_replay=cfg.algo.routing_replay)
@@ -97,7 +115,7 @@ class LocalPlanes:
             load_named_optimizer_state(self.critic.model, self.critic.opt, critic["optimizer"])
         load_named_optimizer_state(self.trainer.model, self.trainer.opt, optimizer)
         self.trainer.sched.load_state_dict(scheduler)
-        self.engine.load_weights(self.trainer.named_weights(), version=version)
+        sync_in_process(self.engine, self.trainer, version)
         restore_generator(self.engine.generator, engine_rng[0] if len(engine_rng) == 1 else None, version)
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from twinplane import platform
-from twinplane.cluster.planes import WorkerError
+from twinplane.cluster.planes import WorkerError, reference_is_base
 from twinplane.cluster.workers import RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config, ConfigError
 from twinplane.model import ModelConfig
@@ -104,7 +104,7 @@ class RayPlanes:
         self._wait(calls, "setup")
         self.engine_names = [self._name(e) for e in self.engines]
         self.trainer = _TrainerProxy(self, model_config)
-        self.reference = _ReferenceProxy(self) if reference is not None else None
+        self.reference = _ReferenceProxy(self) if reference is not None or reference_is_base(cfg) else None
         self.engine = self.rollout = _EngineProxy(self, platform.resolve_dtype(cfg.model.rollout_dtype
                                                                                or cfg.model.dtype))
         log(f"ray: {spec.num_train} training rank(s) + {spec.num_engines} engine(s) "

@@ -19,14 +19,15 @@ import torch
 import torch.distributed as dist
 
 from twinplane import platform
-from twinplane.cluster.planes import build_engine, build_rollout, restore_generator
-from twinplane.config import Config
+from twinplane.cluster.planes import build_engine, build_rollout, reference_is_base, restore_generator
+from twinplane.config import Config, LoraSection
 from twinplane.model import ModelConfig, Transformer, load_weights
+from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.rollout import SamplingParams
 from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
-from twinplane.train.export import export_weights
+from twinplane.train.export import export_shapes, exported
 from twinplane.train.fsdp import shard_model
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 
@@ -89,7 +90,7 @@ class _Worker:
     def _build_engine(self, policy: dict[str, torch.Tensor], index: int) -> None:
         s = self.spec
         dtype = platform.resolve_dtype(s.cfg.model.rollout_dtype or s.cfg.model.dtype)
-        model = build_model(s.model_config, policy, self.device, dtype)
+        model = build_model(s.model_config, policy, self.device, dtype, s.cfg.train.lora, s.cfg.rollout.lora_merge)
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
         self.engine = build_engine(s.cfg, model, s.tokenizer, seed_offset=1_000_003 * index)
         self.rollout = build_rollout(s.cfg, self.engine, s.tokenizer)
@@ -127,11 +128,13 @@ class RolloutWorker(_Worker):
     def receive_weights(self, version: int) -> dict:
         """The receiving end of `TrainWorker.push_weights`; returns this engine's checksum afterwards."""
         params = dict(self.engine.model.named_parameters())
-        shapes = [(n, p.shape) for n, p in params.items()]
+        adapters = has_lora(self.engine.model)  # LoRA unmerged: only the adapters travel (fp32)
+        shapes = [(n, p.shape) for n, p in params.items() if exported(n, adapters_only=adapters)]
+        dtype = torch.float32 if adapters else self.engine_dtype
         bucket_bytes = self.spec.cfg.cluster.sync_bucket_mb << 20
         with torch.no_grad():
-            for bucket in bucket_plan(shapes, self.engine_dtype.itemsize, bucket_bytes):
-                for name, t in broadcast_bucket(None, bucket, self.engine_dtype, self.device, 0, self.sync_group):
+            for bucket in bucket_plan(shapes, dtype.itemsize, bucket_bytes):
+                for name, t in broadcast_bucket(None, bucket, dtype, self.device, 0, self.sync_group):
                     params[name].copy_(t)
         self.engine.weight_version = version
         return {"checksum": self.engine.checksum()}
@@ -147,11 +150,14 @@ class TrainWorker(_Worker):
         group = self.train_group if s.num_train > 1 else None  # one rank: the plain model, as the local backend
         dtype = platform.resolve_dtype(cfg.model.dtype)
         t = cfg.train
-        model = self._shard(build_model(s.model_config, policy, self.device, dtype), group)
+        model = self._shard(build_model(s.model_config, policy, self.device, dtype, t.lora), group)
         self.trainer = Trainer(model, t, cfg.algo, cfg.rollout.temperature, s.total_steps, group, tis_cap=s.tis_cap,
                                horizon=cfg.rollout.max_new_tokens)
         self.reference = None
-        if reference is not None:
+        if reference_is_base(cfg):  # LoRA: the policy's base, adapters off
+            self.reference = Reference(model, cfg.rollout.temperature, t.micro_batch_size, group=group,
+                                       max_tokens=t.max_tokens_per_micro_batch, train=t)
+        elif reference is not None:
             ref = self._shard(build_model(s.model_config, reference, self.device, dtype), group)
             self.reference = Reference(ref, cfg.rollout.temperature, t.micro_batch_size, group=group,
                                        max_tokens=t.max_tokens_per_micro_batch, train=t,
@@ -182,23 +188,30 @@ class TrainWorker(_Worker):
         """Full weights, gathered from the FSDP shards one bucket at a time (every rank takes part in each
         gather), cast to the engine dtype; rank 0 broadcasts each bucket to the engines, or (colocated) every rank
         loads its own engine. Returns the sender's checksum of what it sent, bytes and seconds."""
-        cluster = self.spec.cfg.cluster
-        dtype = platform.resolve_dtype(self.spec.cfg.model.rollout_dtype or self.spec.cfg.model.dtype)
-        shapes = [(n, p.shape) for n, p in self.trainer.model.named_parameters()]  # a DTensor's shape is the full one
-        exported = export_weights(self.trainer.model, dtype)  # in the same order, gathered one at a time
+        cfg = self.spec.cfg
+        cluster, lora = cfg.cluster, cfg.train.lora
+        dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+        # LoRA: only the adapters (fp32) when the engines hold them; merged weights when `rollout.lora_merge`
+        adapters, merged = lora.rank > 0 and not cfg.rollout.lora_merge, lora.rank > 0 and cfg.rollout.lora_merge
+        shapes = export_shapes(self.trainer.model, adapters, merged)  # a DTensor's shape is the full one
+        send_dtype = torch.float32 if adapters else dtype
+        weights = self.trainer.named_weights(dtype, adapters_only=adapters, merged=merged)
         per_tensor, sent = {}, 0
         t0 = time.perf_counter()
         with torch.no_grad():
-            for bucket in bucket_plan(shapes, dtype.itemsize, cluster.sync_bucket_mb << 20):
-                full = [next(exported)[1] for _ in bucket]  # a collective per sharded tensor
+            for bucket in bucket_plan(shapes, send_dtype.itemsize, cluster.sync_bucket_mb << 20):
+                full = [next(weights)[1] for _ in bucket]  # a collective per sharded tensor
                 if cluster.colocate:
-                    load_weights(self.engine.model, [(n, x) for (n, _), x in zip(bucket, full, strict=True)])
+                    load_weights(self.engine.model, [(n, x) for (n, _), x in zip(bucket, full, strict=True)],
+                                 strict=not adapters)
                 elif self.rank == 0:
-                    broadcast_bucket(full, bucket, dtype, self.device, 0, self.sync_group)
+                    broadcast_bucket(full, bucket, send_dtype, self.device, 0, self.sync_group)
                 if cluster.colocate or self.rank == 0:
                     per_tensor.update({n: tensor_checksum(x) for (n, _), x in zip(bucket, full, strict=True)})
-                    sent += sum(x.numel() for x in full) * dtype.itemsize
+                    sent += sum(x.numel() for x in full) * send_dtype.itemsize
         platform.synchronize(self.device)
+        if adapters:  # the engines' checksums cover the base too (computed once: it is frozen)
+            per_tensor |= self.trainer.frozen_checksums(dtype)
         out = {"expected": combine_checksums(per_tensor), "bytes": sent, "seconds": time.perf_counter() - t0}
         if cluster.colocate:
             self.engine.weight_version = version
@@ -208,7 +221,8 @@ class TrainWorker(_Worker):
     def state(self) -> dict | None:
         """Full policy weights and named optimizer state (collectives: every rank calls), returned by rank 0."""
         tr = self.trainer
-        policy = {n: t.cpu().clone() for n, t in export_weights(tr.model)}
+        lora = self.spec.cfg.train.lora.rank > 0  # the base never changes: only the adapters come back
+        policy = {n: t.cpu().clone() for n, t in tr.named_weights(adapters_only=lora)}
         opt = named_optimizer_state(tr.model, tr.opt)
         return {"policy": policy, "optimizer": opt, "scheduler": tr.sched.state_dict()} if self.rank == 0 else None
 
@@ -221,9 +235,15 @@ class TrainWorker(_Worker):
             dist.destroy_process_group()
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
-                dtype: torch.dtype) -> Transformer:
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                lora: LoraSection | None = None, merge: bool = False) -> Transformer:
+    """The model from named tensors (with `lora.rank` > 0: base and adapters; `merge`: folded into plain Linears),
+    the base in `dtype` and adapters in fp32."""
     model = Transformer(copy.deepcopy(config))
+    if lora is not None and lora.rank > 0:
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
     load_weights(model, state.items())
-    return model.to(device=device, dtype=dtype)
+    if merge:
+        merge_lora(model)
+    return cast_base(model, dtype, device)
 

@@ -38,7 +38,7 @@ from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.rollout.sequence import Sequence as Seq
 from twinplane.sync import weights_checksum
 
-__all__ = ["RolloutEngine", "Sample"]
+__all__ = ["Done", "RolloutEngine", "Sample"]
 
 
 @dataclass
@@ -81,8 +81,10 @@ class RolloutEngine:
     def dtype(self) -> torch.dtype:
         return self.model.output_weight().dtype
 
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        load_weights(self.model, named)  # copied in place
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
+                     strict: bool = True) -> None:
+        """Copied in place; `strict=False`: a subset (LoRA adapters only)."""
+        load_weights(self.model, named, strict=strict)
         self.weight_version = self.weight_version + 1 if version is None else version
 
     def checksum(self) -> int:
@@ -99,9 +101,9 @@ class RolloutEngine:
                 for i, p in enumerate(requests)]
         return self.run(seqs)
 
-    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> _Done:
+    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> Done:
         """The async interface (`handle.result()`): one process has one device, so it generates now."""
-        return _Done(self.generate(requests, sampling))
+        return Done(self.generate(requests, sampling))
 
     def sequence(self, prompt: Sequence[int], request_index: int, sampling: SamplingParams,
                  seeds: list[int]) -> Seq:
@@ -209,8 +211,9 @@ class RolloutEngine:
         if max(widths) > 1:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
         lp = policy_logprobs(logits, sp.temperature)  # [R, V]
-        early = [s.num_generated < sp.min_new_tokens for s in ready for _ in range(s.width)]
         banned = None
+        early = [s.num_generated < sp.min_new_tokens for s in ready for _ in range(s.width)] if sp.min_new_tokens \
+            else []
         if any(early) and ready[0].stop_ids:
             banned = torch.zeros_like(lp, dtype=torch.bool)
             rows = torch.tensor(early, device=lp.device)
@@ -238,7 +241,9 @@ class RolloutEngine:
         return finished
 
 
-class _Done:
+class Done:
+    """A rollout that has already run, behind the async handle interface (`result()`)."""
+
     def __init__(self, samples: list[Sample]):
         self.samples = samples
 

@@ -2,6 +2,10 @@
 
 Weight sync (in-process and the cluster broadcast), checkpoints and `save_pretrained` all iterate this, so a change
 to what leaves (adapter-only export, a dtype) is made once.
+
+With LoRA the trainer's model holds frozen base weights and adapter tensors (`...q_proj.lora_A`/`lora_B`);
+`adapters_only` yields just the adapters (the engines already hold the base), `merged` yields base names only,
+each targeted weight with its adapter folded in (W + scaling * B A), for engines or exports without adapters.
 """
 
 from __future__ import annotations
@@ -11,13 +15,40 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from twinplane.model.lora import is_adapter, lora_modules
 
-def export_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every parameter, in `named_parameters` order, detached and cast to `dtype` (None =
-    as held). An FSDP2-sharded parameter (DTensor) is all-gathered when its turn comes: a collective, so every
-    rank must iterate in step, and only one full tensor is alive at a time if the caller lets it go."""
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    p = p.detach()
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def exported(name: str, adapters_only: bool = False, merged: bool = False) -> bool:
+    """Whether `export_weights` yields the parameter `name` (both ends of a sync derive the same list from it)."""
+    return is_adapter(name) if adapters_only else not (merged and is_adapter(name))
+
+
+def export_shapes(model: torch.nn.Module, adapters_only: bool = False,
+                  merged: bool = False) -> list[tuple[str, torch.Size]]:
+    """(name, full shape) of what `export_weights` yields, in the same order, without gathering anything."""
+    return [(n, p.shape) for n, p in model.named_parameters() if exported(n, adapters_only, merged)]
+
+
+@torch.no_grad()
+def export_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
+                   merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) in parameter order, cast to `dtype` if given (adapters keep fp32 unless merged away).
+
+    FSDP-sharded parameters are gathered one tensor at a time: a collective, so every rank must consume the whole
+    iterator in the same order. Tensors may be views of the live parameters: copy before changing them."""
+    merge = {f"{name}.weight": m for name, m in lora_modules(model)} if merged else {}
     for name, p in model.named_parameters():
-        t = p.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        yield name, t if dtype is None else t.to(dtype)
+        if not exported(name, adapters_only, merged):
+            continue
+        t = _full(p)
+        m = merge.get(name)
+        if m is not None:
+            t = (t.float() + m.delta(_full(m.lora_A), _full(m.lora_B))).to(t.dtype)
+        if dtype is not None and not is_adapter(name):
+            t = t.to(dtype)
+        yield name, t

@@ -6,6 +6,7 @@ Interface used by the controller: `logprobs(batch)`, `train_step(batch) -> metri
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -16,6 +17,8 @@ from twinplane import platform
 from twinplane.algos import Algorithm, token_sum, truncated_is_weights
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
+from twinplane.model.lora import adapters_disabled, has_lora, is_adapter
+from twinplane.sync import tensor_checksum
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.export import export_weights
@@ -33,8 +36,10 @@ class Reference:
         """`group`: the data-parallel process group when `model` is FSDP-sharded; `max_tokens`: the micro-batch
         token budget (0 = off), as `train.max_tokens_per_micro_batch`; `train`: packing, log-prob chunk and
         compute dtype as the trainer's (defaults when None); `routing_replay`: MoE, run the engine's recorded
-        experts (`algo.routing_replay`)."""
-        self.model = model.eval().requires_grad_(False)
+        experts (`algo.routing_replay`). A `model` with LoRA adapters is the policy itself: the reference is its
+        frozen base, scored with the adapters switched off (no second copy)."""
+        self.shared = has_lora(model)
+        self.model = model if self.shared else model.eval().requires_grad_(False)
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self.group, self.max_tokens, self.replay = group, max_tokens, routing_replay
         self.train = train or TrainSection()
@@ -43,8 +48,10 @@ class Reference:
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         t = self.train
-        return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                     self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision, self.replay)
+        self.model.eval()  # (the trainer puts a shared model back in train mode for its own forwards)
+        with adapters_disabled(self.model) if self.shared else contextlib.nullcontext():
+            return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
+                         self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision, self.replay)
 
 
 class Trainer:
@@ -66,6 +73,7 @@ class Trainer:
         self.device = model.output_weight().device
         # one policy for 1 and N ranks: FSDP casts the gathered params (shard_model), autocast does the rest
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
+        self._frozen_sums: dict[torch.dtype, dict[str, int]] = {}
 
     @property
     def config(self) -> ModelConfig:
@@ -78,8 +86,19 @@ class Trainer:
                      c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision,
                      self.algo.cfg.routing_replay)
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return export_weights(self.model)
+    def named_weights(self, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
+                      merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors by name (`twinplane.train.export.export_weights`)."""
+        return export_weights(self.model, dtype, adapters_only=adapters_only, merged=merged)
+
+    def frozen_checksums(self, dtype: torch.dtype) -> dict[str, int]:
+        """Per-tensor checksums of the frozen (non-adapter) weights in `dtype`, computed once: with LoRA the base
+        never changes, so an adapter-only sync still verifies the engines' whole model without re-reading it here.
+        A collective on the first call when sharded."""
+        if dtype not in self._frozen_sums:
+            self._frozen_sums[dtype] = {n: tensor_checksum(t) for n, t in export_weights(self.model, dtype)
+                                        if not is_adapter(n)}
+        return self._frozen_sums[dtype]
 
     def _global(self, x: float, op=None) -> float:
         return x if self.group is None else fsdp.all_reduce(x, self.group, *(() if op is None else (op,)))
@@ -131,9 +150,9 @@ class Trainer:
                 sums[k] += weight * float(v)
         if self.group is not None:
             sums = {k: fsdp.all_reduce(v, self.group) for k, v in sums.items()}
+        lr = self.sched.get_last_lr()[0]  # the rate this update uses, read before the scheduler steps
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
                                   self.cfg.optimizer_offload)
-        lr = self.sched.get_last_lr()[0]
         out = {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr}
         return out | (moe.metrics(self.group) if moe is not None else {})
 

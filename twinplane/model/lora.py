@@ -1,0 +1,151 @@
+"""LoRA (Hu et al. 2021): low-rank adapters on the linear layers of attention and MLP, by module replacement.
+
+`apply_lora(model, rank, alpha, dropout, targets)` swaps each targeted `nn.Linear` for a `LoraLinear` that keeps
+the same `weight`/`bias` Parameters (no copy; HF names unchanged) and adds `lora_A` [r, in] and `lora_B` [out, r]:
+
+    y = x W^T + b + (alpha / r) * dropout(x) A^T B^T
+
+Deviations from / choices beyond the paper: A is initialised like PEFT's default (kaiming-uniform, a=sqrt(5)) and
+B = 0, so step 0 is exactly the base model. The base stays frozen in its storage dtype (bf16 on GPU); the adapters
+are fp32 parameters wherever they live (trainer and engines), and the low-rank product is computed in fp32 and
+cast to the base output's dtype, as PEFT does. No attention or MLP code changes: the model only sees Linears.
+
+`adapters_disabled(model)` turns the adapters off (the reference policy is the base itself), `merge_lora(model)`
+folds them into plain Linears (for an engine that decodes at base speed, and for a merged export).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The targetable layers: every linear of attention and MLP (never the embedding or the LM head).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is a LoRA adapter tensor (`...q_proj.lora_A`)."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+class LoraLinear(nn.Linear):
+    """An `nn.Linear` (same `weight` and `bias` Parameters) plus a low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, generator: torch.Generator):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # the same Parameters: nothing is copied
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+        dev = base.weight.device
+        a = torch.empty(rank, self.in_features, dtype=torch.float32)
+        bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)), PEFT's and nn.Linear's default
+        a.uniform_(-bound, bound, generator=generator)
+        self.lora_A = nn.Parameter(a.to(dev))  # [r, in]
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=torch.float32, device=dev))  # [out, r]
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        y = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return y
+        h = self.dropout(x).to(self.lora_A.dtype)
+        return y + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling).to(y.dtype)
+
+    def delta(self, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight update scaling * B A [out, in] in fp32 (full `a`/`b` may be passed in for sharded params)."""
+        a = self.lora_A if a is None else a
+        b = self.lora_B if b is None else b
+        return (b.float() @ a.float()) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
+
+
+def parse_targets(targets: str | Sequence[str]) -> list[str]:
+    """"all" (or empty) = every attention and MLP linear; otherwise the named ones ("q_proj,v_proj" or a list)."""
+    if isinstance(targets, str):
+        targets = targets.split(",")
+    names = [t.strip() for t in targets if t.strip()]
+    return list(TARGETS) if not names or names == ["all"] else names
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets: str | Sequence[str] = "all",
+               seed: int = 0) -> int:
+    """Freeze `model` and wrap its targeted Linears in place; returns the number of layers wrapped.
+
+    Adapters are initialised from their own generator (`seed`), so the global RNG stream is untouched."""
+    names = parse_targets(targets)
+    unknown = sorted(set(names) - set(TARGETS))
+    if unknown:
+        raise ValueError(f"train.lora.targets: unknown layer {unknown[0]!r} (choose from {', '.join(TARGETS)})")
+    model.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    wrapped = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if child_name in names and type(child) is nn.Linear:
+                setattr(parent, child_name, LoraLinear(child, rank, alpha, dropout, gen))
+                wrapped += 1
+    return wrapped
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLinear):
+            yield name, m
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(True for _ in lora_modules(model))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """The base model for the duration: the reference policy with no second copy in memory."""
+    mods = [m for _, m in lora_modules(model)]
+    states = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, s in zip(mods, states, strict=True):
+            m.enabled = s
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (W += scaling * B A, computed in fp32) and put plain Linears back:
+    the result is an ordinary model with base parameter names. In place; returns `model`."""
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, LoraLinear):
+                w = child.weight
+                w.copy_((w.float() + child.delta()).to(w.dtype))
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                  device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, child_name, plain)
+    return model
+
+
+def cast_base(model: nn.Module, dtype: torch.dtype, device: torch.device | str | None = None) -> nn.Module:
+    """Move the model's parameters to `device` with the base in `dtype` and the adapters kept in fp32 (casting
+    the whole model with `.to(dtype)` would round the adapters)."""
+    for name, p in model.named_parameters():
+        p.data = p.data.to(device=device, dtype=torch.float32 if is_adapter(name) else dtype)
+    return model
+
+
+def adapter_numel(model: nn.Module) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
