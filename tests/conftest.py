@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from twinplane.model import ModelConfig, Transformer
+from twinplane.model import ModelConfig, Transformer, load_model, save_pretrained
 
 
 def tiny_model(seed: int = 0, **over) -> Transformer:
@@ -28,3 +28,19 @@ def tiny_moe(seed: int = 0, **over) -> Transformer:
 @pytest.fixture
 def model():
     return tiny_model()
+
+
+def saved_and_reloaded(src, tmp_path, max_shard_bytes: int):
+    """`src` (a transformers model) loaded by twinplane, every weight perturbed, saved sharded; returns (ours,
+    transformers' load of what we saved, twinplane's reload of it)."""
+    import transformers
+
+    src.save_pretrained(tmp_path / "src")
+    ours = load_model(tmp_path / "src")
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_pretrained(ours, tmp_path / "out", max_shard_bytes=max_shard_bytes)
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    return ours, back, load_model(tmp_path / "out")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import twinplane
-from twinplane.model import save_pretrained
+from tests.conftest import saved_and_reloaded
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,16 +90,7 @@ def test_padded_batch_matches_transformers(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["llama_tied_bias", "qwen3"])
 def test_saved_weights_load_in_transformers(case, tmp_path):
-    src = hf_model(case)
-    src.save_pretrained(tmp_path / "src")
-    ours = twinplane.load_model(tmp_path / "src")
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    save_pretrained(ours, tmp_path / "out", max_shard_bytes=20_000)  # forces a sharded index
-    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    again = twinplane.load_model(tmp_path / "out")
+    ours, back, again = saved_and_reloaded(hf_model(case), tmp_path, max_shard_bytes=20_000)  # sharded index
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, ours(x), atol=1e-4, rtol=0)

@@ -3,11 +3,11 @@ routing record/replay."""
 
 import pytest
 import torch
-from conftest import tiny_moe
+from conftest import saved_and_reloaded, tiny_moe
 
 import twinplane
 from twinplane import platform
-from twinplane.model import Transformer, save_pretrained
+from twinplane.model import Transformer
 from twinplane.model.moe import RoutingState, load_balancing_loss, routing_agreement
 
 transformers = pytest.importorskip("transformers")
@@ -65,14 +65,7 @@ def test_logits_match_transformers(case, tmp_path):
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_saved_weights_load_in_transformers(case, tmp_path):
     ref = hf_model(case)
-    ref.save_pretrained(tmp_path / "src")
-    ours = twinplane.load_model(tmp_path / "src")
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    save_pretrained(ours, tmp_path / "out", max_shard_bytes=60_000)  # sharded, experts split across files
-    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ours, back, again = saved_and_reloaded(ref, tmp_path, max_shard_bytes=60_000)  # experts split across files
     assert type(back) is type(ref)
     again = twinplane.load_model(tmp_path / "out")
     x = ids()
