@@ -39,6 +39,7 @@ import transformers  # noqa: E402
 import twinplane  # noqa: E402
 from twinplane.config import AlgoSection, TrainSection  # noqa: E402
 from twinplane.controller import Controller  # noqa: E402
+from twinplane.platform import measure_cpu_flops  # noqa: E402
 from twinplane.prompts import Prompt  # noqa: E402
 from twinplane.rewards import exact_int  # noqa: E402
 from twinplane.rewards.runner import RewardRunner  # noqa: E402
@@ -64,7 +65,7 @@ def build_checkpoint(args, out: str) -> None:
 
 def summarize(steps: list[dict]) -> dict:
     """Median of the step time and of each phase over the measured steps."""
-    out = {k: statistics.median(s[k] for s in steps) for k in ("step", *PHASES)}
+    out = {k: statistics.median(s[k] for s in steps) for k in ("step", *PHASES, "rollout_gflops") if k in steps[0]}
     out["step_times"] = [s["step"] for s in steps]
     return out
 
@@ -88,7 +89,7 @@ def run_twinplane(args, ckpt: str, batches) -> dict:
         if m["rollout/response_length_mean"] != args.new_tokens or m["rollout/response_length_max"] != args.new_tokens:
             raise RuntimeError(f"twinplane responses were not all {args.new_tokens} tokens")
         s = {"step": time.perf_counter() - t0, "rollout": m["time/rollout"], "reward": m["time/reward"],
-             "ref": m["time/ref_logprob"], "train": m["time/train"]}
+             "ref": m["time/ref_logprob"], "train": m["time/train"], "rollout_gflops": m["perf/tflops_rollout"] * 1e3}
         s["other"] = s["step"] - sum(s[k] for k in ("rollout", "reward", "ref", "train"))  # weight sync, collate
         if i >= args.warmup_steps:
             steps.append(s)
@@ -221,7 +222,15 @@ def main() -> None:
               f"{results['TRL']['step_end_to_end']:.3f} s)")
     if len(results) == 2:
         info["ratio_twinplane_over_trl"] = results["twinplane"]["step"] / results["TRL"]["step"]
-        print(f"ratio twinplane/TRL = {info['ratio_twinplane_over_trl']:.2f}")
+        info["rollout_speedup_over_trl"] = results["TRL"]["rollout"] / results["twinplane"]["rollout"]
+        print(f"ratio twinplane/TRL = {info['ratio_twinplane_over_trl']:.2f}; rollout phase "
+              f"{info['rollout_speedup_over_trl']:.2f}x faster than TRL's")
+    if "twinplane" in results:  # the rollout phase against this machine's GEMM rate (what `twinplane doctor` shows)
+        gemm = measure_cpu_flops() / 1e9 if not torch.cuda.is_available() else None
+        info["gemm_gflops"], rate = gemm, results["twinplane"]["rollout_gflops"]
+        if gemm:
+            print(f"twinplane rollout phase: {rate:.1f} GFLOP/s = {rate / gemm:.0%} of the fp32 GEMM rate "
+                  f"({gemm:.0f} GFLOP/s, best of 5 1024^3)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(info | {"results": results}, f, indent=2)
