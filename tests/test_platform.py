@@ -153,3 +153,20 @@ def test_ray_worker_device_both_vendors(monkeypatch, hip, noset, want):
     dev = platform.worker_device("auto", [5])
     assert dev == torch.device("cuda", want) and chosen == [dev]
     assert platform.worker_device("cpu", [5]) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("hip", [None, "6.2.41133"])
+def test_decode_graphs_on_cuda_and_rocm_builds(monkeypatch, hip):
+    """HIP graphs answer to the same torch.cuda.CUDAGraph API, so both vendors capture; off when not requested."""
+    simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H100 80GB HBM3", hip=hip,
+                 arch="gfx942:sramecc+:xnack-" if hip else None)
+    assert platform.decode_graph_backend(torch.device("cuda")) == "cuda_graph"
+    assert platform.decode_graph_backend(torch.device("cuda", 1), requested=True) == "cuda_graph"
+    assert platform.decode_graph_backend(torch.device("cuda"), requested=False) == "eager"
+    assert platform.decode_graph_backend(torch.device("cpu")) == "eager"  # an engine placed on the host
+
+
+def test_decode_graphs_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert platform.decode_graph_backend(torch.device("cpu")) == "eager"
+    assert platform.decode_graph_backend(torch.device("cpu"), requested=True) == "eager"

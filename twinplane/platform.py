@@ -411,3 +411,13 @@ def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utiliz
         return int(free * gpu_memory_utilization)
     return CPU_KV_CACHE_BYTES
 
+
+
+def decode_graph_backend(device: torch.device, requested: bool = True) -> str:
+    """How the rollout engine runs its decode-only steps (`rollout.graphs`): "cuda_graph" on CUDA and ROCm builds
+    (HIP graphs behind the same `torch.cuda.CUDAGraph` API) when requested, captured per batch-size bucket and
+    replayed; "eager" elsewhere (CPU, other accelerators) or when turned off."""
+    if requested and torch.device(device).type == "cuda" and torch.cuda.is_available() \
+            and hasattr(torch.cuda, "CUDAGraph"):
+        return "cuda_graph"
+    return "eager"

@@ -202,6 +202,9 @@ class PagedKV:
     query_lens: list[int]  # host copy of the query lengths (the portable path's loop bounds)
     num_decodes: int  # leading sequences with exactly one query token
     max_context: int  # longest context (fused kernels size their tiles by it)
+    # Decode-only with fixed-width block tables (the rollout engine's static / graph-captured decode): the decode
+    # group spans every table slot, masked by `context_lens` on the device: no host reads, no data-dependent shapes.
+    static: bool = False
     _plan: list | None = None  # portable path: per-group gather slots and masks, built once per forward
 
     @property
@@ -214,12 +217,12 @@ class PagedKV:
         if self._plan is not None:
             return self._plan
         bs, dev = self.block_size, self.block_tables.device
-        lens = self.context_lens.tolist()
+        lens = [] if self.static else self.context_lens.tolist()
         offsets = torch.arange(bs, device=dev)
         self._plan = []
         d = self.num_decodes
         if d:
-            width = max(lens[:d])
+            width = self.block_tables.shape[1] * bs if self.static else max(lens[:d])
             slots = (self.block_tables[:d, :, None].long() * bs + offsets).flatten(1)[:, :width]  # [d, S_k]
             k_pos = torch.arange(width, device=dev)[None]
             ctx = self.context_lens[:d, None].long()

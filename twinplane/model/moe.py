@@ -65,7 +65,8 @@ class Experts(nn.Module):
         flat = idx.reshape(-1)  # [N*k]
         order = flat.argsort(stable=True)  # pairs sorted by expert
         token = order // k  # [N*k] which token each sorted pair belongs to
-        counts = torch.bincount(flat, minlength=E)  # [E]
+        # [E]; not torch.bincount, whose CUDA kernel reads the largest id on the host (graph capture forbids it)
+        counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         xs = x[token]  # [N*k, D]
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.requires_grad)
         if grouped_mm_ok(x.device, x.dtype, self.gate_proj.shape[1:], needs_grad):

@@ -16,6 +16,9 @@ Interface: `generate(requests, sampling) -> samples`, `submit` (the same, as a h
 `checksum()`, and `pop_metrics()` (occupancy, preemptions, KV usage, prefill/decode tokens/s since last call).
 With `record_routing` (MoE models) every sample carries the experts each sparse layer chose for each of its
 tokens (`Sample.routing`), for the trainer to replay.
+
+Decode-only steps run from static buffers at bucketed batch sizes, captured as CUDA/HIP graphs on GPUs
+(`graphs`, `graph_max_batch`; twinplane.rollout.graphs); everything else, and every step on CPU, runs eagerly.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from twinplane import platform
 from twinplane.model import AttentionMetadata, PagedKV, Transformer, load_weights
 from twinplane.model.moe import RoutingState
+from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
@@ -51,6 +55,7 @@ class EngineStats:
     preemptions: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    graph_steps: int = 0  # decode steps run from the static buffers (replayed graphs on GPUs)
     seconds: float = 0.0
 
 
@@ -58,11 +63,12 @@ class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
                  max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
-                 record_routing: bool = False):
+                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 256):
         """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
-        `record_routing`: MoE, keep each token's experts per sparse layer in its sample."""
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        `record_routing`: MoE, keep each token's experts per sparse layer in its sample; `graphs`: decode steps of
+        up to `graph_max_batch` sequences as captured graphs where the platform can (twinplane.rollout.graphs)."""
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and graph_max_batch must be >= 1")
         self.model = model.eval().requires_grad_(False)
         self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
@@ -73,8 +79,11 @@ class RolloutEngine:
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
         self.backend, self.block_size = platform.paged_attention_backend(self.device)
+        # "cuda_graph" | "eager" from the platform; tests set "static" (the graph path's buffers, not captured)
+        self.graph_backend, self.graph_max_batch = platform.decode_graph_backend(self.device, graphs), graph_max_batch
         self.kv: KVCache | None = None
         self.blocks: BlockManager | None = None
+        self.decoder: decode_graphs.DecodeGraphs | None = None  # this call's static decode (None = all eager)
         self.stats = EngineStats()
 
     @property
@@ -139,7 +148,13 @@ class RolloutEngine:
         finally:
             self.stats.preemptions += sched.preemptions
             self.stats.seconds += time.perf_counter() - t0
-            self.kv = None  # the pool's memory goes back (e.g. to a colocated trainer); `blocks` stays to inspect
+            if self.decoder is not None:
+                self.stats.graph_steps += self.decoder.steps
+                if self.decoder.broken:  # a capture failed (warned): stay eager
+                    self.graph_backend = "eager"
+            # The pool's memory goes back (e.g. to a colocated trainer), and the graphs pointing at it with it;
+            # `blocks` stays to inspect.
+            self.kv, self.decoder = None, None
         return [done[k] for k in sorted(done)]
 
     def pop_metrics(self) -> dict[str, float]:
@@ -150,29 +165,41 @@ class RolloutEngine:
             return {}
         return {"rollout/kv_cache_usage_peak": s.usage_peak, "rollout/preemptions": s.preemptions,
                 "rollout/running_seqs_mean": s.running_sum / s.steps, "rollout/engine_steps": s.steps,
+                "rollout/engine_steps_graphed": s.graph_steps,
                 "perf/prefill_tokens_per_s": s.prefill_tokens / max(s.seconds, 1e-9),
                 "perf/decode_tokens_per_s": s.decode_tokens / max(s.seconds, 1e-9)}
 
     # --- internals ----------------------------------------------------------------------------------------------
     def _allocate(self, seqs: list[Seq]) -> None:
-        """Size the pool: the budget, capped at what these sequences could ever hold at once."""
+        """Size the pool: the budget, capped at what these sequences could ever hold at once (plus, with static
+        decode steps, one block reserved for their padding rows); set up this call's static decode."""
         cfg, bs = self.model.config, self.block_size
         per_block = bytes_per_block(cfg, bs, self.dtype)
         longest = max(len(s.tokens) + s.sampling.max_new_tokens for s in seqs)
         need_one = -(-longest // bs)
         need_all = sum((-(-(len(s.tokens) + s.sampling.max_new_tokens) // bs) + 1) * s.width for s in seqs)
         budget = platform.kv_cache_budget(self.device, self.kv_cache_bytes, self.gpu_memory_utilization)
-        num_blocks = min(budget // per_block, need_all)
+        mode = decode_graphs.decode_mode(self.graph_backend, self.model, self.record_routing)
+        reserved = int(mode != "eager")
+        usable = budget // per_block - reserved
+        num_blocks = min(usable, need_all)
         if num_blocks < need_one:
-            raise ValueError(f"KV cache budget of {budget} bytes holds {budget // per_block} blocks of {bs} tokens; "
+            raise ValueError(f"KV cache budget of {budget} bytes holds {usable} blocks of {bs} tokens; "
                              f"one sequence of {longest} tokens needs {need_one}: raise rollout.kv_cache_gb")
-        self.kv = KVCache(cfg, num_blocks, bs, self.dtype, self.device)
-        self.blocks = BlockManager(self.kv.num_blocks, bs)
+        self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, bs)  # the reserved block (the pool's last) is never handed out
+        self.decoder = decode_graphs.DecodeGraphs(self.model, self.kv, mode, self.backend, need_one,
+                                                  self.graph_max_batch, sum(s.width for s in seqs)) \
+            if reserved else None
 
     def _step(self, batch: ScheduledBatch, sched: Scheduler, sp: SamplingParams) -> list[Seq]:
         """One forward over `batch`; sample for the sequences whose pending tokens all ran. Returns the finished."""
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
+        if self.decoder is not None and self.decoder.fits(batch):
+            logits = self.decoder.step(batch.seqs)  # None: a capture failed, the step runs eagerly below
+            if logits is not None:
+                return self._sample(logits, batch.seqs, sched, sp)
         bs, dev = self.block_size, self.device
         ids, pos, slots, ctx, qlens, rows, ready = [], [], [], [], [], [], []
         for seq, k in zip(batch.seqs, batch.num_tokens, strict=True):
@@ -255,4 +282,5 @@ def engine_options(rollout) -> dict:
     """RolloutEngine keyword arguments from a config's `rollout` section."""
     return {"max_num_seqs": rollout.max_num_seqs, "max_num_batched_tokens": rollout.max_num_batched_tokens,
             "kv_cache_bytes": int(rollout.kv_cache_gb * 2**30),
-            "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing}
+            "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing,
+            "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch}

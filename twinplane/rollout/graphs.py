@@ -1,0 +1,159 @@
+"""Decode steps from static buffers at bucketed batch sizes, captured as CUDA graphs (HIP graphs on ROCm).
+
+Decode-only engine steps (every scheduled sequence runs exactly one token, no prefill chunk in the step) are most
+of a rollout's steps, and at small batches they are bound by kernel launches, not by the GPU's arithmetic.
+`DecodeGraphs` runs them from static device buffers: one int64 row per sequence (token id, position, pool slot,
+context length, then its block table padded to a fixed width: the most blocks one sequence of this `generate`
+call can hold), the batch padded up to a bucket size (1, 2, 4, 8, 16..64 by 8, then by 32 up to
+`rollout.graph_max_batch`). The forward reads only these buffers and returns the logits [bucket, V], with no
+host reads and no data-dependent shapes (`PagedKV.static`: attention's decode group spans the whole fixed-width
+table, masked by the context lengths on the device). Padding rows decode token 0 at position 0, write their k/v
+into one extra pool block that no sequence is ever given, and attend to that block only; their logits are dropped.
+
+Modes (the engine's `graph_backend`, from `platform.decode_graph_backend`, then `decode_mode` below):
+- "cuda_graph": a bucket is captured the first time a decode step of its size runs in a `generate` call (warm-up
+  forwards on a side stream, then capture into one memory pool shared by the call's graphs), and replayed after one
+  host-to-device copy of the step's rows. The graphs point at the KV pool, which the engine frees after every call
+  (a colocated trainer gets the memory back), so they are dropped with it and captured again in the next call.
+  They read the weights in place: `load_weights` copies into the same tensors, so a weight sync is always seen.
+- "static": the same buffers, buckets and padded rows, run eagerly (no capture). The CPU tests force it to check
+  the graph path's inputs and padding against the eager engine without a GPU.
+- "eager": every step goes through the engine's ordinary forward (`rollout.graphs=false`, CPU, MoE routing being
+  recorded); so do steps that do not fit: a prefill chunk in the step, or more sequences than the largest bucket.
+Copy-on-write block copies a step needs are made by the engine before the forward, outside any graph.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from twinplane import platform
+from twinplane.model import AttentionMetadata, PagedKV, Transformer
+from twinplane.model.moe import Experts
+from twinplane.rollout.kv_cache import KVCache
+from twinplane.rollout.scheduler import ScheduledBatch
+from twinplane.rollout.sequence import Sequence
+
+MODES = ("cuda_graph", "static", "eager")
+WARMUP_RUNS = 2  # forwards before a capture: lazy initialisation (cuBLAS handles, kernel choice, caches) happens here
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a static decode, up to and including `max_batch`: 1, 2, 4, 8, 16..64 by 8, then by 32."""
+    if max_batch < 1:
+        raise ValueError(f"graph_max_batch must be >= 1, got {max_batch}")
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(96, max_batch + 32, 32)]
+    return [b for b in sizes if b < max_batch] + [max_batch]
+
+
+def decode_mode(requested: str, model: Transformer, record_routing: bool) -> str:
+    """The mode a `generate` call runs its decode steps in: `requested`, or "eager" where the static forward cannot
+    serve: MoE routing being recorded (the record is a host-side side effect of the forward), or a capture of a
+    MoE model whose experts run the per-expert loop (it reads the expert counts on the host)."""
+    if requested not in MODES:
+        raise ValueError(f"decode graph mode must be one of {', '.join(MODES)}, got {requested!r}")
+    if requested == "eager" or record_routing:
+        return "eager"
+    if requested == "cuda_graph" and model.config.num_experts:
+        experts = next(m for m in model.modules() if isinstance(m, Experts))
+        w = experts.gate_proj
+        if not platform.grouped_mm_ok(w.device, w.dtype, tuple(w.shape[1:]), grad=False):
+            return "eager"
+    return requested
+
+
+class DecodeGraphs:
+    """Static (and on GPUs captured) decode steps for one `generate` call over `kv`, whose last block is reserved
+    for padding rows. `max_blocks`: the block-table width (the longest sequence of the call, in blocks);
+    `max_batch`: the largest bucket (`rollout.graph_max_batch`); `limit`: the most sequences the call can run at
+    once (buckets above the first one that holds them are never needed)."""
+
+    def __init__(self, model: Transformer, kv: KVCache, mode: str, backend: str, max_blocks: int, max_batch: int,
+                 limit: int):
+        if mode not in ("cuda_graph", "static"):
+            raise ValueError(f"DecodeGraphs runs the static or cuda_graph mode, not {mode!r}")
+        self.model, self.kv, self.mode, self.backend = model, kv, mode, backend
+        self.window = model.config.sliding_window
+        self.block_size, self.max_blocks = kv.block_size, max_blocks
+        self.pad_block = kv.num_blocks - 1  # the engine's block manager never hands it out
+        sizes = buckets(max_batch)
+        self.buckets = sizes[:next((i for i, b in enumerate(sizes) if b >= limit), len(sizes) - 1) + 1]
+        dev = kv.k.device
+        # columns: token id, position, slot, context length, block table [max_blocks]
+        self.inputs = torch.zeros(self.buckets[-1], 4 + max_blocks, dtype=torch.long, device=dev)
+        self.cu_seqlens = torch.arange(self.buckets[-1] + 1, dtype=torch.int32, device=dev)  # one query each
+        self.pad_row = [0, 0, self.pad_block * self.block_size, 1] + [self.pad_block] * max_blocks
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None  # the graphs' shared memory pool (cuda_graph mode)
+        self.steps = 0  # decode steps run here
+        self.broken = False  # a capture failed: the engine runs eager from then on
+
+    def fits(self, batch: ScheduledBatch) -> bool:
+        """Decode-only, within the largest bucket, every block table within the fixed width."""
+        return (not self.broken and batch.num_decodes == len(batch) <= self.buckets[-1]
+                and all(len(s.block_table) <= self.max_blocks for s in batch.seqs))
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def step(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Decode one token of each of `seqs` (their `num_computed` advance): logits [len(seqs), V]; None when a
+        capture failed (nothing was run; the caller runs the step eagerly)."""
+        n, bs = len(seqs), self.block_size
+        size = self.bucket(n)
+        if self.mode == "cuda_graph" and size not in self.graphs and not self._capture(size):
+            return None
+        rows = []
+        for seq in seqs:
+            p, table = seq.num_computed, seq.block_table
+            rows.append([seq.tokens[p], p, table[p // bs] * bs + p % bs, p + 1, *table,
+                         *[self.pad_block] * (self.max_blocks - len(table))])
+            seq.num_computed = p + 1
+        rows += [self.pad_row] * (size - n)
+        self.inputs[:size].copy_(torch.tensor(rows, dtype=torch.long))
+        self.steps += 1
+        if self.mode == "static":
+            return self.forward(size)[:n]
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n]  # read before the next replay overwrites it (the engine samples from it at once)
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The static decode of the first `size` rows of `inputs` -> logits [size, V]: what a graph captures."""
+        x, bs = self.inputs[:size], self.block_size
+        paged = PagedKV(self.kv.k, self.kv.v, x[:, 2].contiguous(), x[:, 4:].to(torch.int32),
+                        x[:, 3].to(torch.int32), self.cu_seqlens[:size + 1], [1] * size, size,
+                        self.max_blocks * bs, static=True)
+        meta = AttentionMetadata(x[None, :, 1], window=self.window, backend=self.backend, paged=paged)
+        h = self.model.hidden_states(x[None, :, 0], meta=meta)[0]  # [size, D]
+        return F.linear(h, self.model.output_weight())
+
+    def _capture(self, size: int) -> bool:
+        """Capture the bucket `size` (inputs all padding rows meanwhile: the warm-up forwards run for real and
+        must write into the reserved block only). False, with a warning, when the capture fails."""
+        dev = self.inputs.device
+        self.inputs[:size].copy_(torch.tensor([self.pad_row] * size, dtype=torch.long))
+        try:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    self.forward(size)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = self.forward(size)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            warnings.warn(f"rollout engine: capturing the decode graph of batch {size} failed ({first}); decoding "
+                          "eagerly from now on (rollout.graphs=false turns graphs off)", stacklevel=3)
+            self.broken = True
+            self.graphs.clear()
+            return False
+        self.graphs[size] = graph, logits
+        return True
