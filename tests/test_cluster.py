@@ -87,14 +87,14 @@ def test_fsdp2_ranks_on_ray_train_like_one_process_and_engines_follow(tmp_path):
     equals the trainer's and an independent checksum of the gathered weights; samples carry the new version."""
     import copy
 
-    from twinplane import run as run_mod
     from twinplane.cluster import build_planes
+    from twinplane.prepare import prepare
     from twinplane.rollout import SamplingParams
     from twinplane.train import Batch, Trainer
 
     cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
                              "cluster.rollout_devices=2", f"run_dir={tmp_path}", "train.lr=1e-2"])
-    setup = run_mod.prepare(cfg)
+    setup = prepare(cfg)
     planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
     local = Trainer(copy.deepcopy(setup.model), cfg.train, cfg.algo, 1.0, 10)
     try:
@@ -261,15 +261,15 @@ def test_unplaceable_cluster_is_a_clear_error_and_releases_resources(tmp_path, c
 def test_checkpoint_loads_on_another_rank_count(disaggregated_run):
     """A 1-rank checkpoint (named full-tensor optimizer state) loads into 2 FSDP2 ranks, which shard it; gathered
     back it is the same state, and the weights are the checkpoint's."""
-    from twinplane import run as run_mod
     from twinplane import run_state
     from twinplane.cluster import build_planes
     from twinplane.data import PromptStream
+    from twinplane.prepare import prepare
 
     ckpt = sorted((disaggregated_run / "checkpoints").iterdir())[-1]
     cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
                              "cluster.rollout_devices=2"])
-    setup = run_mod.prepare(cfg)
+    setup = prepare(cfg)
     saved = run_state.restore(ckpt, policy=setup.model, reference=None, stream=PromptStream(setup.train_prompts, 0))
     planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
     try:
@@ -291,7 +291,7 @@ def test_tool_rollouts_on_ray_equal_local(tmp_path):
     import string
 
     from twinplane.model import ModelConfig, Transformer
-    from twinplane.run import save_hf_folder
+    from twinplane.prepare import save_hf_folder
     from twinplane.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(string.printable[:95])  # covers the tool-call markup

@@ -171,11 +171,12 @@ def _main(argv: list[str], stop: StopRequests) -> int:
                 f"eval.temperature={ns.temperature}", *args]
     cfg = load_config(path, args)
     from twinplane import run
+    from twinplane.prepare import prepare
 
     try:
-        setup = run.prepare(cfg, ns.resume if ns.command == "train" else None, own_run_dir=ns.command == "train",
-                            overwrite=getattr(ns, "overwrite", False), delete_old=getattr(ns, "delete_old", False),
-                            stop=stop)
+        setup = prepare(cfg, ns.resume if ns.command == "train" else None, own_run_dir=ns.command == "train",
+                        overwrite=getattr(ns, "overwrite", False), delete_old=getattr(ns, "delete_old", False),
+                        stop=stop)
     except (ValueError, FileNotFoundError, NotADirectoryError, KeyError, PermissionError) as e:
         # Found while opening the user's files (model folder, data, reward function): bad input, exit 2.
         if isinstance(e, InputError):

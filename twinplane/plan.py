@@ -567,7 +567,7 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
         mc = load_model_config(cfg.model.path)
         prompt = cfg.data.max_prompt_tokens
     else:
-        from twinplane.run import demo_model_config
+        from twinplane.prepare import demo_model_config
         from twinplane.tasks import ALPHABET
         from twinplane.tokenizer import build_char_tokenizer
 

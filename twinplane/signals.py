@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from twinplane.errors import Preempted
 
@@ -62,3 +63,40 @@ class StopRequests:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+class Faults:
+    """TWINPLANE_FAULT="phase@step[xN],..." sends this process N (default 1) SIGTERMs when `phase` starts at
+    `step`: deterministic preemption points for tests. Phases: load (model loading, step 0), warmstart (at
+    warm-start step K), eval (a validation at step K, 0 = before RL), rollout, reward, train, weight_sync,
+    checkpoint, ... (RL step K), final (saving final/). "kill:WORKER@phase@step" instead kills a cluster worker
+    (e.g. kill:rollout engine 0@rollout@2). With TWINPLANE_FAULT_ONCE=FILE a fault fires only if FILE does not
+    exist yet (and creates it), so a relaunched run is not preempted again at the same point.
+    TWINPLANE_FAULT_SIGNAL=INT sends SIGINT (Ctrl-C) instead."""
+
+    def __init__(self, spec: str | None):
+        self.points, self.kills, self.step, self.planes = {}, {}, 0, None
+        for p in filter(None, (spec or "").split(",")):
+            if p.startswith("kill:"):
+                worker, phase, at = p[5:].split("@")
+                self.kills[(phase, at)] = worker
+                continue
+            where, _, count = p.partition("x")
+            self.points[tuple(where.split("@"))] = int(count or 1)
+        self.once = os.environ.get("TWINPLANE_FAULT_ONCE")
+        self.signal = getattr(signal, "SIG" + os.environ.get("TWINPLANE_FAULT_SIGNAL", "TERM"))  # TERM | INT
+
+    def __call__(self, phase: str, step: int | None = None) -> None:
+        at = str(self.step if step is None else step)
+        worker = self.kills.get((phase, at))
+        if worker is not None and self.planes is not None:
+            self.planes.kill(worker)
+        count = self.points.get((phase, at), 0)
+        if count and self.once:
+            if os.path.exists(self.once):
+                return
+            Path(self.once).touch()
+        for i in range(count):
+            if i:
+                time.sleep(1.1)  # a separate request, not a duplicate delivery of the first
+            os.kill(os.getpid(), self.signal)

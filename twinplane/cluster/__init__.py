@@ -15,7 +15,7 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
     tis_cap = cfg.algo.tis_cap if cfg.cluster.async_ else None
     if cfg.cluster.backend == "local":
         return LocalPlanes(cfg, model, reference, tokenizer, total_steps, tis_cap)
-    from twinplane.cluster.ray_planes import RayPlanes  # Ray's presence is checked by `run.prepare`
+    from twinplane.cluster.ray_planes import RayPlanes  # Ray's presence is checked by `prepare.prepare`
 
     def cpu_state(m: Transformer) -> dict:
         return {n: t.cpu() for n, t in export_weights(m)}
