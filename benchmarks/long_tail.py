@@ -8,6 +8,9 @@ with `train.max_tokens_per_micro_batch=4096`. Runs are interleaved; the median o
 `python benchmarks/long_tail.py memory`: peak memory added by one train_step with 8 x 512 response tokens, each
 configuration in a fresh subprocess (CPU: peak RSS over the steady state after a warm-up step; GPU: peak
 allocated), as a multiple of one fp32 [tokens, vocab] logits copy.
+`python benchmarks/long_tail.py varlen [--against REV]`: forward + backward time of the portable varlen attention
+(`sdpa_varlen`) on the demo's lengths and on a long tail; with `--against`, the same calls through
+twinplane/model/attention.py as of git revision REV, interleaved in one invocation.
 """
 
 from __future__ import annotations
@@ -124,9 +127,41 @@ def memory(device: str) -> dict:
     return out
 
 
+def varlen(runs: int, against: str) -> dict:
+    import importlib.util
+    import tempfile
+
+    from twinplane.model import attention as current
+    impls = {"current": current}
+    if against:
+        src = subprocess.run(["git", "show", f"{against}:twinplane/model/attention.py"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+        path = Path(tempfile.mkdtemp()) / "attention_old.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location("attention_old", path)
+        impls[against] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(impls[against])
+    g = torch.Generator().manual_seed(0)
+    shapes = {"demo_128x11-17": torch.randint(11, 18, (128,), generator=g).tolist(),
+              "tail_64x100+geo64": [100 + n for n in lengths("long_tail")] * 2}
+    out = {}
+    for name, lens in shapes.items():
+        T = sum(lens)
+        q, k, v = (torch.randn(1, h, T, 64, generator=g).requires_grad_() for h in (8, 2, 2))
+        times = {impl: [] for impl in impls}
+        for _ in range(runs + 1):  # the first round warms up
+            for impl, mod in impls.items():
+                t0 = time.perf_counter()
+                mod.sdpa_varlen(q, k, v, mod.AttentionMetadata.packed(lens)).sum().backward()
+                times[impl].append(time.perf_counter() - t0)
+        out[name] = {impl: round(statistics.median(t[1:]), 4) for impl, t in times.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["speed", "memory"])
+    ap.add_argument("what", choices=["speed", "memory", "varlen"])
+    ap.add_argument("--against", default="", help="varlen: a git revision to compare with")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0)
@@ -135,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     only = [c for c in ns.configs.split(",") if c]
-    res = speed(ns.runs, torch.device(ns.device), only) if ns.what == "speed" else memory(ns.device)
+    if ns.what == "varlen":
+        res = varlen(ns.runs, ns.against)
+    else:
+        res = speed(ns.runs, torch.device(ns.device), only) if ns.what == "speed" else memory(ns.device)
     print(json.dumps(res, indent=1))
     return 0
 

@@ -19,7 +19,8 @@ REQUIRED = [
 ]
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
         "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=20", "train.mini_batches=2",
-        "train.micro_batch_size=5", "algo.kl_coef=0.05", "algo.recompute_old_logprobs=true", "log.progress=false"]
+        "train.micro_batch_size=5", "algo.kl_coef=0.05", "algo.recompute_old_logprobs=true", "log.progress=false",
+        "algo.entropy_coef=0.01"]  # a gradient even when the tiny warm start leaves every reward at 0
 
 
 def test_train_end_to_end(tmp_path):
@@ -32,6 +33,7 @@ def test_train_end_to_end(tmp_path):
         assert all(r[key] is not None for r in rows), key
     assert "val/accuracy" in rows[-1] and "val/accuracy" not in rows[0]
     assert all(r["actor/logprob_gap"] < 1e-4 for r in rows)
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]  # samples record the weights that made them
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("warmstart_accuracy", "final_accuracy", "heldout_size", "steps", "wall_seconds", "phase_seconds_mean"):

@@ -127,16 +127,21 @@ def _qkv(T, seed=0):
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_segmented_varlen_equals_one_block_diagonal_mask(monkeypatch, window):
-    """The portable path splits the row into segments (memory O(T x block)); a longer sequence is alone."""
-    monkeypatch.setattr(attention_module, "VARLEN_BLOCK", 8)
-    lengths = [5, 2, 12, 1, 3, 6]
-    q, k, v = _qkv(sum(lengths))
+def test_grouped_varlen_equals_one_block_diagonal_mask(monkeypatch, window):
+    """The portable path batches sequences of similar length (causal SDPA, padding after the real tokens):
+    values and gradients equal one SDPA call with the whole row's block-diagonal mask."""
+    monkeypatch.setattr(attention_module, "VARLEN_GROUP_TOKENS", 24)
+    lengths = [5, 2, 12, 1, 3, 6, 4]
+    q, k, v = (x.requires_grad_() for x in _qkv(sum(lengths)))
     meta = AttentionMetadata.packed(lengths, window=window)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=varlen_mask(meta), enable_gqa=True)
     got = sdpa_varlen(q, k, v, meta)
-    assert len(meta.cache["segments"]) == 4  # [5, 2], [12], [1, 3], [6]
+    groups, _ = meta.cache["varlen_plan"]
+    assert [(G, L) for _, _, G, L, _ in groups] == [(2, 12), (3, 5), (2, 2)]  # [12, 6], [5, 4, 3], [2, 1]
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("window", [None, 4])

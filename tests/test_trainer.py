@@ -44,8 +44,10 @@ def step(micro, algo=None):
 def test_grad_accumulation_equals_one_batch():
     big, m1 = step(micro=6)
     small, m3 = step(micro=2)
+    # after one Adam step at lr 1e-2: a near-zero gradient element moves by ~lr * sign, so summation-order rounding
+    # (different micro-batches pack into different attention groups) can show at ~1e-6; a wrong loss shows at ~lr
     for (n, a), (_, b) in zip(big.named_parameters(), small.named_parameters(), strict=False):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=n)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=n)
     for k in m1:
         assert abs(m1[k] - m3[k]) < 1e-5, k
 

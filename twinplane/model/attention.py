@@ -5,9 +5,9 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
 `attention()`, which dispatches on the layout:
 - dense: tokens [B, T] with an optional boolean mask [B, 1, T, S] (None = plain causal, the fused SDPA kernel);
 - varlen (packed): one row [1, T] holding several sequences back to back, delimited by `cu_seqlens`; each token
-  attends causally within its own sequence only. Portable path ("sdpa"): SDPA over segments of whole sequences
-  of at most VARLEN_BLOCK tokens, each with a block-diagonal causal mask, so memory is O(T x VARLEN_BLOCK), not
-  O(T^2). Fused paths: "flex" (FlexAttention with a document mask) and "flash_attn" (flash-attn's varlen kernel).
+  attends causally within its own sequence only. Portable path ("sdpa"): sequences of similar length gathered into
+  batches for the fused causal SDPA kernel (no mask, at most 2x padding per batch). Fused paths: "flex"
+  (FlexAttention with a document mask) and "flash_attn" (flash-attn's varlen kernel).
 - paged (the rollout engine): one row [1, T] mixing prefill chunks and one-token decodes of many sequences whose
   earlier keys/values live in a block pool (`PagedKV`). Each layer writes its new k/v to the pool at
   `slot_mapping` and attends over its sequence's blocks. Portable path: gather each sequence's slots + SDPA;
@@ -69,39 +69,58 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=gqa)
 
 
-VARLEN_BLOCK = 1024  # portable varlen path: tokens per masked SDPA call (its mask is [block, block])
+VARLEN_GROUP_TOKENS = 4096  # portable varlen path: rows x longest of one batched SDPA call (bounds its padding)
 
 
 def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Portable varlen attention (q/k/v [1, H, T, D]): consecutive whole sequences grouped into segments of at most
-    VARLEN_BLOCK tokens (a longer sequence is a segment alone); one SDPA call per segment with its block-diagonal
-    causal mask, or the fused causal kernel when the segment is one sequence."""
+    """Portable varlen attention (q/k/v [1, H, T, D]) as a few batched causal SDPA calls.
+
+    Sequences are sorted by length and gathered into groups of similar length (see `_varlen_plan`); a group is one
+    [G, H, L, D] batch where every sequence starts at column 0, so its padding comes after its real tokens, where
+    no real query looks, and the fused causal kernel needs no mask. Work is O(sum of L^2) with at most 2x padding
+    per group, instead of a block-diagonal mask over many sequences (O(T x block), mostly masked out)."""
     gqa = q.shape[1] != k.shape[1]
-    segments = meta.cache.get("segments")
-    if segments is None:
-        segments = meta.cache["segments"] = _segments(meta.cu_seqlens.tolist(), meta.window)
+    plan = meta.cache.get("varlen_plan")
+    if plan is None:
+        plan = meta.cache["varlen_plan"] = _varlen_plan(meta.cu_seqlens.tolist(), meta.window, q.device)
+    groups, inverse = plan
     outs = []
-    for a, b, mask in segments:
-        qs, ks, vs = q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]
-        if mask is None:
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa))
-        else:
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.to(q.device), enable_gqa=gqa))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+    for index, real, G, L, mask in groups:
+        qg, kg, vg = (x[0].index_select(1, index).unflatten(1, (G, L)).transpose(0, 1) for x in (q, k, v))
+        y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=gqa)  # [G, H, L, D]
+        outs.append(y.transpose(0, 1).flatten(1, 2).index_select(1, real))  # real tokens only: [H, n_g, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)  # [H, T, D] in group order
+    return out.index_select(1, inverse)[None]
 
 
-def _segments(cu: list[int], window: int | None) -> list[tuple[int, int, torch.Tensor | None]]:
-    """(start, end, mask or None) per segment of whole sequences: greedy, at most VARLEN_BLOCK tokens each."""
-    out, i, n = [], 0, len(cu) - 1
-    while i < n:
-        j = i + 1
-        while j < n and cu[j + 1] - cu[i] <= VARLEN_BLOCK:
+def _varlen_plan(cu: list[int], window: int | None, device: torch.device):
+    """Per group (row index [G*L], real-token columns of the flattened group, G, L, mask or None) and the inverse
+    permutation from group order back to the row. Greedy over sequences sorted longest first: a group takes
+    sequences while its shortest is at least half its longest and G x L <= VARLEN_GROUP_TOKENS."""
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    order = sorted(range(len(lens)), key=lambda s: -lens[s])
+    groups, perm, i = [], [], 0
+    while i < len(order):
+        L, j = lens[order[i]], i + 1
+        while j < len(order) and 2 * lens[order[j]] >= L and (j - i + 1) * L <= VARLEN_GROUP_TOKENS:
             j += 1
-        a, b = cu[i], cu[j]
-        single = j == i + 1 and (window is None or b - a <= window)
-        out.append((a, b, None if single else block_causal_mask(torch.tensor(cu[i:j + 1]) - a, window)))
+        members = order[i:j]
+        index, real = [], []
+        for g, s in enumerate(members):
+            n = lens[s]
+            index += list(range(cu[s], cu[s] + n)) + [cu[s]] * (L - n)  # pad with a real token (never attended)
+            real += range(g * L, g * L + n)
+            perm += range(cu[s], cu[s] + n)
+        mask = None
+        if window is not None and window < L:
+            pos = torch.arange(L, device=device)
+            mask = ((pos[None] <= pos[:, None]) & (pos[:, None] - pos[None] < window))[None, None]
+        groups.append((torch.tensor(index, device=device), torch.tensor(real, device=device), len(members), L, mask))
         i = j
-    return out
+    inverse = torch.empty(len(perm), dtype=torch.long)
+    inverse[torch.tensor(perm)] = torch.arange(len(perm))
+    return groups, inverse.to(device)
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -117,7 +136,7 @@ def block_causal_mask(cu_seqlens: torch.Tensor, window: int | None = None) -> to
 
 
 def varlen_mask(meta: AttentionMetadata) -> torch.Tensor:
-    """The whole row's block-diagonal causal mask [1, 1, T, T] (reference for the segmented and fused paths)."""
+    """The whole row's block-diagonal causal mask [1, 1, T, T] (reference for the grouped and fused paths)."""
     return block_causal_mask(meta.cu_seqlens, meta.window)
 
 
