@@ -128,18 +128,18 @@ def memory(device: str) -> dict:
 
 
 def varlen(runs: int, against: str) -> dict:
+    import importlib
     import importlib.util
     import tempfile
 
-    from twinplane.model import attention as current
-    impls = {"current": current}
+    impls = {"current": importlib.import_module("twinplane.model.attention")}
     if against:
         src = subprocess.run(["git", "show", f"{against}:twinplane/model/attention.py"], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout
         path = Path(tempfile.mkdtemp()) / "attention_old.py"
         path.write_text(src)
         spec = importlib.util.spec_from_file_location("attention_old", path)
-        impls[against] = importlib.util.module_from_spec(spec)
+        impls[against] = sys.modules["attention_old"] = importlib.util.module_from_spec(spec)  # dataclasses need it
         spec.loader.exec_module(impls[against])
     g = torch.Generator().manual_seed(0)
     shapes = {"demo_128x11-17": torch.randint(11, 18, (128,), generator=g).tolist(),
