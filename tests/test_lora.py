@@ -329,8 +329,6 @@ def test_lora_on_ray_disaggregated_equals_local(tmp_path):
     assert [r["step"] for r in remote[1]] == [1, 2]
     for g, w in zip(remote[1], local[1], strict=True):
         assert g["sync/bytes"] == w["sync/bytes"] < 100_000  # the adapters only
-        for k, v in w.items():  # the paged engine's occupancy/KV metrics come from the in-process engine only
-            if not k.startswith(("rollout/engine_busy", "rollout/kv_cache", "rollout/preemptions",
-                                 "rollout/running_seqs", "rollout/engine_steps", "rollout/prefill_tokens",
-                                 "rollout/decode_tokens")):
+        for k, v in w.items():  # engine occupancy/KV metrics included: the Ray engine reports the same counters
+            if not k.startswith("rollout/engine_busy"):
                 assert g[k] == pytest.approx(v, abs=1e-5), k

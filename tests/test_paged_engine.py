@@ -11,6 +11,7 @@ from twinplane import platform
 from twinplane.model import AttentionMetadata, PagedKV
 from twinplane.model.attention import paged_attention
 from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.kv_cache import bytes_per_block
 
 
@@ -28,7 +29,23 @@ def test_greedy_with_n_backfill_and_chunked_prefill_equals_full_recompute():
         assert s.token_ids == greedy_no_cache(model, PROMPTS[s.request_index], 10)
     m = engine.pop_metrics()
     assert m["rollout/running_seqs_mean"] <= 3 and m["rollout/preemptions"] == 0
+    assert m["rollout/engine_steps"] > 0 and engine.pop_metrics() == {}  # popped: the next step starts from zero
     assert_pool_empty(engine)
+
+
+def test_engine_stats_of_parallel_engines_merge_into_one_plane():
+    """Ray's data-parallel engines report their counters; the driver's merge is the plane's metrics."""
+    a = EngineStats(steps=10, running_sum=40, usage_peak=0.5, preemptions=1, prefill_tokens=100, decode_tokens=300,
+                    seconds=2.0)
+    b = EngineStats(steps=30, running_sum=60, usage_peak=0.75, preemptions=2, prefill_tokens=50, decode_tokens=100,
+                    seconds=4.0)
+    m = EngineStats.parallel([a, b]).metrics()
+    assert m["rollout/engine_steps"] == 40 and m["rollout/preemptions"] == 3
+    assert m["rollout/running_seqs_mean"] == 100 / 40 and m["rollout/kv_cache_usage_peak"] == 0.75
+    assert m["perf/decode_tokens_per_s"] == 400 / 4.0 and m["perf/prefill_tokens_per_s"] == 150 / 4.0
+    assert m["rollout/engine_busy_s_max"] == 4.0 and m["rollout/engine_busy_s_min"] == 2.0
+    one = (a + b).metrics()  # one engine, two rollouts in a row (DAPO): time adds up
+    assert one["perf/decode_tokens_per_s"] == 400 / 6.0 and "rollout/engine_busy_s_max" not in one
 
 
 def sampled(engine, prompts, seeds_per_prompt, sp):

@@ -29,6 +29,7 @@ from twinplane.flops import forward_flops_per_token, train_flops_per_token
 from twinplane.metrics import PhaseTimer
 from twinplane.prompts import Prompt
 from twinplane.rollout import Done, RolloutEngine, Sample, SamplingParams, multi_turn_metrics
+from twinplane.rollout.engine import EngineStats
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer
@@ -59,6 +60,7 @@ class Controller:
         self.sync = sync or (lambda version: sync_in_process(engine, trainer, version))
         self.async_, self.devices = async_, devices
         self.pending = None  # (prompts, rollout in flight) in async mode
+        self.rollout_stats = EngineStats()  # the engines' counters for the samples of the current step
         self.rollout = rollout or engine
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
         self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs or async_
@@ -128,9 +130,7 @@ class Controller:
                 report = self.sync_weights()
         m = self._metrics(samples, rewards, batch, updates + critic_updates, timer.times)
         m |= reward_metrics | multi_turn_metrics(samples) | extra
-        m |= getattr(self.rollout, "last_metrics", {})  # remote engines: their busy time (load balance)
-        if hasattr(self.engine, "pop_metrics"):  # in-process engine: occupancy, preemptions, KV usage, tokens/s
-            m |= self.engine.pop_metrics()
+        m |= self.rollout_stats.metrics()  # occupancy, preemptions, KV usage, tokens/s (and remote busy time)
         m |= {"sync/bytes": report.bytes, "sync/gb_per_s": report.bytes / max(timer.times["time/weight_sync"], 1e-9)
               / 1e9, "rollout/staleness": self.version - 1 - min(s.weight_version for s in samples)}
         memory = {} if getattr(self.trainer, "remote", False) else timer.memory  # remote: rank 0 reports its own
@@ -158,7 +158,7 @@ class Controller:
             more = self.more_prompts()
             offset = int(groups.max()) + 1
             with timer("rollout"):
-                samples = self.rollout.generate([p.ids for p in more], self.sampling)
+                samples = self._collect(self.submit([p.ids for p in more]))
             with timer("reward"):
                 source = [more[s.request_index] for s in samples]
                 rewards, correct, _ = self._score(samples, source)
@@ -195,11 +195,10 @@ class Controller:
             expected, handle = self.pending
             if list(expected) != list(prompts):
                 raise ValueError("async rollout: step() was not given the prompts submitted as next_prompts")
-            samples = handle.result()
         else:
-            if hasattr(self.engine, "pop_metrics"):  # drop what validation generated: the step reports its own
-                self.engine.pop_metrics()
-            samples = self.rollout.generate([p.ids for p in prompts], self.sampling)
+            handle = self.submit([p.ids for p in prompts])
+        self.rollout_stats = EngineStats()
+        samples = self._collect(handle)
         self.pending = None
         if self.async_ and next_prompts:
             self.pending = (list(next_prompts), self.submit([p.ids for p in next_prompts]))
@@ -210,9 +209,17 @@ class Controller:
         return samples
 
     def submit(self, requests):
+        """A handle whose `result()` gives the samples, then `stats` the engines' counters for them."""
         if hasattr(self.rollout, "submit"):
             return self.rollout.submit(requests, self.sampling)
-        return Done(self.rollout.generate(requests, self.sampling))  # one process: run it now, same weights
+        self.engine.pop_stats()  # a multi-turn rollout in one process: run it now (same weights), on its own counters
+        samples = self.rollout.generate(requests, self.sampling)
+        return Done(samples, self.engine.pop_stats())
+
+    def _collect(self, handle) -> list[Sample]:
+        samples = handle.result()
+        self.rollout_stats += handle.stats  # the step's metrics describe the rollouts it trains on
+        return samples
 
     def pending_state(self) -> dict | None:
         """The rollout in flight (async mode), finished and as plain data, for a checkpoint: its samples came from
@@ -220,10 +227,10 @@ class Controller:
         if self.pending is None:
             return None
         prompts, handle = self.pending
-        self.pending = (prompts, Done(handle.result()))
+        self.pending = (prompts, Done(handle.result(), handle.stats))
         samples = [asdict(s) | {"routing": None if s.routing is None else s.routing.tolist()}  # JSON
                    for s in self.pending[1].samples]
-        return {"prompts": [asdict(p) for p in prompts], "samples": samples}
+        return {"prompts": [asdict(p) for p in prompts], "samples": samples, "stats": asdict(handle.stats)}
 
     def load_pending(self, state: dict | None) -> None:
         def sample(s: dict) -> Sample:
@@ -231,7 +238,8 @@ class Controller:
             return Sample(**s | {"routing": None if routing is None else torch.tensor(routing, dtype=torch.int16)})
 
         self.pending = None if state is None else (
-            [Prompt(**p) for p in state["prompts"]], Done([sample(s) for s in state["samples"]]))
+            [Prompt(**p) for p in state["prompts"]],
+            Done([sample(s) for s in state["samples"]], EngineStats(**state.get("stats", {}))))
 
     def sync_weights(self) -> SyncReport:
         """Push the trainer's weights to every engine and verify each holds exactly them."""
@@ -247,7 +255,8 @@ class Controller:
     def _metrics(self, samples, rewards, batch: Batch, updates: list[dict], times: dict) -> dict[str, float]:
         n = self.sampling.n
         # Remote engines report their own busy time: with an overlapped rollout the phase timer only saw the wait.
-        rollout_s = getattr(self.rollout, "last_metrics", {}).get("rollout/engine_busy_s_max", times["time/rollout"])
+        remote = self.rollout_stats.seconds_min is not None
+        rollout_s = self.rollout_stats.seconds if remote else times["time/rollout"]
         lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
         groups = rewards.view(-1, n)
         gen_tokens = int(lengths.sum())

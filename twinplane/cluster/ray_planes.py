@@ -23,6 +23,7 @@ from twinplane.cluster.workers import RolloutWorker, TrainWorker, WorkerSpec, fr
 from twinplane.config import Config, ConfigError
 from twinplane.model import ModelConfig
 from twinplane.rollout import SamplingParams
+from twinplane.rollout.engine import EngineStats
 from twinplane.sync import SyncReport
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch
@@ -223,16 +224,16 @@ class _Pending:
 
     def __init__(self, planes: RayPlanes, calls: list, shares: list[list[int]]):
         self.planes, self.calls, self.shares = planes, calls, shares
+        self.stats = EngineStats()  # the engines' counters, merged, once `result()` has collected them
 
     def result(self) -> list:
-        samples, busy = [], []
-        for share, (part, seconds) in zip(self.shares, self.planes._wait(self.calls, "rollout"), strict=True):
+        samples, stats = [], []
+        for share, (part, st) in zip(self.shares, self.planes._wait(self.calls, "rollout"), strict=True):
             for s in part:  # each engine numbered its own requests 0..k-1
                 s.request_index = share[s.request_index]
             samples += part
-            busy.append(seconds)
-        self.planes.engine.last_metrics = {"rollout/engine_busy_s_max": max(busy),
-                                           "rollout/engine_busy_s_min": min(busy)}
+            stats.append(st)
+        self.stats = EngineStats.parallel(stats)
         return sorted(samples, key=lambda s: s.request_index)  # stable: a request's n samples keep their order
 
 
@@ -241,7 +242,6 @@ class _EngineProxy:
 
     def __init__(self, planes: RayPlanes, dtype: torch.dtype):
         self.planes, self.dtype, self.weight_version = planes, dtype, 0
-        self.last_metrics: dict[str, float] = {}  # of the last rollout collected
 
     def submit(self, requests, sampling: SamplingParams) -> _Pending:
         loads = [len(r) + sampling.max_new_tokens for r in requests]

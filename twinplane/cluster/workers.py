@@ -24,6 +24,7 @@ from twinplane.config import Config, LoraSection
 from twinplane.model import ModelConfig, Transformer, load_weights
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.rollout import SamplingParams
+from twinplane.rollout.engine import EngineStats
 from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
@@ -97,14 +98,14 @@ class _Worker:
         self.engine_dtype = dtype
 
     # --- the engine's side (a RolloutWorker, or a colocated TrainWorker) ----------------------------------------
-    def generate(self, requests: list[list[int]], sampling: SamplingParams) -> tuple[list, float]:
-        """Samples, and this engine's busy seconds (the driver reports the spread: load imbalance)."""
-        t0 = time.perf_counter()
+    def generate(self, requests: list[list[int]], sampling: SamplingParams) -> tuple[list, EngineStats]:
+        """Samples, and this rollout's engine counters (the driver merges every engine's into the plane's)."""
+        self.engine.pop_stats()
         samples = self.rollout.generate(requests, sampling)
         platform.synchronize(self.device)
         if self.spec.cfg.cluster.colocate:
             platform.empty_cache(self.device)  # hand the KV cache's memory back to the training plane
-        return samples, time.perf_counter() - t0
+        return samples, self.engine.pop_stats()
 
     def engine_state(self) -> tuple[torch.Tensor, int]:
         return self.engine.generator.get_state(), self.engine.weight_version

@@ -13,7 +13,8 @@ floating point of batched matmuls (a row's logits in a forward of 3 tokens vs 30
 so a sample whose uniform lands on a CDF boundary could flip); on CPU the tests see identical outputs.
 
 Interface: `generate(requests, sampling) -> samples`, `submit` (the same, as a handle), `load_weights(named)`,
-`checksum()`, and `pop_metrics()` (occupancy, preemptions, KV usage, prefill/decode tokens/s since last call).
+`checksum()`, and `pop_metrics()` / `pop_stats()` (occupancy, preemptions, KV usage, prefill/decode tokens/s since
+the last call).
 With `record_routing` (MoE models) every sample carries the experts each sparse layer chose for each of its
 tokens (`Sample.routing`), for the trainer to replay.
 
@@ -56,7 +57,37 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     graph_steps: int = 0  # decode steps run from the static buffers (replayed graphs on GPUs)
-    seconds: float = 0.0
+    seconds: float = 0.0  # busy time (of the slowest engine, for data-parallel engines)
+    seconds_min: float | None = None  # data-parallel engines: the least busy one's (their spread is load imbalance)
+
+    COUNTERS = ("steps", "running_sum", "preemptions", "prefill_tokens", "decode_tokens", "graph_steps")
+
+    def __add__(self, later: EngineStats) -> EngineStats:
+        """Two rollouts one after the other (DAPO's extra batches): everything adds up; the peak is the fuller."""
+        lo = None if self.seconds_min is None and later.seconds_min is None else (
+            (self.seconds_min or 0.0) + (later.seconds_min or 0.0))
+        return EngineStats(**{f: getattr(self, f) + getattr(later, f) for f in (*self.COUNTERS, "seconds")},
+                           usage_peak=max(self.usage_peak, later.usage_peak), seconds_min=lo)
+
+    @classmethod
+    def parallel(cls, parts: Sequence[EngineStats]) -> EngineStats:
+        """Data-parallel engines as one: counters add up, the peak is the fullest pool's, and the time is the
+        slowest engine's (they run at once), so tokens/s is the rollout plane's throughput."""
+        return cls(**{f: sum(getattr(p, f) for p in parts) for f in cls.COUNTERS},
+                   usage_peak=max(p.usage_peak for p in parts), seconds=max(p.seconds for p in parts),
+                   seconds_min=min(p.seconds for p in parts))
+
+    def metrics(self) -> dict[str, float]:
+        """Prefill and decode tokens/s are both over the busy time, as vLLM reports them: a step mixes the two."""
+        if not self.steps:
+            return {}
+        busy = {} if self.seconds_min is None else {"rollout/engine_busy_s_max": self.seconds,
+                                                    "rollout/engine_busy_s_min": self.seconds_min}
+        return busy | {"rollout/kv_cache_usage_peak": self.usage_peak, "rollout/preemptions": self.preemptions,
+                "rollout/running_seqs_mean": self.running_sum / self.steps, "rollout/engine_steps": self.steps,
+                "rollout/engine_steps_graphed": self.graph_steps,
+                "perf/prefill_tokens_per_s": self.prefill_tokens / max(self.seconds, 1e-9),
+                "perf/decode_tokens_per_s": self.decode_tokens / max(self.seconds, 1e-9)}
 
 
 class RolloutEngine:
@@ -111,8 +142,11 @@ class RolloutEngine:
         return self.run(seqs)
 
     def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> Done:
-        """The async interface (`handle.result()`): one process has one device, so it generates now."""
-        return Done(self.generate(requests, sampling))
+        """The async interface (`handle.result()`): one process has one device, so it generates now. The handle
+        carries this rollout's counters (earlier ones, e.g. validation's, are dropped)."""
+        self.pop_stats()
+        samples = self.generate(requests, sampling)
+        return Done(samples, self.pop_stats())
 
     def sequence(self, prompt: Sequence[int], request_index: int, sampling: SamplingParams,
                  seeds: list[int]) -> Seq:
@@ -157,17 +191,13 @@ class RolloutEngine:
             self.kv, self.decoder = None, None
         return [done[k] for k in sorted(done)]
 
-    def pop_metrics(self) -> dict[str, float]:
-        """The engine's metrics since the last call (prefill and decode tokens/s both over the engine's busy time,
-        as vLLM reports them: a step mixes the two)."""
+    def pop_stats(self) -> EngineStats:
+        """The counters since the last call (what a remote engine hands to the driver, which merges them)."""
         s, self.stats = self.stats, EngineStats()
-        if not s.steps:
-            return {}
-        return {"rollout/kv_cache_usage_peak": s.usage_peak, "rollout/preemptions": s.preemptions,
-                "rollout/running_seqs_mean": s.running_sum / s.steps, "rollout/engine_steps": s.steps,
-                "rollout/engine_steps_graphed": s.graph_steps,
-                "perf/prefill_tokens_per_s": s.prefill_tokens / max(s.seconds, 1e-9),
-                "perf/decode_tokens_per_s": s.decode_tokens / max(s.seconds, 1e-9)}
+        return s
+
+    def pop_metrics(self) -> dict[str, float]:
+        return self.pop_stats().metrics()
 
     # --- internals ----------------------------------------------------------------------------------------------
     def _allocate(self, seqs: list[Seq]) -> None:
@@ -269,10 +299,10 @@ class RolloutEngine:
 
 
 class Done:
-    """A rollout that has already run, behind the async handle interface (`result()`)."""
+    """A rollout that has already run, behind the async handle interface (`result()`, then `stats`)."""
 
-    def __init__(self, samples: list[Sample]):
-        self.samples = samples
+    def __init__(self, samples: list[Sample], stats: EngineStats | None = None):
+        self.samples, self.stats = samples, stats or EngineStats()
 
     def result(self) -> list[Sample]:
         return self.samples
