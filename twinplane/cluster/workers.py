@@ -28,7 +28,7 @@ from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, ten
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
 from twinplane.train.export import export_shapes, exported
-from twinplane.train.fsdp import shard_model
+from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 
 
@@ -166,12 +166,7 @@ class TrainWorker(_Worker):
             self._build_engine(policy, self.rank)
 
     def _shard(self, model: Transformer, group) -> Transformer:
-        if group is None:
-            return model
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return shard_model(model, mesh=DeviceMesh.from_group(group, self.device.type),
-                           compute_dtype=self.spec.cfg.train.compute_dtype)
+        return shard_over(model, group, self.spec.cfg.train.compute_dtype)
 
     def logprobs(self, batch):
         return self.trainer.logprobs(batch).cpu()
