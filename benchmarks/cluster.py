@@ -6,8 +6,9 @@ with the planes in one process vs as Ray actors.
 
 `sync` starts a local Ray instance, places 1 training actor + 1 engine actor (disaggregated) and times
 `RayPlanes.sync` (gather + bucketed gloo broadcast + the engine's checksum check) for the given model shape.
-`steps` runs `twinplane train` (the demo config, no evaluation) with each layout and reports the median step time
-over the steps after the first five, and each phase's median.
+`steps` runs `twinplane train` (the demo config, no evaluation) with each layout (GRPO, and PPO with the critic in
+process, on the training rank or on a critic rank of its own) and reports the median step time over the steps after
+the first five, and each phase's median.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ LAYOUTS = {
     "ray colocated, 1 rank": ["cluster.backend=ray", "cluster.colocate=true"],
     "ray colocated, 1 rank, 2 CPUs": ["cluster.backend=ray", "cluster.colocate=true", "cluster.cpus_per_worker=2"],
     "ray 1 + 1, async": ["cluster.backend=ray", "cluster.async=true"],
+    "local, ppo": ["algo.name=ppo"],
+    "ray 1 + 1, ppo, critic on the trainer": ["cluster.backend=ray", "algo.name=ppo"],
+    # 2 workers, as the others (a local Ray instance has as many CPUs as the machine)
+    "ray colocated 1 rank + 1 critic rank, ppo": ["cluster.backend=ray", "cluster.colocate=true", "algo.name=ppo",
+                                                  "cluster.critic_devices=1"],
 }
 
 
@@ -80,7 +86,7 @@ def bench_steps(steps: int, runs: int, only: list[str] | None) -> None:
                 subprocess.run(cmd, check=True, capture_output=True)
                 rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()][5:]
             medians.append(statistics.median(r["time/step"] for r in rows))
-            for k in ("rollout", "train", "weight_sync", "old_logprob"):
+            for k in ("rollout", "train", "weight_sync", "old_logprob", "values", "critic_train"):
                 if f"time/{k}" in rows[0]:
                     phases.setdefault(k, []).append(statistics.median(r[f"time/{k}"] for r in rows))
         print(json.dumps({"layout": name, "step_s_median_of_runs": statistics.median(medians),

@@ -213,6 +213,7 @@ class ClusterSection:
     address: str | None = None  # Ray cluster to join ("auto" after `ray start`); unset = start a local one
     train_devices: int = 1  # training ranks (FSDP2 data parallel), one device each
     rollout_devices: int = 1  # rollout engines (data parallel), one device each; = train_devices when colocated
+    critic_devices: int = 0  # PPO critic on Ray: 0 = sharded over the training ranks; K = K critic ranks of its own
     colocate: bool = False  # true: each training rank also hosts an engine and time-shares its device
     async_: bool = False  # (key cluster.async) roll out step k+1 while step k trains: one-step off-policy
     timeout_s: float = 600.0  # collectives and worker calls; a worker silent this long stops the run
@@ -281,8 +282,13 @@ class Config:
             (self.critic.lr > 0 and self.critic.warmup_steps >= 0 and self.critic.value_clip > 0
              and self.critic.grad_clip >= 0, "critic",
              "needs lr > 0, warmup_steps >= 0, value_clip > 0 and grad_clip >= 0"),
-            (self.algo.adv_estimator != "gae" or self.cluster.backend == "local", "cluster.backend",
-             "must be local with a critic (algo.adv_estimator=gae): critic ranks on Ray are not in this version"),
+            (self.cluster.critic_devices >= 0, "cluster.critic_devices", "must be >= 0 (0 = on the training ranks)"),
+            (self.cluster.critic_devices == 0 or self.algo.adv_estimator == "gae", "cluster.critic_devices",
+             "must be 0 without a critic (algo.adv_estimator=gae)"),
+            (self.cluster.critic_devices == 0 or self.cluster.backend == "ray", "cluster.critic_devices",
+             "needs cluster.backend=ray (a local run keeps the critic in its process)"),
+            (self.rollout.prompts_per_step * self.rollout.n // self.train.mini_batches >= self.cluster.critic_devices,
+             "cluster.critic_devices", "must be <= the samples per mini-batch (every critic rank needs a sample)"),
             (self.task.name == "arithmetic", "task.name", "must be arithmetic"),
             (self.data.template in ("auto", "chat", "plain"), "data.template", "must be auto, chat or plain"),
             (self.data.on_error in ("fail", "skip"), "data.on_error", "must be fail or skip"),

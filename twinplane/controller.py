@@ -48,10 +48,11 @@ class Controller:
                  recompute_old_logprobs: bool = False, algo: Algorithm | None = None, critic=None,
                  critic_warmup: int = 0, more_prompts=None, rollout=None, on_phase=None,
                  peak_flops: float | None = None, sync=None, async_: bool = False, devices: tuple[int, int] = (1, 1)):
-        """`algo`: the algorithm (default: the grpo preset); `critic` (`train.critic.Critic`, when the algorithm
-        needs one) trains alone for the first `critic_warmup` steps; `more_prompts()` gives the next prompt batch
-        for dynamic sampling. `sync(version) -> SyncReport` moves weights to the engines (default: in-process into
-        `engine`); `devices`: (training, rollout) device counts, for per-device MFU."""
+        """`algo`: the algorithm (default: the grpo preset); `critic` (the critic plane when the algorithm needs one:
+        `values`, `train_step`, in this process or on Ray ranks alike) trains alone for the first `critic_warmup`
+        steps; `more_prompts()` gives the next prompt batch for dynamic sampling. `sync(version) -> SyncReport`
+        moves weights to the engines (default: in-process into `engine`); `devices`: (training, rollout) device
+        counts, for per-device MFU."""
         self.engine, self.trainer, self.reference = engine, trainer, reference
         self.algo = algo or Algorithm(AlgoSection(), sampling.max_new_tokens)
         self.critic, self.critic_warmup, self.more_prompts = critic, critic_warmup, more_prompts

@@ -511,6 +511,8 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
               f"trainable params ({100 * p['model']['trainable_params'] / cfg.num_params:.2f}%); frozen bf16 base; "
               "no reference copy (the base with adapters off); adapter-only sync" if w.lora_rank else
               "full fine-tuning (the reference copy for algo.kl_coef > 0 is not counted)"),
+             "PPO's critic (a policy-sized value model with its own AdamW) is not counted: it shares the training "
+             "devices (cluster.critic_devices=0) or takes K more (cluster.critic_devices=K)",
              "",
              f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
     for k in ("params", "grads", "master", "moments", "activations", "logits", "total"):

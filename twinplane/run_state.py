@@ -24,7 +24,7 @@ MUTABLE = ("train.steps", "log.", "eval.", "checkpoint.", "run_dir", "threads", 
            "rollout.gpu_memory_utilization", "rollout.graphs", "rollout.graph_max_batch", "train.micro_batch_size",
            "train.max_tokens_per_micro_batch", "train.activation_checkpointing", "train.optimizer_offload",
            "cluster.backend", "cluster.address", "cluster.train_devices", "cluster.rollout_devices", "cluster.colocate",
-           "cluster.timeout_s", "cluster.sync_bucket_mb", "cluster.cpus_per_worker")
+           "cluster.critic_devices", "cluster.timeout_s", "cluster.sync_bucket_mb", "cluster.cpus_per_worker")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

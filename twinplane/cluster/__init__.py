@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from twinplane.cluster.planes import LocalPlanes, WorkerError, build_algorithm, build_engine, build_rollout
+from twinplane.cluster.planes import (
+    LocalPlanes,
+    WorkerError,
+    build_algorithm,
+    build_engine,
+    build_rollout,
+    critic_weights,
+)
 from twinplane.config import Config
 from twinplane.model import Transformer
 from twinplane.tokenizer import Tokenizer
@@ -20,8 +27,9 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
     def cpu_state(m: Transformer) -> dict:
         return {n: t.cpu() for n, t in export_weights(m)}
 
+    critic = {n: t.cpu() for n, t in critic_weights(cfg, model)} if build_algorithm(cfg).needs_critic else None
     return RayPlanes(cfg, model.config, tokenizer, cpu_state(model), reference and cpu_state(reference),
-                     total_steps, tis_cap, log)
+                     total_steps, tis_cap, log, critic)
 
 
 __all__ = ["LocalPlanes", "WorkerError", "build_algorithm", "build_engine", "build_planes", "build_rollout"]

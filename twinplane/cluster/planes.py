@@ -1,24 +1,25 @@
 """The two planes as the controller and the run loop see them, whichever backend holds them.
 
 A `Planes` object offers `trainer` (`logprobs`, `train_step`, `config`, `device`), `reference` (or None), `critic`
-(`values`, `train_step`; or None), `engine` and `rollout` (`generate`, optionally `submit` for an overlapped
-rollout), `sync(version) -> SyncReport`, `state()` / `load_state(...)` for checkpoints and `close()`. Which roles
-exist is the algorithm's call (`algos.Algorithm.needs_reference`, `needs_critic`). `LocalPlanes` keeps everything
-in this process; `RayPlanes` (`twinplane.cluster.ray_planes`) places training ranks and engines as Ray actors.
-The engine, the trainer, the reference and the critic are built here (and by the Ray workers from the same
-`build_*` functions); `twinplane eval` builds its engine here too.
+(`values`, `train_step`, `state`/`load_state`; or None), `engine` and `rollout` (`generate`, optionally `submit`
+for an overlapped rollout), `sync(version) -> SyncReport`, `state()` / `load_state(...)` for checkpoints and
+`close()`. Which roles exist is the algorithm's call (`algos.Algorithm.needs_reference`, `needs_critic`).
+`LocalPlanes` keeps everything in this process; `RayPlanes` (`twinplane.cluster.ray_planes`) places training ranks,
+engines and critic ranks as Ray actors. The engine, the trainer, the reference and the critic are built here (and
+by the Ray workers from the same `build_*` functions); `twinplane eval` builds its engine here too.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from twinplane import platform
 from twinplane.algos import Algorithm
 from twinplane.config import Config
-from twinplane.model import Transformer, iter_safetensors, load_weights
+from twinplane.model import ModelConfig, Transformer, iter_safetensors
 from twinplane.model.lora import cast_base, merge_lora
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, build_tools, engine_options
 from twinplane.sync import SyncReport, sync_in_process
@@ -26,6 +27,7 @@ from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
 from twinplane.train.critic import Critic, build_value_model
 from twinplane.train.export import export_weights
+from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 
 
@@ -49,14 +51,20 @@ def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
     return MultiTurnRollout(engine, tokenizer, build_tools(cfg.rollout.tools, cfg.sandbox), cfg.rollout.max_turns)
 
 
-def build_critic(cfg: Config, policy: Transformer, device: torch.device) -> Critic:
-    """PPO's critic: the value model from `critic.model_path`, else from the policy's current (starting) weights
-    (with LoRA: folded in, base names only; the critic itself trains every weight)."""
+def critic_weights(cfg: Config, policy: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """The critic's starting weights: `critic.model_path`, else the policy's current (starting) weights (with LoRA
+    folded in, base names only: the critic itself trains every weight)."""
+    return iter_safetensors(cfg.critic.model_path) if cfg.critic.model_path else export_weights(policy, merged=True)
+
+
+def build_critic(cfg: Config, model_config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                 device: torch.device, group=None) -> Critic:
+    """PPO's critic on `device`, FSDP2-sharded over `group` (None: one rank, the plain model). The one builder of
+    the local plane, the training workers (critic on the training ranks) and the critic workers."""
     c, t = cfg.critic, cfg.train
-    weights = iter_safetensors(c.model_path) if c.model_path else export_weights(policy, merged=True)
-    model = build_value_model(policy.config, weights, device, platform.resolve_dtype(cfg.model.dtype))
-    return Critic(model, c.lr, t.betas, t.weight_decay, c.value_clip, c.grad_clip, t.micro_batch_size,
-                  t.max_tokens_per_micro_batch)
+    model = build_value_model(model_config, weights, device, platform.resolve_dtype(cfg.model.dtype))
+    return Critic(shard_over(model, group, t.compute_dtype), c.lr, t.betas, t.weight_decay, c.value_clip,
+                  c.grad_clip, t.micro_batch_size, t.max_tokens_per_micro_batch, group)
 
 
 def reference_is_base(cfg: Config) -> bool:
@@ -92,27 +100,22 @@ class LocalPlanes:
             reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, train=t,
             routing_replay=cfg.algo.routing_replay)
         needs_critic = build_algorithm(cfg).needs_critic
-        self.critic = build_critic(cfg, model, model.output_weight().device) if needs_critic else None
+        self.critic = build_critic(cfg, model.config, critic_weights(cfg, model), model.output_weight().device) \
+            if needs_critic else None
 
     def sync(self, version: int) -> SyncReport:
         return sync_in_process(self.engine, self.trainer, version)
 
     def state(self) -> dict:
         """Policy weights are the trainer's model itself here (None: nothing to copy)."""
-        tr, cr = self.trainer, self.critic
-        critic = None if cr is None else {"weights": {n: t.cpu() for n, t in cr.named_weights()},
-                                          "optimizer": named_optimizer_state(cr.model, cr.opt)}
+        tr = self.trainer
         return {"policy": None, "optimizer": named_optimizer_state(tr.model, tr.opt),
                 "scheduler": tr.sched.state_dict(), "engine_rng": [self.engine.generator.get_state()],
-                "weight_version": self.engine.weight_version, "critic": critic}
+                "weight_version": self.engine.weight_version, "critic": critic_state(self.critic)}
 
     def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
                    critic: dict | None = None) -> None:
-        if self.critic is not None:
-            if critic is None:
-                raise ValueError("the checkpoint has no critic state (it was written by a run without a critic)")
-            load_weights(self.critic.model, critic["weights"].items())
-            load_named_optimizer_state(self.critic.model, self.critic.opt, critic["optimizer"])
+        load_critic_state(self.critic, critic)
         load_named_optimizer_state(self.trainer.model, self.trainer.opt, optimizer)
         self.trainer.sched.load_state_dict(scheduler)
         sync_in_process(self.engine, self.trainer, version)
@@ -120,6 +123,19 @@ class LocalPlanes:
 
     def close(self) -> None:
         pass
+
+
+def critic_state(critic) -> dict | None:
+    """A critic plane's full state for the checkpoint (None: no critic); the same on every backend."""
+    return None if critic is None else critic.state()
+
+
+def load_critic_state(critic, state: dict | None) -> None:
+    if critic is None:
+        return
+    if state is None:
+        raise ValueError("the checkpoint has no critic state (it was written by a run without a critic)")
+    critic.load_state(state)
 
 
 def restore_generator(gen: torch.Generator, state: torch.Tensor | None, salt: int) -> bool:

@@ -1,4 +1,5 @@
-"""Both planes as Ray actors: training ranks (FSDP2) and rollout engines, placed by a Ray placement group.
+"""Both planes as Ray actors: training ranks (FSDP2), rollout engines and (PPO, `cluster.critic_devices` > 0) critic
+ranks, placed by one Ray placement group.
 
 Disaggregated (`cluster.colocate=false`): N training actors + M engine actors, one device each; weights go from
 training rank 0 to the engines by bucketed broadcast over a torch.distributed group. Colocated: N training actors,
@@ -18,8 +19,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from twinplane import platform
-from twinplane.cluster.planes import WorkerError, reference_is_base
-from twinplane.cluster.workers import RolloutWorker, TrainWorker, WorkerSpec, free_address
+from twinplane.cluster.planes import WorkerError, critic_state, load_critic_state, reference_is_base
+from twinplane.cluster.workers import CriticWorker, RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config, ConfigError
 from twinplane.model import ModelConfig
 from twinplane.rollout import SamplingParams
@@ -44,7 +45,10 @@ def _actor_class(cls):
 
 class RayPlanes:
     def __init__(self, cfg: Config, model_config: ModelConfig, tokenizer: Tokenizer, policy: dict[str, torch.Tensor],
-                 reference: dict[str, torch.Tensor] | None, total_steps: int, tis_cap: float | None, log=print):
+                 reference: dict[str, torch.Tensor] | None, total_steps: int, tis_cap: float | None, log=print,
+                 critic: dict[str, torch.Tensor] | None = None):
+        """`critic`: the critic's starting weights (PPO; None: no critic), on the training ranks or on
+        `cluster.critic_devices` ranks of its own."""
         c = cfg.cluster
         self.cfg, self.timeout = cfg, c.timeout_s
         self.started_ray = not ray.is_initialized()
@@ -55,27 +59,28 @@ class RayPlanes:
                 raise ConfigError(f"cluster.address={c.address}: cannot start or join Ray ({_first_line(e)})") from None
         self.pg, self.actors = None, {}
         try:
-            self._start(cfg, model_config, tokenizer, policy, reference, total_steps, tis_cap, log)
+            self._start(cfg, model_config, tokenizer, policy, reference, critic, total_steps, tis_cap, log)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, cfg, model_config, tokenizer, policy, reference, total_steps, tis_cap, log) -> None:
+    def _start(self, cfg, model_config, tokenizer, policy, reference, critic, total_steps, tis_cap, log) -> None:
         c = cfg.cluster
         spec = WorkerSpec(cfg, model_config, tokenizer, total_steps, tis_cap)
         self.train_devices, self.rollout_devices = spec.num_train, spec.num_engines
         use_gpu = cfg.device != "cpu" and (cfg.device != "auto" or ray.cluster_resources().get("GPU", 0) > 0)
         bundle = {"CPU": c.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
         have = ray.cluster_resources()
-        short = {k: v * spec.world_size for k, v in bundle.items() if v * spec.world_size > have.get(k, 0)}
+        n = spec.num_workers
+        short = {k: v * n for k, v in bundle.items() if v * n > have.get(k, 0)}
         if short:  # a placement group that can never fit would wait forever: say so now
-            raise WorkerError(f"cluster: {spec.world_size} workers of {bundle} need {short}, the Ray cluster has "
+            raise WorkerError(f"cluster: {n} workers of {bundle} need {short}, the Ray cluster has "
                               f"{ {k: have.get(k, 0) for k in short} } in all (cluster.train_devices + "
-                              f"rollout_devices, or cluster.cpus_per_worker, too large)")
-        self.pg = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy="PACK")
+                              f"rollout_devices + critic_devices, or cluster.cpus_per_worker, too large)")
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=self.timeout)
         if not ready:
-            raise WorkerError(f"cluster: could not place {spec.world_size} workers of {bundle} within "
+            raise WorkerError(f"cluster: could not place {n} workers of {bundle} within "
                               f"{self.timeout:.0f} s (cluster.timeout_s); the Ray cluster has "
                               f"{ray.cluster_resources()}")
 
@@ -91,6 +96,8 @@ class RayPlanes:
             [make(RolloutWorker, spec.num_train + i) for i in range(spec.num_engines)]
         if not c.colocate:
             self.actors |= {f"rollout engine {i}": a for i, a in enumerate(self.engines)}
+        self.critics = [make(CriticWorker, spec.world_size + i) for i in range(spec.num_critics)]
+        self.actors |= {f"critic rank {i}": a for i, a in enumerate(self.critics)}
         self.names = {id(a): n for n, a in self.actors.items()}
         where = self._wait([(a, a.address.remote()) for a in self.actors.values()], "start")
         pids = self._wait([(a, a.pid.remote()) for a in self.actors.values()], "start")
@@ -99,17 +106,25 @@ class RayPlanes:
         addr, port = where[0]
         policy_ref = ray.put(policy)
         ref_ref = ray.put(reference) if reference is not None else None
-        calls = [(t, t.setup.remote(addr, port, policy_ref, ref_ref)) for t in self.trainers]
+        critic_ref = ray.put(critic) if critic is not None else None
+        on_trainers = critic_ref if not self.critics else None
+        calls = [(t, t.setup.remote(addr, port, policy_ref, ref_ref, on_trainers)) for t in self.trainers]
         if not c.colocate:
             calls += [(e, e.setup.remote(addr, port, policy_ref, i)) for i, e in enumerate(self.engines)]
+        if self.critics:  # their own world: rendezvous at critic rank 0
+            caddr, cport = where[spec.world_size]
+            calls += [(a, a.setup.remote(caddr, cport, critic_ref)) for a in self.critics]
         self._wait(calls, "setup")
         self.engine_names = [self._name(e) for e in self.engines]
         self.trainer = _TrainerProxy(self, model_config)
         self.reference = _ReferenceProxy(self) if reference is not None or reference_is_base(cfg) else None
+        self.critic = None if critic is None else _CriticProxy(self, self.critics or self.trainers)
         self.engine = self.rollout = _EngineProxy(self, platform.resolve_dtype(cfg.model.rollout_dtype
                                                                                or cfg.model.dtype))
+        critics = f" + {spec.num_critics} critic rank(s)" if self.critics else ""
         log(f"ray: {spec.num_train} training rank(s) + {spec.num_engines} engine(s) "
-            f"{'colocated' if c.colocate else 'disaggregated'}, {bundle} each, on {len(ray.nodes())} node(s)")
+            f"{'colocated' if c.colocate else 'disaggregated'}{critics}, {bundle} each, on {len(ray.nodes())} "
+            f"node(s)")
 
     # --- calls ------------------------------------------------------------------------------------------------
     def _name(self, actor) -> str:
@@ -143,11 +158,21 @@ class RayPlanes:
             raise WorkerError(f"{self._name(actor)} failed during {what}: {_first_line(e)}")
         return [results[ref] for _, ref in calls]
 
-    def _per_rank(self, method: str, batch: Batch) -> tuple[list, list[list[int]]]:
-        rows = assign_rows(batch.attention_mask.sum(1).tolist(), len(self.trainers))
-        calls = [(t, getattr(t, method).remote(batch.select(torch.tensor(r))))
-                 for t, r in zip(self.trainers, rows, strict=True)]
+    def _per_rank(self, method: str, batch: Batch, actors: list | None = None) -> tuple[list, list[list[int]]]:
+        """`method` on each of `actors` (default: the training ranks) with its token-balanced share of the rows."""
+        actors = actors or self.trainers
+        rows = assign_rows(batch.attention_mask.sum(1).tolist(), len(actors))
+        calls = [(a, getattr(a, method).remote(batch.select(torch.tensor(r))))
+                 for a, r in zip(actors, rows, strict=True)]
         return self._wait(calls, method), rows
+
+    def _per_token(self, method: str, batch: Batch, actors: list | None = None) -> torch.Tensor:
+        """[N, R] per-token results of `method` over the ranks, reassembled (the parts are column-trimmed)."""
+        parts, rows = self._per_rank(method, batch, actors)
+        out = torch.zeros(len(batch), batch.response_mask.shape[1])
+        for part, r in zip(parts, rows, strict=True):
+            out[torch.tensor(r), :part.shape[1]] = part
+        return out
 
     def sync(self, version: int) -> SyncReport:
         calls = [(t, t.push_weights.remote(version)) for t in self.trainers]
@@ -165,12 +190,12 @@ class RayPlanes:
     def state(self) -> dict:
         trained = self._wait([(t, t.state.remote()) for t in self.trainers], "checkpoint")[0]
         engines = self._wait([(e, e.engine_state.remote()) for e in self.engines], "checkpoint")
-        return trained | {"engine_rng": [g for g, _ in engines], "weight_version": engines[0][1]}
-
-    critic = None  # no critic ranks on Ray in this version (`Config.validate` refuses the combination)
+        return trained | {"engine_rng": [g for g, _ in engines], "weight_version": engines[0][1],
+                          "critic": critic_state(self.critic)}
 
     def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
                    critic: dict | None = None) -> None:
+        load_critic_state(self.critic, critic)
         self._wait([(t, t.load_state.remote(optimizer, scheduler)) for t in self.trainers], "restore")
         exact = len(engine_rng) == len(self.engines)
         self._wait([(e, e.set_engine_state.remote(engine_rng[i] if exact else None, version))
@@ -201,14 +226,31 @@ class _TrainerProxy:
         self.planes, self.config, self.device = planes, config, torch.device("cpu")
 
     def logprobs(self, batch: Batch, method: str = "logprobs") -> torch.Tensor:
-        parts, rows = self.planes._per_rank(method, batch)
-        out = torch.zeros(len(batch), batch.response_mask.shape[1])  # [N, R]; parts are column-trimmed
-        for part, r in zip(parts, rows, strict=True):
-            out[torch.tensor(r), :part.shape[1]] = part
-        return out
+        return self.planes._per_token(method, batch)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.planes._per_rank("train_step", batch)[0][0]  # metrics are global reductions: equal on all
+
+
+class _CriticProxy:
+    """The critic plane over its ranks (the training ranks, or critic ranks of its own): each takes its
+    token-balanced share of the rows, as the trainer's; state is gathered to full tensors by name."""
+
+    def __init__(self, planes: RayPlanes, actors: list):
+        self.planes, self.actors = planes, actors
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        return self.planes._per_token("critic_values", batch, self.actors)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return self.planes._per_rank("critic_train_step", batch, self.actors)[0][0]  # global reductions
+
+    def state(self) -> dict:
+        return self.planes._wait([(a, a.critic_state.remote()) for a in self.actors], "checkpoint")[0]
+
+    def load_state(self, state: dict) -> None:
+        ref = ray.put(state)
+        self.planes._wait([(a, a.critic_load_state.remote(ref)) for a in self.actors], "restore")
 
 
 class _ReferenceProxy:

@@ -1,9 +1,12 @@
-"""The processes of a cluster run: a training rank (an FSDP2 shard of the policy with its optimizer and reference
-shard; when colocated also an engine on the same device) and a rollout engine.
+"""The processes of a cluster run: a training rank (an FSDP2 shard of the policy with its optimizer, reference
+shard and, with `cluster.critic_devices=0`, critic shard; when colocated also an engine on the same device), a
+rollout engine, and a critic rank (`cluster.critic_devices` > 0).
 
 Plain classes: `ray_planes` runs them as Ray actors. Global ranks: training 0..N-1, then (disaggregated) engines
 N..N+M-1. Two process groups: the training group (FSDP2 collectives) and the sync group {trainer rank 0, engines}
 over which full weights are broadcast in buckets. Colocated, each rank loads its own engine in-process instead.
+Critic ranks form a torch.distributed world of their own (they exchange nothing with the others but through the
+driver), so the training world is the same with or without them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from twinplane import platform
-from twinplane.cluster.planes import build_engine, build_rollout, reference_is_base, restore_generator
+from twinplane.cluster.planes import build_critic, build_engine, build_rollout, reference_is_base, restore_generator
 from twinplane.config import Config, LoraSection
 from twinplane.model import ModelConfig, Transformer, load_weights
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
@@ -28,8 +31,9 @@ from twinplane.rollout.engine import EngineStats
 from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
+from twinplane.train.critic import Critic
 from twinplane.train.export import export_shapes, exported
-from twinplane.train.fsdp import shard_model
+from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 
 
@@ -53,7 +57,16 @@ class WorkerSpec:
 
     @property
     def world_size(self) -> int:
+        """Processes of the training world (training ranks and engines); critic ranks form a world of their own."""
         return self.num_train + (0 if self.cfg.cluster.colocate else self.num_engines)
+
+    @property
+    def num_critics(self) -> int:
+        return self.cfg.cluster.critic_devices
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size + self.num_critics
 
 
 def free_address(host: str | None = None) -> tuple[str, int]:
@@ -141,11 +154,32 @@ class RolloutWorker(_Worker):
         return {"checksum": self.engine.checksum()}
 
 
-class TrainWorker(_Worker):
+class _CriticCalls:
+    """The critic plane's calls, the same on a training rank (critic_devices=0) and on a critic rank."""
+
+    critic: Critic
+
+    def critic_values(self, batch):
+        return self.critic.values(batch).cpu()
+
+    def critic_train_step(self, batch) -> dict[str, float]:
+        return self.critic.train_step(batch)
+
+    def critic_state(self) -> dict | None:
+        """Full state (collectives: every rank calls), returned by the group's first rank."""
+        state = self.critic.state()
+        return state if self.critic.group is None or dist.get_rank(self.critic.group) == 0 else None
+
+    def critic_load_state(self, state: dict) -> None:
+        self.critic.load_state(state)
+
+
+class TrainWorker(_CriticCalls, _Worker):
     """One training rank; with `cluster.colocate` it also hosts engine `rank` on the same device."""
 
     def setup(self, addr: str, port: int, policy: dict[str, torch.Tensor],
-              reference: dict[str, torch.Tensor] | None) -> None:
+              reference: dict[str, torch.Tensor] | None, critic: dict[str, torch.Tensor] | None = None) -> None:
+        """`critic`: the critic's starting weights when it is sharded over the training ranks (else None)."""
         self._init_groups(addr, port)
         s, cfg = self.spec, self.spec.cfg
         group = self.train_group if s.num_train > 1 else None  # one rank: the plain model, as the local backend
@@ -163,16 +197,13 @@ class TrainWorker(_Worker):
             self.reference = Reference(ref, cfg.rollout.temperature, t.micro_batch_size, group=group,
                                        max_tokens=t.max_tokens_per_micro_batch, train=t,
                                        routing_replay=cfg.algo.routing_replay)
+        if critic is not None:
+            self.critic = build_critic(cfg, s.model_config, critic.items(), self.device, group)
         if cfg.cluster.colocate:
             self._build_engine(policy, self.rank)
 
     def _shard(self, model: Transformer, group) -> Transformer:
-        if group is None:
-            return model
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return shard_model(model, mesh=DeviceMesh.from_group(group, self.device.type),
-                           compute_dtype=self.spec.cfg.train.compute_dtype)
+        return shard_over(model, group, self.spec.cfg.train.compute_dtype)
 
     def logprobs(self, batch):
         return self.trainer.logprobs(batch).cpu()
@@ -234,6 +265,20 @@ class TrainWorker(_Worker):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class CriticWorker(_CriticCalls, _Worker):
+    """One critic rank of `cluster.critic_devices`: the value model's FSDP2 shard and its AdamW, in a
+    torch.distributed world of the critic ranks alone (values and returns travel through the driver)."""
+
+    def setup(self, addr: str, port: int, weights: dict[str, torch.Tensor]) -> None:
+        s = self.spec
+        index = self.rank - s.world_size  # placed after the training world's processes
+        timeout = datetime.timedelta(seconds=s.cfg.cluster.timeout_s)
+        dist.init_process_group(platform.dist_backend(self.device), init_method=f"tcp://{addr}:{port}",
+                                rank=index, world_size=s.num_critics, timeout=timeout)
+        group = dist.group.WORLD if s.num_critics > 1 else None  # one rank: the plain model, as one process
+        self.critic = build_critic(s.cfg, s.model_config, weights.items(), self.device, group)
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,

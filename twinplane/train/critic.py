@@ -18,7 +18,7 @@ from twinplane.model import ModelConfig, Transformer, load_weights
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.export import export_weights
-from twinplane.train.optim import build_optimizer
+from twinplane.train.optim import build_optimizer, load_named_optimizer_state, named_optimizer_state
 
 
 class ValueModel(Transformer):
@@ -60,7 +60,8 @@ def response_values(model: ValueModel, batch: Batch) -> torch.Tensor:
 
 
 class Critic:
-    """The value model with its AdamW (constant lr) and the PPO value loss. In this process only (see README)."""
+    """The value model with its AdamW (constant lr) and the PPO value loss; `group`: its FSDP2 ranks when sharded
+    (each rank trains on its rows of the global batch, as `Trainer`)."""
 
     def __init__(self, model: ValueModel, lr: float, betas, weight_decay: float, value_clip: float, grad_clip: float,
                  micro_batch_size: int, max_tokens: int = 0, group=None):
@@ -109,6 +110,16 @@ class Critic:
 
     def named_weights(self):
         return export_weights(self.model)
+
+    def state(self) -> dict:
+        """Full weights and AdamW state by parameter name on the CPU, so they load on any layout. A collective when
+        sharded: every rank calls. (No RNG: the value model has no dropout; the lr is constant.)"""
+        return {"weights": {n: t.cpu().clone() for n, t in self.named_weights()},
+                "optimizer": named_optimizer_state(self.model, self.opt)}
+
+    def load_state(self, state: dict) -> None:
+        fsdp.load_full_weights(self.model, state["weights"].items())
+        load_named_optimizer_state(self.model, self.opt, state["optimizer"])
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

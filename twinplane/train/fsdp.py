@@ -39,6 +39,16 @@ def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy |
     return model
 
 
+def shard_over(model: Transformer, group, compute_dtype: str = "auto") -> Transformer:
+    """`shard_model` over a process group's ranks; `group` None (one rank) keeps the plain model, as one process."""
+    if group is None:
+        return model
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = model.output_weight().device
+    return shard_model(model, mesh=DeviceMesh.from_group(group, device.type), compute_dtype=compute_dtype)
+
+
 def mixed_precision(p: platform.Precision) -> MixedPrecisionPolicy:
     """FSDP2's form of a precision policy: gathered params cast to the compute dtype, grads reduced in fp32."""
     if not p.mixed:
@@ -129,3 +139,22 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors by parameter name, the Hugging Face names FSDP2 keeps: for weight sync and
     checkpoints. A collective: every rank must call it."""
     return dict(export_weights(model))
+
+
+@torch.no_grad()
+def load_full_weights(model: torch.nn.Module, named) -> None:
+    """Full tensors by parameter name into `model`, whose parameters may be FSDP shards: each rank keeps its shard
+    (a collective then: every rank loads the same names in the same order). Every parameter must be given."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, t in named:
+        p = params.get(name)
+        if p is None or p.shape != t.shape:
+            raise KeyError(f"{name}: no parameter of shape {tuple(t.shape)} in the model")
+        t = t.to(device=p.device, dtype=p.dtype)
+        p.copy_(distribute_tensor(t, p.device_mesh, p.placements) if isinstance(p, DTensor) else t)
+        seen.add(name)
+    if seen != set(params):
+        raise KeyError(f"missing {len(set(params) - seen)} tensors, e.g. {sorted(set(params) - seen)[:3]}")
