@@ -87,14 +87,14 @@ def test_preempted_then_resumed_on_another_critic_layout_is_bitwise(ray_ppo, tmp
 def test_sharded_critic_equals_one_process_and_loads_any_layout(layout, tmp_path):
     """FSDP2 over 2 ranks (gloo): values and updates equal an unsharded critic's on the same batch; the gathered
     state equals its state, and a full state loads into the shards exactly."""
-    from twinplane import run as run_mod
     from twinplane.cluster import build_planes
     from twinplane.cluster.planes import build_critic, critic_weights
+    from twinplane.prepare import prepare
     from twinplane.rollout import SamplingParams
     from twinplane.train import Batch
 
     cfg = load_config(None, [*ARGS, *PPO, *RAY, *layout, f"run_dir={tmp_path}", "algo.kl_coef=0"])
-    setup = run_mod.prepare(cfg)
+    setup = prepare(cfg)
     planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
     local = build_critic(cfg, setup.model.config, critic_weights(cfg, setup.model), torch.device("cpu"))
     try:
