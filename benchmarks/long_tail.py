@@ -7,7 +7,7 @@ same number of sequences and real tokens at uniform length; padded and packed (`
 with `train.max_tokens_per_micro_batch=4096`. Runs are interleaved; the median of `--runs` is reported.
 `python benchmarks/long_tail.py memory`: peak memory added by one train_step with 8 x 512 response tokens, each
 configuration in a fresh subprocess (CPU: peak RSS over the steady state after a warm-up step; GPU: peak
-allocated), as a multiple of one fp32 [tokens, vocab] logits copy.
+allocated), as a multiple of one fp32 [tokens, vocab] logits copy; the last one with activation checkpointing.
 `python benchmarks/long_tail.py varlen [--against REV]`: forward + backward time of the portable varlen attention
 (`sdpa_varlen`) on the demo's lengths and on a long tail; with `--against`, the same calls through
 twinplane/model/attention.py as of git revision REV, interleaved in one invocation.
@@ -94,12 +94,13 @@ def speed(runs: int, device: torch.device, only: list[str] | None = None) -> dic
     return out
 
 
-def measure_memory(packing: bool, chunk: int, device: str) -> float:
+def measure_memory(packing: bool, chunk: int, device: str, checkpointing: bool = False) -> float:
     """Bytes one train_step (8 x 512 response tokens) adds over the steady state (weights, grads, Adam)."""
     import resource
 
     dev = torch.device(device)
-    tr = trainer(dev, packing=packing, micro_batch_size=8, logprob_chunk_tokens=chunk)
+    tr = trainer(dev, packing=packing, micro_batch_size=8, logprob_chunk_tokens=chunk,
+                 activation_checkpointing=checkpointing)
     tr.train_step(make_batch([4] * 8, MODEL["vocab_size"], prompt=4))  # creates grads and Adam state
     batch = make_batch([512] * 8, MODEL["vocab_size"])
     if dev.type == "cuda":
@@ -116,14 +117,14 @@ def measure_memory(packing: bool, chunk: int, device: str) -> float:
 def memory(device: str) -> dict:
     logits_copy = 8 * 512 * MODEL["vocab_size"] * 4
     out = {"fp32_logits_copy_mb": logits_copy / 1e6}
-    for packing, chunk in ((True, 512), (True, 4096), (False, 512)):
+    for packing, chunk, ckpt in ((True, 512, False), (True, 4096, False), (False, 512, False), (True, 512, True)):
         code = (f"from benchmarks.long_tail import measure_memory; "
-                f"print(measure_memory({packing}, {chunk}, {device!r}))")
+                f"print(measure_memory({packing}, {chunk}, {device!r}, {ckpt}))")
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(ROOT))
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
         added = float(res.stdout.strip().splitlines()[-1])
-        out[f"{'packed' if packing else 'padded'}_chunk{chunk}"] = {"added_mb": round(added / 1e6, 1),
-                                                                   "x_logits_copy": round(added / logits_copy, 3)}
+        name = f"{'packed' if packing else 'padded'}_chunk{chunk}{'_ckpt' if ckpt else ''}"
+        out[name] = {"added_mb": round(added / 1e6, 1), "x_logits_copy": round(added / logits_copy, 3)}
     return out
 
 
