@@ -38,6 +38,11 @@ from twinplane.flops import decode_read_params, forward_flops_per_token, matmul_
 from twinplane.model import ModelConfig
 
 GB = 1e9
+
+
+def size(nbytes: float) -> str:
+    """Bytes in a unit that fits: MB below a GB, else GB."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes < GB else f"{nbytes / GB:.1f} GB"
 HEADROOM = 0.10  # fraction of device memory left free by every layout
 MFU = 0.35  # assumed model-FLOPs utilisation of the training plane
 DECODE_EFFICIENCY = 0.6  # fraction of peak HBM bandwidth a decode step achieves
@@ -413,27 +418,30 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload) -> tuple[Layout |
     best = tp1[0] if tp1 else options[0]
     dev = cluster.device
     b = Dtypes.for_device(dev).param
-    weights_gb = cfg.num_params * b / GB
+    weights = cfg.num_params * b
+    weights_gb = weights / GB
+    unit = "device" if dev.key == "cpu" else "GPU"
     reasons = []
     if best.tp == 1:
         faster = [x for x in options if x.tp > 1 and x.step_s < best.step_s]
         alt = (f" (the model prices TP={faster[0].tp} {faster[0].step_s:.1f} s/step vs {best.step_s:.1f} s by "
                "splitting weight reads, before TP's communication and coupling costs)") if faster else ""
-        reasons.append(f"TP=1: the {weights_gb:.1f} GB of {'bf16' if b == 2 else 'fp32'} weights fit on one "
+        reasons.append(f"TP=1: the {size(weights)} of {'bf16' if b == 2 else 'fp32'} weights fit on one "
                        f"{dev.memory_gb:g} GB {dev.key} holding the KV cache of all {best.seqs_in_flight} of its "
-                       "sequences per engine, so every GPU runs an independent engine (no per-layer all-reduces)" + alt)
+                       f"sequences per engine, so every {unit} runs an independent engine (no per-layer all-reduces)"
+                       + alt)
     else:
         reasons.append(f"TP={best.tp}: at TP=1 the weights ({weights_gb:.1f} GB) leave too little of the "
                        f"{dev.memory_gb:g} GB for KV cache (or training state); splitting them buys "
                        f"{best.seqs_in_flight} sequences in flight per engine")
     if best.colocated:
-        reasons.append("colocated: both planes fit on every GPU together, so no GPU idles while the other "
+        reasons.append(f"colocated: both planes fit on every {unit} together, so none idles while the other "
                        "plane works")
     else:
         how = "overlapping one step off-policy" if cluster.overlap else "alternating"
         reasons.append(f"disaggregated {best.train_gpus}+{best.rollout_gpus} ({how}): the training state and the "
                        "engine don't fit on the same GPUs, or splitting is faster")
-    reasons.append(f"peaks {best.train_mem / GB:.0f} GB training / {best.rollout_mem / GB:.0f} GB rollout of "
+    reasons.append(f"peaks {size(best.train_mem)} training / {size(best.rollout_mem)} rollout of "
                    f"{dev.memory_gb * (1 - HEADROOM):.0f} GB usable ({HEADROOM:.0%} headroom)")
     if best.checkpointing:
         reasons.append("activation checkpointing: the micro-batch's activations don't fit otherwise (+33% "

@@ -93,14 +93,15 @@ def _legend(*axes) -> None:
         axes[-1].legend(handles, labels, loc="best", fontsize=8, framealpha=0.9)
 
 
-def _right_axis(ax, lines: list[tuple], ylabel: str):
-    """A dashed second y axis (from 0) sharing the step axis: `lines` are (series, label, color)."""
+def _right_axis(ax, lines: list[tuple], ylabel: str, top: float | None = None):
+    """A dashed second y axis (from 0, to `top` when the quantity has a ceiling) sharing the step axis: `lines`
+    are (series, label, color)."""
     ax2 = ax.twinx()
     for s, label, color in lines:
         _line(ax2, s, label, color)
         ax2.lines[-1].set_linestyle("--")
     ax2.set_ylabel(ylabel)
-    ax2.set_ylim(bottom=0)
+    ax2.set_ylim(bottom=0, top=top)
     return ax2
 
 
@@ -283,7 +284,7 @@ def plot_engine(rows: list[dict], fig) -> bool:
     ax.set_ylim(bottom=0)
     axes = [ax]
     if usage:
-        axes.append(_right_axis(ax, [(usage.scaled(100), "KV cache peak usage", "C1")], "KV pool used (%)"))
+        axes.append(_right_axis(ax, [(usage.scaled(100), "KV cache peak usage", "C1")], "KV pool used (%)", 105))
     _legend(*axes)
     return True
 
