@@ -136,8 +136,26 @@ def test_grouped_varlen_equals_one_block_diagonal_mask(monkeypatch, window):
     meta = AttentionMetadata.packed(lengths, window=window)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=varlen_mask(meta), enable_gqa=True)
     got = sdpa_varlen(q, k, v, meta)
-    groups, _ = meta.cache["varlen_plan"]
-    assert [(G, L) for _, _, G, L, _ in groups] == [(2, 12), (3, 5), (2, 2)]  # [12, 6], [5, 4, 3], [2, 1]
+    groups, unpermute = meta.cache["varlen_plan"]
+    assert [(G, L) for _, G, L, _ in groups] == [(2, 12), (3, 5), (2, 2)]  # [12, 6], [5, 4, 3], [2, 1]
+    assert unpermute is not None
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_uniform_varlen_is_a_view_and_equals_the_mask(monkeypatch, window):
+    """Consecutive sequences of one length (two groups here) need no gather or scatter; same values and grads."""
+    monkeypatch.setattr(attention_module, "VARLEN_GROUP_TOKENS", 12)
+    lengths = [4] * 5
+    q, k, v = (x.requires_grad_() for x in _qkv(sum(lengths)))
+    meta = AttentionMetadata.packed(lengths, window=window)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=varlen_mask(meta), enable_gqa=True)
+    got = sdpa_varlen(q, k, v, meta)
+    groups, unpermute = meta.cache["varlen_plan"]
+    assert [(index, G) for index, G, _, _ in groups] == [(slice(0, 12), 3), (slice(12, 20), 2)] and unpermute is None
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     g = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):

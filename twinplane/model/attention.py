@@ -78,49 +78,53 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
     Sequences are sorted by length and gathered into groups of similar length (see `_varlen_plan`); a group is one
     [G, H, L, D] batch where every sequence starts at column 0, so its padding comes after its real tokens, where
     no real query looks, and the fused causal kernel needs no mask. Work is O(sum of L^2) with at most 2x padding
-    per group, instead of a block-diagonal mask over many sequences (O(T x block), mostly masked out)."""
+    per group, instead of a block-diagonal mask over many sequences (O(T x block), mostly masked out). Consecutive
+    sequences of one length (uniform batches) are a view of the row: no gather, no scatter."""
     gqa = q.shape[1] != k.shape[1]
     plan = meta.cache.get("varlen_plan")
     if plan is None:
         plan = meta.cache["varlen_plan"] = _varlen_plan(meta.cu_seqlens.tolist(), meta.window, q.device)
-    groups, inverse = plan
+    groups, unpermute = plan
     outs = []
-    for index, real, G, L, mask in groups:
-        qg, kg, vg = (x[0].index_select(1, index).unflatten(1, (G, L)).transpose(0, 1) for x in (q, k, v))
+    for index, G, L, mask in groups:
+        rows = [x[0][:, index] if isinstance(index, slice) else x[0].index_select(1, index) for x in (q, k, v)]
+        qg, kg, vg = (x.unflatten(1, (G, L)).transpose(0, 1) for x in rows)  # [G, h, L, D]
         y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=gqa)  # [G, H, L, D]
-        outs.append(y.transpose(0, 1).flatten(1, 2).index_select(1, real))  # real tokens only: [H, n_g, D]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)  # [H, T, D] in group order
-    return out.index_select(1, inverse)[None]
+        outs.append(y.transpose(0, 1).flatten(1, 2))  # [H, G * L, D], padding included
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    return (out if unpermute is None else out.index_select(1, unpermute))[None]
 
 
 def _varlen_plan(cu: list[int], window: int | None, device: torch.device):
-    """Per group (row index [G*L], real-token columns of the flattened group, G, L, mask or None) and the inverse
-    permutation from group order back to the row. Greedy over sequences sorted longest first: a group takes
-    sequences while its shortest is at least half its longest and G x L <= VARLEN_GROUP_TOKENS."""
+    """Per group (row index [G*L], or a slice when its sequences are consecutive in the row and all L long; G; L;
+    mask or None), and where each row token's output is in the groups' concatenated outputs (None = in place).
+    Greedy over sequences sorted longest first (stable: equal lengths keep row order): a group takes sequences
+    while its shortest is at least half its longest and G x L <= VARLEN_GROUP_TOKENS."""
     lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
     order = sorted(range(len(lens)), key=lambda s: -lens[s])
-    groups, perm, i = [], [], 0
+    groups, unpermute, offset, i = [], [0] * cu[-1], 0, 0
     while i < len(order):
         L, j = lens[order[i]], i + 1
         while j < len(order) and 2 * lens[order[j]] >= L and (j - i + 1) * L <= VARLEN_GROUP_TOKENS:
             j += 1
         members = order[i:j]
-        index, real = [], []
+        index = []
         for g, s in enumerate(members):
             n = lens[s]
             index += list(range(cu[s], cu[s] + n)) + [cu[s]] * (L - n)  # pad with a real token (never attended)
-            real += range(g * L, g * L + n)
-            perm += range(cu[s], cu[s] + n)
+            unpermute[cu[s]:cu[s] + n] = range(offset + g * L, offset + g * L + n)
         mask = None
         if window is not None and window < L:
             pos = torch.arange(L, device=device)
             mask = ((pos[None] <= pos[:, None]) & (pos[:, None] - pos[None] < window))[None, None]
-        groups.append((torch.tensor(index, device=device), torch.tensor(real, device=device), len(members), L, mask))
+        contiguous = index == list(range(index[0], index[0] + len(index)))
+        groups.append((slice(index[0], index[0] + len(index)) if contiguous else torch.tensor(index, device=device),
+                       len(members), L, mask))
+        offset += len(index)
         i = j
-    inverse = torch.empty(len(perm), dtype=torch.long)
-    inverse[torch.tensor(perm)] = torch.arange(len(perm))
-    return groups, inverse.to(device)
+    in_place = offset == cu[-1] and unpermute == list(range(offset))
+    return groups, None if in_place else torch.tensor(unpermute, device=device)
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, window: int | None = None) -> torch.Tensor:
