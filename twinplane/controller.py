@@ -211,9 +211,9 @@ class Controller:
 
     def submit(self, requests):
         """A handle whose `result()` gives the samples, then `stats` the engines' counters for them."""
-        if hasattr(self.rollout, "submit"):
+        if not isinstance(self.engine, RolloutEngine):  # remote engines: a rollout in flight
             return self.rollout.submit(requests, self.sampling)
-        self.engine.pop_stats()  # a multi-turn rollout in one process: run it now (same weights), on its own counters
+        self.engine.pop_stats()  # one process: run it now (same weights), on its own counters (not validation's)
         samples = self.rollout.generate(requests, self.sampling)
         return Done(samples, self.engine.pop_stats())
 

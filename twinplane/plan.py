@@ -38,11 +38,6 @@ from twinplane.flops import decode_read_params, forward_flops_per_token, matmul_
 from twinplane.model import ModelConfig
 
 GB = 1e9
-
-
-def size(nbytes: float) -> str:
-    """Bytes in a unit that fits: MB below a GB, else GB."""
-    return f"{nbytes / 1e6:.1f} MB" if nbytes < GB else f"{nbytes / GB:.1f} GB"
 HEADROOM = 0.10  # fraction of device memory left free by every layout
 MFU = 0.35  # assumed model-FLOPs utilisation of the training plane
 DECODE_EFFICIENCY = 0.6  # fraction of peak HBM bandwidth a decode step achieves
@@ -53,6 +48,11 @@ ALLREDUCE_LATENCY_S = 25e-6  # per TP all-reduce in a decode step (2 per layer)
 TP_EFFICIENCY = 0.8  # bandwidth efficiency lost to TP communication, per TP>1 engine
 TP_SIZES = (1, 2, 4, 8)
 CPU = DeviceSpec("cpu", "cpu", 1.0, 24, 0.05, ())  # the CPU check: memory numbers only
+
+
+def size(nbytes: float) -> str:
+    """Bytes in a unit that fits: MB below a GB, else GB."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes < GB else f"{nbytes / GB:.1f} GB"
 
 
 @dataclass(frozen=True)
@@ -419,7 +419,6 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload) -> tuple[Layout |
     dev = cluster.device
     b = Dtypes.for_device(dev).param
     weights = cfg.num_params * b
-    weights_gb = weights / GB
     unit = "device" if dev.key == "cpu" else "GPU"
     reasons = []
     if best.tp == 1:
@@ -431,7 +430,7 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload) -> tuple[Layout |
                        f"sequences per engine, so every {unit} runs an independent engine (no per-layer all-reduces)"
                        + alt)
     else:
-        reasons.append(f"TP={best.tp}: at TP=1 the weights ({weights_gb:.1f} GB) leave too little of the "
+        reasons.append(f"TP={best.tp}: at TP=1 the weights ({size(weights)}) leave too little of the "
                        f"{dev.memory_gb:g} GB for KV cache (or training state); splitting them buys "
                        f"{best.seqs_in_flight} sequences in flight per engine")
     if best.colocated:

@@ -185,7 +185,7 @@ class TrainWorker(_CriticCalls, _Worker):
         group = self.train_group if s.num_train > 1 else None  # one rank: the plain model, as the local backend
         dtype = platform.resolve_dtype(cfg.model.dtype)
         t = cfg.train
-        model = self._shard(build_model(s.model_config, policy, self.device, dtype, t.lora), group)
+        model = shard_over(build_model(s.model_config, policy, self.device, dtype, t.lora), group, t.compute_dtype)
         self.trainer = Trainer(model, t, cfg.algo, cfg.rollout.temperature, s.total_steps, group, tis_cap=s.tis_cap,
                                horizon=cfg.rollout.max_new_tokens)
         self.reference = None
@@ -193,7 +193,7 @@ class TrainWorker(_CriticCalls, _Worker):
             self.reference = Reference(model, cfg.rollout.temperature, t.micro_batch_size, group=group,
                                        max_tokens=t.max_tokens_per_micro_batch, train=t)
         elif reference is not None:
-            ref = self._shard(build_model(s.model_config, reference, self.device, dtype), group)
+            ref = shard_over(build_model(s.model_config, reference, self.device, dtype), group, t.compute_dtype)
             self.reference = Reference(ref, cfg.rollout.temperature, t.micro_batch_size, group=group,
                                        max_tokens=t.max_tokens_per_micro_batch, train=t,
                                        routing_replay=cfg.algo.routing_replay)
@@ -201,9 +201,6 @@ class TrainWorker(_CriticCalls, _Worker):
             self.critic = build_critic(cfg, s.model_config, critic.items(), self.device, group)
         if cfg.cluster.colocate:
             self._build_engine(policy, self.rank)
-
-    def _shard(self, model: Transformer, group) -> Transformer:
-        return shard_over(model, group, self.spec.cfg.train.compute_dtype)
 
     def logprobs(self, batch):
         return self.trainer.logprobs(batch).cpu()

@@ -42,7 +42,11 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
     """Copy named tensors into the model's parameters (casting dtype/device). Used for loading a checkpoint
     and for the trainer -> engine weight sync alike. Names are ours or the published per-expert ones
-    (`...mlp.experts.E.gate_proj.weight`), which fill one expert's slice of a stacked parameter."""
+    (`...mlp.experts.E.gate_proj.weight`), which fill one expert's slice of a stacked parameter. FSDP2-sharded
+    parameters (DTensors) take their shard of a full tensor given by our name: then a collective, every rank
+    loads the same names in the same order."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     params = dict(model.named_parameters())
     seen, slices = set(), {}
     with torch.no_grad():
@@ -59,6 +63,8 @@ def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], 
                 p = p[expert]
             if p.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+            if isinstance(p, DTensor):
+                tensor = distribute_tensor(tensor.to(p.device, p.dtype), p.device_mesh, p.placements)
             p.copy_(tensor)
             if expert is None:
                 seen.add(target)

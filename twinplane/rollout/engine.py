@@ -142,11 +142,8 @@ class RolloutEngine:
         return self.run(seqs)
 
     def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> Done:
-        """The async interface (`handle.result()`): one process has one device, so it generates now. The handle
-        carries this rollout's counters (earlier ones, e.g. validation's, are dropped)."""
-        self.pop_stats()
-        samples = self.generate(requests, sampling)
-        return Done(samples, self.pop_stats())
+        """The async interface (`handle.result()`): one process has one device, so it generates now."""
+        return Done(self.generate(requests, sampling))
 
     def sequence(self, prompt: Sequence[int], request_index: int, sampling: SamplingParams,
                  seeds: list[int]) -> Seq:

@@ -118,7 +118,7 @@ class Critic:
                 "optimizer": named_optimizer_state(self.model, self.opt)}
 
     def load_state(self, state: dict) -> None:
-        fsdp.load_full_weights(self.model, state["weights"].items())
+        load_weights(self.model, state["weights"].items())
         load_named_optimizer_state(self.model, self.opt, state["optimizer"])
 
 

@@ -140,21 +140,3 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     checkpoints. A collective: every rank must call it."""
     return dict(export_weights(model))
 
-
-@torch.no_grad()
-def load_full_weights(model: torch.nn.Module, named) -> None:
-    """Full tensors by parameter name into `model`, whose parameters may be FSDP shards: each rank keeps its shard
-    (a collective then: every rank loads the same names in the same order). Every parameter must be given."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    params = dict(model.named_parameters())
-    seen = set()
-    for name, t in named:
-        p = params.get(name)
-        if p is None or p.shape != t.shape:
-            raise KeyError(f"{name}: no parameter of shape {tuple(t.shape)} in the model")
-        t = t.to(device=p.device, dtype=p.dtype)
-        p.copy_(distribute_tensor(t, p.device_mesh, p.placements) if isinstance(p, DTensor) else t)
-        seen.add(name)
-    if seen != set(params):
-        raise KeyError(f"missing {len(set(params) - seen)} tensors, e.g. {sorted(set(params) - seen)[:3]}")
