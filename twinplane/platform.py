@@ -198,6 +198,30 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, grad: bool) -> b
         return False
 
 
+_PACKED_LINEAR: dict[torch.dtype, bool] = {}
+
+
+def packed_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether inference-only linears may run through oneDNN with pre-packed weights (twinplane.model.packed).
+
+    CPU fp32 only: there oneDNN's blocked-weight GEMM is 1.3-1.9x MKL's `F.linear` at decode batch sizes (8-100
+    rows) and 1.1x at 1,500 rows on this project's 2-core machine, and its rows do not depend on how many rows
+    share the call (MKL's do below ~16 rows). GPUs have cuBLAS/hipBLASLt behind `F.linear`. A tiny probe per
+    dtype checks that this torch build has the ops; TWINPLANE_PACKED_LINEAR=0 turns it off."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or \
+            os.environ.get("TWINPLANE_PACKED_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype not in _PACKED_LINEAR:
+        try:
+            w = torch.ones(8, 4, dtype=dtype)
+            y = torch.ops.mkldnn._linear_pointwise(torch.ones(3, 4, dtype=dtype),
+                                                   torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+            _PACKED_LINEAR[dtype] = bool(y.shape == (3, 8) and float(y[0, 0]) == 4.0)
+        except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+            _PACKED_LINEAR[dtype] = False
+    return _PACKED_LINEAR[dtype]
+
+
 # --- hardware description ----------------------------------------------------------------------------------------
 
 VISIBLE_DEVICES_ENV = {"nvidia": ("CUDA_VISIBLE_DEVICES",), "amd": ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}
@@ -411,6 +435,13 @@ def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utiliz
         return int(free * gpu_memory_utilization)
     return CPU_KV_CACHE_BYTES
 
+
+def keep_kv_pool(device: torch.device) -> bool:
+    """Whether the rollout engine keeps its KV pool between `generate` calls. On CPU hosts, yes: a fresh pool of
+    fresh pages costs a page fault per 4 KiB on first touch (~10 ms per call at the demo's size, about as long as
+    two decode steps), and the pool is at most CPU_KV_CACHE_BYTES of host memory. On GPUs, no: the caching
+    allocator makes a new pool free, and a colocated trainer needs the memory between rollouts."""
+    return torch.device(device).type == "cpu"
 
 
 def decode_graph_backend(device: torch.device, requested: bool = True) -> str:

@@ -29,11 +29,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from twinplane import platform
 from twinplane.model import AttentionMetadata, PagedKV, Transformer, load_weights
 from twinplane.model.moe import RoutingState
+from twinplane.model.packed import PackedWeight, linear, pack_linears
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
@@ -101,12 +101,17 @@ class RolloutEngine:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and graph_max_batch must be >= 1")
         self.model = model.eval().requires_grad_(False)
+        self.device = model.output_weight().device
+        # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
+        self.head = None
+        if platform.packed_linear_ok(self.device, self.dtype):
+            pack_linears(self.model)
+            self.head = PackedWeight()
         self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.kv_cache_bytes, self.gpu_memory_utilization = kv_cache_bytes, gpu_memory_utilization
-        self.device = model.output_weight().device
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
         self.backend, self.block_size = platform.paged_attention_backend(self.device)
@@ -183,9 +188,11 @@ class RolloutEngine:
                 self.stats.graph_steps += self.decoder.steps
                 if self.decoder.broken:  # a capture failed (warned): stay eager
                     self.graph_backend = "eager"
-            # The pool's memory goes back (e.g. to a colocated trainer), and the graphs pointing at it with it;
-            # `blocks` stays to inspect.
-            self.kv, self.decoder = None, None
+            # On GPUs the pool's memory goes back (e.g. to a colocated trainer), and the graphs pointing at it
+            # with it; `blocks` stays to inspect.
+            self.decoder = None
+            if not platform.keep_kv_pool(self.device):
+                self.kv = None
         return [done[k] for k in sorted(done)]
 
     def pop_stats(self) -> EngineStats:
@@ -213,10 +220,19 @@ class RolloutEngine:
         if num_blocks < need_one:
             raise ValueError(f"KV cache budget of {budget} bytes holds {usable} blocks of {bs} tokens; "
                              f"one sequence of {longest} tokens needs {need_one}: raise rollout.kv_cache_gb")
-        self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
+        # The previous call's pool (kept on CPU, platform.keep_kv_pool) serves when it is large enough and within
+        # the budget; the block manager hands out this call's `num_blocks` of it (so the metrics and preemptions
+        # do not depend on earlier calls), and its last block stays the reserved one. Zeroed like a new pool
+        # (cheap on pages already mapped), so nothing of an earlier call, NaN included, is ever read.
+        kept = self.kv.num_blocks if self.kv is not None and self.kv.dtype == self.dtype else -1
+        if num_blocks + reserved <= kept <= usable + reserved:
+            self.kv.zero_()
+        else:
+            self.kv = None  # free the old pool before the new one exists
+            self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, bs)  # the reserved block (the pool's last) is never handed out
         self.decoder = decode_graphs.DecodeGraphs(self.model, self.kv, mode, self.backend, need_one,
-                                                  self.graph_max_batch, sum(s.width for s in seqs)) \
+                                                  self.graph_max_batch, sum(s.width for s in seqs), self.head) \
             if reserved else None
 
     def _step(self, batch: ScheduledBatch, sched: Scheduler, sp: SamplingParams) -> list[Seq]:
@@ -257,7 +273,7 @@ class RolloutEngine:
                 seq.record_routing(seq.num_computed - k, route)
         if not ready:
             return []
-        logits = F.linear(h[torch.tensor(rows, device=dev)], self.model.output_weight())  # [R, V]
+        logits = linear(h[torch.tensor(rows, device=dev)], self.model.output_weight(), self.head)  # [R, V]
         return self._sample(logits, ready, sched, sp)
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:

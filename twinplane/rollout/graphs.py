@@ -28,11 +28,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from twinplane import platform
 from twinplane.model import AttentionMetadata, PagedKV, Transformer
 from twinplane.model.moe import Experts
+from twinplane.model.packed import PackedWeight, linear
 from twinplane.rollout.kv_cache import KVCache
 from twinplane.rollout.scheduler import ScheduledBatch
 from twinplane.rollout.sequence import Sequence
@@ -72,10 +72,10 @@ class DecodeGraphs:
     once (buckets above the first one that holds them are never needed)."""
 
     def __init__(self, model: Transformer, kv: KVCache, mode: str, backend: str, max_blocks: int, max_batch: int,
-                 limit: int):
+                 limit: int, head: PackedWeight | None = None):
         if mode not in ("cuda_graph", "static"):
             raise ValueError(f"DecodeGraphs runs the static or cuda_graph mode, not {mode!r}")
-        self.model, self.kv, self.mode, self.backend = model, kv, mode, backend
+        self.model, self.kv, self.mode, self.backend, self.head = model, kv, mode, backend, head
         self.window = model.config.sliding_window
         self.block_size, self.max_blocks = kv.block_size, max_blocks
         self.pad_block = kv.num_blocks - 1  # the engine's block manager never hands it out
@@ -129,7 +129,7 @@ class DecodeGraphs:
                         self.max_blocks * bs, static=True)
         meta = AttentionMetadata(x[None, :, 1], window=self.window, backend=self.backend, paged=paged)
         h = self.model.hidden_states(x[None, :, 0], meta=meta)[0]  # [size, D]
-        return F.linear(h, self.model.output_weight())
+        return linear(h, self.model.output_weight(), self.head)
 
     def _capture(self, size: int) -> bool:
         """Capture the bucket `size` (inputs all padding rows meanwhile: the warm-up forwards run for real and

@@ -34,8 +34,16 @@ class KVCache:
         return self.k.shape[2]
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    def zero_(self) -> None:
+        self.k.zero_()
+        self.v.zero_()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src -> dst in every layer."""

@@ -1,0 +1,78 @@
+"""Linears whose weights are also held pre-packed for oneDNN: the rollout engine's GEMMs on CPU.
+
+`F.linear` on CPU calls MKL, which re-blocks the weight for every call; at decode batch sizes (a few to a hundred
+rows) that is a large share of the work. oneDNN keeps the weight in its blocked layout once
+(`_reorder_linear_weight`) and runs the GEMM from it (`_linear_pointwise`), the kernels inductor emits for frozen
+CPU linears. Inference only (no autograd), so only the engine's own copy of the model is packed; the platform
+decides where it applies (`platform.packed_linear_ok`: CPU fp32), and everywhere else stays `F.linear`.
+
+The packed copy follows the weight: it is re-packed the first call after the weight changes in place (a weight
+sync's `copy_` bumps the tensor's version counter), so `load_weights` needs no hook. It costs one more copy of
+the weights in host memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twinplane.model.lora import LoraLinear
+
+
+class PackedWeight:
+    """`F.linear(x, weight, bias)` from a packed copy of `weight`, refreshed whenever `weight` changes."""
+
+    def __init__(self):
+        self.key: tuple[int, int] | None = None
+        self.packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version)
+        if key != self.key:
+            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach()), key
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def __deepcopy__(self, memo) -> PackedWeight:
+        return PackedWeight()  # the packed tensor is opaque (not copyable); the copy packs its own weight
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` (same parameters, same state dict) computed from a packed weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)  # the packed ops have no backward
+        pack = self.__dict__.get("_pack")
+        if pack is None:  # modules become PackedLinear by a class swap (no __init__)
+            pack = self.__dict__["_pack"] = PackedWeight()
+        return pack(x, self.weight, self.bias)
+
+
+class PackedLoraLinear(LoraLinear, PackedLinear):
+    """A LoRA linear whose frozen base runs packed (`LoraLinear.forward`'s `super().forward` lands in PackedLinear);
+    the adapters stay plain `F.linear` (rank-r GEMMs)."""
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Make every plain and LoRA linear of an inference-only `model` packed, in place. Weights, names and state
+    dict are unchanged; `unpack_linears` undoes it."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = PackedLinear
+        elif type(m) is LoraLinear:
+            m.__class__ = PackedLoraLinear
+    return model
+
+
+def unpack_linears(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.__class__ = LoraLinear if isinstance(m, LoraLinear) else nn.Linear
+            m.__dict__.pop("_pack", None)
+    return model
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, pack: PackedWeight | None) -> torch.Tensor:
+    """`F.linear(x, weight)`, through `pack` when given (the engine's LM head, whose weight may be the embedding)."""
+    return F.linear(x, weight) if pack is None else pack(x, weight)
