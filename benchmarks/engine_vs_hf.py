@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import twinplane  # noqa: E402
+from twinplane import platform  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 VOCAB, STOPS = 4096, 64
@@ -89,6 +90,7 @@ def main() -> None:
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    platform.tune_host_allocator()  # what `twinplane train` does on CPU; process-wide, so HF runs with it too
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = build(args, tmp)

@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import twinplane  # noqa: E402
+from twinplane import platform  # noqa: E402
 from twinplane.config import AlgoSection, TrainSection  # noqa: E402
 from twinplane.controller import Controller  # noqa: E402
 from twinplane.platform import measure_cpu_flops  # noqa: E402
@@ -181,6 +182,8 @@ def main() -> None:
     p.add_argument("--json", metavar="OUT", help="write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    # What `twinplane train` does on CPU (glibc keeps freed memory); process-wide, so TRL runs with it too.
+    platform.tune_host_allocator()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 

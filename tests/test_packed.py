@@ -1,0 +1,119 @@
+"""The CPU rollout fast paths against their portable versions: oneDNN pre-packed linears vs `F.linear`, the KV pool
+kept between `generate` calls vs a fresh one, and the host allocator setting's opt-outs."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+from twinplane import platform
+from twinplane.model.lora import apply_lora
+from twinplane.model.packed import PackedLinear, PackedLoraLinear, PackedWeight, pack_linears, unpack_linears
+from twinplane.rollout import RolloutEngine, SamplingParams
+
+EOS = 3
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
+packed_only = pytest.mark.skipif(not platform.packed_linear_ok(torch.device("cpu"), torch.float32),
+                                 reason="this torch build has no oneDNN packed linear")
+
+
+@packed_only
+def test_packed_weight_equals_f_linear_and_follows_in_place_changes():
+    torch.manual_seed(0)
+    w, b, x = torch.randn(96, 40), torch.randn(96), torch.randn(70, 40)
+    pack = PackedWeight()
+    full = pack(x, w, b)
+    torch.testing.assert_close(full, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    # a row's result does not depend on how many rows share the call (what batch-independent sampling wants)
+    assert all(torch.equal(pack(x[:m], w, b), full[:m]) for m in (1, 3, 17, 64))
+    with torch.no_grad():
+        w.mul_(-2)  # in place, as a weight sync's copy_: the next call re-packs
+    torch.testing.assert_close(pack(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@packed_only
+def test_pack_linears_keeps_parameters_and_unpacks():
+    model = tiny_model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        want = model(ids)
+        pack_linears(model)
+        got = model(ids)
+    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+    assert list(model.state_dict()) == list(state) and all(torch.equal(model.state_dict()[k], v)
+                                                           for k, v in state.items())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    clone = copy.deepcopy(model)  # the packed copies are not copied; the clone packs its own
+    with torch.no_grad():
+        assert torch.equal(clone(ids), got)
+    # with autograd on, the packed ops (forward only) step aside: gradients flow as through nn.Linear
+    model.requires_grad_(True)
+    model(ids).sum().backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+    unpack_linears(model)
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear and "_pack" not in vars(
+        model.model.layers[0].mlp.up_proj)
+
+
+@packed_only
+def test_packed_lora_linear_equals_lora_linear():
+    model = tiny_model()
+    apply_lora(model, 4, alpha=8.0, seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.1)  # nonzero adapters, so the low-rank path counts
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    packed = pack_linears(copy.deepcopy(model))
+    assert isinstance(packed.model.layers[0].self_attn.q_proj, PackedLoraLinear)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), model(ids), atol=1e-5, rtol=1e-5)
+
+
+@packed_only
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0, max_new_tokens=12, n=2),
+                                      SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5)])
+def test_packed_engine_equals_the_portable_engine(monkeypatch, sampling):
+    """Same tokens; log-probs within fp32 GEMM reordering."""
+    model = tiny_model(hidden_size=128, intermediate_size=256)
+    fast = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS, seed=1)
+    monkeypatch.setattr(platform, "packed_linear_ok", lambda device, dtype: False)
+    portable = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS, seed=1)
+    assert fast.head is not None and portable.head is None
+    assert not any(isinstance(m, PackedLinear) for m in portable.model.modules())
+    a, b = fast.generate(PROMPTS, sampling), portable.generate(PROMPTS, sampling)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+def test_kv_pool_is_kept_between_calls_on_cpu():
+    """The second call reuses the first call's pool (zeroed), with the outputs and metrics of a fresh engine; a call
+    that needs more blocks gets a new pool."""
+    model = tiny_model()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=3)
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS)
+    engine.generate(PROMPTS, sp)
+    engine.pop_metrics()
+    pool = engine.kv.k.data_ptr()
+    again = engine.generate(PROMPTS[:2], sp)
+    assert engine.kv.k.data_ptr() == pool
+    fresh = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS)
+    want = fresh.generate(PROMPTS[:2], sp)
+    assert [s.token_ids for s in again] == [s.token_ids for s in want]
+    assert [s.logprobs for s in again] == [s.logprobs for s in want]
+    assert engine.pop_metrics()["rollout/kv_cache_usage_peak"] == fresh.pop_metrics()["rollout/kv_cache_usage_peak"]
+    engine.generate(PROMPTS * 4, SamplingParams(max_new_tokens=30, n=4))
+    assert engine.kv.num_blocks > fresh.kv.num_blocks
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_host_allocator_opt_outs(monkeypatch):
+    monkeypatch.setenv("TWINPLANE_HOST_ALLOCATOR", "0")
+    assert platform.tune_host_allocator() is False
+    monkeypatch.delenv("TWINPLANE_HOST_ALLOCATOR")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # the user tunes malloc themselves: left alone
+    assert platform.tune_host_allocator() is False
