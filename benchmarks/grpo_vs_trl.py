@@ -14,6 +14,7 @@ loss forward/backward, clipping, optimizer step). TRL's step is timed from `on_s
 
     python benchmarks/grpo_vs_trl.py                 # defaults: 4 layers, hidden 256, 8 x 8 x 16 tokens
     python benchmarks/grpo_vs_trl.py --only twinplane --json out.json
+    python benchmarks/grpo_vs_trl.py --rounds 3      # both 3 times, alternating; medians of per-round ratios
 
 TRL is the optional `bench` extra: `pip install -e .[bench]`; without it only twinplane runs.
 """
@@ -176,7 +177,8 @@ def run_trl(args, ckpt: str, batches, workdir: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in [("layers", 4), ("hidden", 256), ("heads", 4), ("intermediate", 1024), ("prompts", 8),
-                          ("samples", 8), ("new-tokens", 16), ("steps", 20), ("warmup-steps", 3), ("threads", 2)]:
+                          ("samples", 8), ("new-tokens", 16), ("steps", 20), ("warmup-steps", 3), ("threads", 2),
+                          ("rounds", 1)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--only", choices=("both", "trl", "twinplane"), default="both")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON here")
@@ -197,14 +199,18 @@ def main() -> None:
     stream = PromptStream(ArithmeticTask(digits=2, heldout_size=100, seed=SEED).train_problems(), seed=SEED)
     batches = [stream.next_batch(args.prompts) for _ in range(args.warmup_steps + args.steps)]
 
-    results = {}
+    rounds = []  # per round {framework: summary}; the order alternates so that a drifting machine load hits both
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "model")
         build_checkpoint(args, ckpt)
-        if args.only in ("both", "twinplane"):
-            results["twinplane"] = run_twinplane(args, ckpt, batches)
-        if args.only in ("both", "trl") and trl_version:
-            results["TRL"] = run_trl(args, ckpt, batches, os.path.join(tmp, "trl"))
+        runners = {"twinplane": lambda: run_twinplane(args, ckpt, batches),
+                   "TRL": lambda: run_trl(args, ckpt, batches, os.path.join(tmp, "trl"))}
+        chosen = [n for n in runners if args.only in ("both", n.lower()) and (n != "TRL" or trl_version)]
+        for r in range(args.rounds):
+            rounds.append({n: runners[n]() for n in (chosen if r % 2 == 0 else chosen[::-1])})
+    results = {n: {k: statistics.median(rd[n][k] for rd in rounds) if isinstance(rounds[0][n][k], float)
+                   else rounds[-1][n][k] for k in rounds[0][n] if rounds[0][n][k] is not None}
+               for n in chosen}
 
     tokens = args.prompts * args.samples * args.new_tokens
     info = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
@@ -223,11 +229,15 @@ def main() -> None:
     if results.get("TRL", {}).get("step_end_to_end"):
         print(f"(TRL on_step_end-to-on_step_end median, incl. data loading + logging: "
               f"{results['TRL']['step_end_to_end']:.3f} s)")
-    if len(results) == 2:
-        info["ratio_twinplane_over_trl"] = results["twinplane"]["step"] / results["TRL"]["step"]
-        info["rollout_speedup_over_trl"] = results["TRL"]["rollout"] / results["twinplane"]["rollout"]
+    if len(results) == 2:  # per round (side by side), then their median
+        step = [rd["twinplane"]["step"] / rd["TRL"]["step"] for rd in rounds]
+        rollout = [rd["TRL"]["rollout"] / rd["twinplane"]["rollout"] for rd in rounds]
+        info |= {"ratio_twinplane_over_trl": statistics.median(step), "ratio_per_round": step,
+                 "rollout_speedup_over_trl": statistics.median(rollout), "rollout_speedup_per_round": rollout}
         print(f"ratio twinplane/TRL = {info['ratio_twinplane_over_trl']:.2f}; rollout phase "
-              f"{info['rollout_speedup_over_trl']:.2f}x faster than TRL's")
+              f"{info['rollout_speedup_over_trl']:.2f}x faster than TRL's"
+              + (f" (medians of {len(rounds)} rounds: step ratios {' '.join(f'{x:.2f}' for x in step)}, rollout "
+                 f"{' '.join(f'{x:.2f}x' for x in rollout)})" if len(rounds) > 1 else ""))
     if "twinplane" in results:  # the rollout phase against this machine's GEMM rate (what `twinplane doctor` shows)
         gemm = measure_cpu_flops() / 1e9 if not torch.cuda.is_available() else None
         info["gemm_gflops"], rate = gemm, results["twinplane"]["rollout_gflops"]

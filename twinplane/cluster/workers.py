@@ -150,7 +150,7 @@ class RolloutWorker(_Worker):
             for bucket in bucket_plan(shapes, dtype.itemsize, bucket_bytes):
                 for name, t in broadcast_bucket(None, bucket, dtype, self.device, 0, self.sync_group):
                     params[name].copy_(t)
-        self.engine.weight_version = version
+        self.engine.weights_loaded(version)
         return {"checksum": self.engine.checksum()}
 
 
@@ -243,7 +243,7 @@ class TrainWorker(_CriticCalls, _Worker):
             per_tensor |= self.trainer.frozen_checksums(dtype)
         out = {"expected": combine_checksums(per_tensor), "bytes": sent, "seconds": time.perf_counter() - t0}
         if cluster.colocate:
-            self.engine.weight_version = version
+            self.engine.weights_loaded(version)
             return out | {"checksum": self.engine.checksum()}
         return out if self.rank == 0 else None
 

@@ -295,7 +295,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
             y = F.scaled_dot_product_attention(q[:, :, a:b], keys, vals, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=gqa)
             outs.append(y[0])  # [H, q_len, D]
-    return torch.cat(outs, dim=1)[None]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))[None]
 
 
 def _flash_paged(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.Tensor:

@@ -6,9 +6,9 @@ rows) that is a large share of the work. oneDNN keeps the weight in its blocked 
 CPU linears. Inference only (no autograd), so only the engine's own copy of the model is packed; the platform
 decides where it applies (`platform.packed_linear_ok`: CPU fp32), and everywhere else stays `F.linear`.
 
-The packed copy follows the weight: it is re-packed the first call after the weight changes in place (a weight
-sync's `copy_` bumps the tensor's version counter), so `load_weights` needs no hook. It costs one more copy of
-the weights in host memory.
+The packed copy follows the weight: the engine re-packs right after loading weights (`repack`; vLLM likewise
+processes weights when they are loaded), and a forward re-packs any weight changed in place since (a `copy_` bumps
+the tensor's version counter). It costs one more copy of the weights in host memory.
 """
 
 from __future__ import annotations
@@ -27,11 +27,15 @@ class PackedWeight:
         self.key: tuple[int, int] | None = None
         self.packed: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def refresh(self, weight: torch.Tensor) -> None:
+        """Re-pack if `weight` changed since the last packing (~0.1-0.2 ms a weight, mostly fixed cost)."""
         key = (weight.data_ptr(), weight._version)
         if key != self.key:
             self.packed = None  # free the old copy first: the new one can take its memory
             self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach()), key
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        self.refresh(weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def __deepcopy__(self, memo) -> PackedWeight:
@@ -44,10 +48,13 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)  # the packed ops have no backward
+        return self.pack()(x, self.weight, self.bias)
+
+    def pack(self) -> PackedWeight:
         pack = self.__dict__.get("_pack")
         if pack is None:  # modules become PackedLinear by a class swap (no __init__)
             pack = self.__dict__["_pack"] = PackedWeight()
-        return pack(x, self.weight, self.bias)
+        return pack
 
 
 class PackedLoraLinear(LoraLinear, PackedLinear):
@@ -64,6 +71,13 @@ def pack_linears(model: nn.Module) -> nn.Module:
         elif type(m) is LoraLinear:
             m.__class__ = PackedLoraLinear
     return model
+
+
+def repack(model: nn.Module) -> None:
+    """Bring every packed copy up to date now (after a weight sync), instead of in the next forward."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.pack().refresh(m.weight)
 
 
 def unpack_linears(model: nn.Module) -> nn.Module:

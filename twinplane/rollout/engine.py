@@ -33,7 +33,7 @@ import torch
 from twinplane import platform
 from twinplane.model import AttentionMetadata, PagedKV, Transformer, load_weights
 from twinplane.model.moe import RoutingState
-from twinplane.model.packed import PackedWeight, linear, pack_linears
+from twinplane.model.packed import PackedWeight, linear, pack_linears, repack
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
@@ -130,7 +130,15 @@ class RolloutEngine:
                      strict: bool = True) -> None:
         """Copied in place; `strict=False`: a subset (LoRA adapters only)."""
         load_weights(self.model, named, strict=strict)
-        self.weight_version = self.weight_version + 1 if version is None else version
+        self.weights_loaded(self.weight_version + 1 if version is None else version)
+
+    def weights_loaded(self, version: int) -> None:
+        """New weights are in the model (copied in place, here or by a bucketed broadcast): what derives from them
+        follows now, as part of the sync rather than of the next rollout (the packed GEMMs' copies)."""
+        if self.head is not None:
+            repack(self.model)
+            self.head.refresh(self.model.output_weight())
+        self.weight_version = version
 
     def checksum(self) -> int:
         return weights_checksum(self.model.named_parameters())
@@ -247,9 +255,14 @@ class RolloutEngine:
         ids, pos, slots, ctx, qlens, rows, ready = [], [], [], [], [], [], []
         for seq, k in zip(batch.seqs, batch.num_tokens, strict=True):
             start, table = seq.num_computed, seq.block_table
-            ids += seq.tokens[start:start + k]
-            pos += range(start, start + k)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + k)]
+            if k == 1:  # a decode (most rows of most steps)
+                ids.append(seq.tokens[start])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids += seq.tokens[start:start + k]
+                pos += range(start, start + k)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + k)]
             seq.num_computed += k
             ctx.append(seq.num_computed)
             qlens.append(k)
@@ -277,27 +290,27 @@ class RolloutEngine:
         return self._sample(logits, ready, sched, sp)
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:
-        widths = [s.width for s in ready]
+        widths = [len(s.rngs) for s in ready]  # Seq.width
         if max(widths) > 1:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
         lp = policy_logprobs(logits, sp.temperature)  # [R, V]
         banned = None
-        early = [s.num_generated < sp.min_new_tokens for s in ready for _ in range(s.width)] if sp.min_new_tokens \
-            else []
-        if any(early) and ready[0].stop_ids:
-            banned = torch.zeros_like(lp, dtype=torch.bool)
-            rows = torch.tensor(early, device=lp.device)
-            banned[:, list(ready[0].stop_ids)] = True
-            banned &= rows[:, None]
+        stops = ready[0].stop_ids
+        if sp.min_new_tokens and stops:  # stop tokens are banned in the rows still short of min_new_tokens
+            early = [s.num_generated < sp.min_new_tokens for s in ready for _ in range(len(s.rngs))]
+            if any(early):
+                stop_mask = torch.zeros(lp.shape[-1], dtype=torch.bool, device=lp.device)
+                stop_mask[list(stops)] = True
+                banned = torch.tensor(early, device=lp.device)[:, None] & stop_mask  # [R, V]
         u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float64)
         tok = sample(lp, sp, u.to(lp.device), banned)  # [R]
         chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
         tok, chosen = tok.tolist(), chosen.tolist()
         finished, r = [], 0
-        for seq in ready:
-            if seq.width > 1:  # fork: the samples share the prompt's blocks from here on
+        for seq, w in zip(ready, widths, strict=True):
+            if w > 1:  # fork: the samples share the prompt's blocks from here on
                 children = seq.fork()
-                self.blocks.share(seq, seq.width - 1)
+                self.blocks.share(seq, w - 1)
                 i = sched.running.index(seq)
                 sched.running[i:i + 1] = children
             else:
@@ -306,8 +319,8 @@ class RolloutEngine:
                 c.append(tok[r], chosen[r])
                 r += 1
                 if c.finish_reason is not None:
-                    sched.finish(c)
                     finished.append(c)
+        sched.finish(finished)
         return finished
 
 

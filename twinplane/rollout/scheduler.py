@@ -54,10 +54,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         decodes, prefills = ScheduledBatch(), ScheduledBatch()
         budget = self.max_num_batched_tokens - sum(s.num_pending == 1 for s in self.running)  # decodes go first
-        i, preempted = 0, False
+        i, preempted, bs = 0, False, self.blocks.block_size
         while i < len(self.running):
             seq = self.running[i]
             decode = seq.num_pending == 1
+            if decode and seq.num_computed < len(seq.block_table) * bs and not self.blocks.shared_tail(seq):
+                decodes.seqs.append(seq)  # its next slot is in a block it owns: nothing to allocate
+                decodes.num_tokens.append(1)
+                i += 1
+                continue
             want = 1 if decode else min(seq.num_pending, budget)
             if want == 0:
                 i += 1
@@ -104,6 +109,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.release(seq)
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Retire finished sequences (one pass over the running set, however many finish at once)."""
+        if not seqs:
+            return
+        done = {id(s) for s in seqs}
+        self.running = [s for s in self.running if id(s) not in done]
+        for s in seqs:
+            self.blocks.release(s)

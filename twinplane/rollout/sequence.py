@@ -102,7 +102,9 @@ class Sequence:
     def _stopped(self, token: int) -> bool:
         if token in self.stop_ids:
             return True
-        gen = self.tokens[self.prompt_len:]
+        if not self.sampling.stop_sequences:
+            return False
+        gen = self.tokens[self.prompt_len:]  # (a copy: only when there are stop sequences to match)
         return any(len(s) <= len(gen) and gen[len(gen) - len(s):] == s for s in self.sampling.stop_sequences)
 
     def record_routing(self, start: int, experts: torch.Tensor) -> None:
