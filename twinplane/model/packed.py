@@ -62,15 +62,24 @@ class PackedLoraLinear(LoraLinear, PackedLinear):
     the adapters stay plain `F.linear` (rank-r GEMMs)."""
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
-    """Make every plain and LoRA linear of an inference-only `model` packed, in place. Weights, names and state
-    dict are unchanged; `unpack_linears` undoes it."""
+# Both dimensions at least this: below it oneDNN's per-call cost (~25 us) outweighs its faster blocking (the demo's
+# 128-wide model rolled out 12% slower packed; the 256-wide one of grpo_vs_trl 13% faster, side by side).
+MIN_PACKED_DIM = 256
+
+
+def worth_packing(weight: torch.Tensor) -> bool:
+    return min(weight.shape) >= MIN_PACKED_DIM
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Make the plain and LoRA linears of an inference-only `model` that are `worth_packing` packed, in place;
+    returns how many. Weights, names and state dict are unchanged; `unpack_linears` undoes it."""
+    count = 0
     for m in model.modules():
-        if type(m) is nn.Linear:
-            m.__class__ = PackedLinear
-        elif type(m) is LoraLinear:
-            m.__class__ = PackedLoraLinear
-    return model
+        if type(m) in (nn.Linear, LoraLinear) and worth_packing(m.weight):
+            m.__class__ = PackedLinear if type(m) is nn.Linear else PackedLoraLinear
+            count += 1
+    return count
 
 
 def repack(model: nn.Module) -> None:

@@ -33,7 +33,7 @@ import torch
 from twinplane import platform
 from twinplane.model import AttentionMetadata, PagedKV, Transformer, load_weights
 from twinplane.model.moe import RoutingState
-from twinplane.model.packed import PackedWeight, linear, pack_linears, repack
+from twinplane.model.packed import PackedWeight, linear, pack_linears, repack, worth_packing
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
@@ -103,10 +103,8 @@ class RolloutEngine:
         self.model = model.eval().requires_grad_(False)
         self.device = model.output_weight().device
         # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
-        self.head = None
-        if platform.packed_linear_ok(self.device, self.dtype):
-            pack_linears(self.model)
-            self.head = PackedWeight()
+        self.packed = platform.packed_linear_ok(self.device, self.dtype) and pack_linears(self.model) > 0
+        self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight()) else None
         self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -135,8 +133,9 @@ class RolloutEngine:
     def weights_loaded(self, version: int) -> None:
         """New weights are in the model (copied in place, here or by a bucketed broadcast): what derives from them
         follows now, as part of the sync rather than of the next rollout (the packed GEMMs' copies)."""
-        if self.head is not None:
+        if self.packed:
             repack(self.model)
+        if self.head is not None:
             self.head.refresh(self.model.output_weight())
         self.weight_version = version
 
