@@ -222,7 +222,7 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, grad: bool) -> b
         return False
 
 
-_PACKED_LINEAR: dict[torch.dtype, bool] = {}
+_PACKED_LINEAR: list[bool] = []  # the probe's answer, once per process
 
 
 def packed_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
@@ -230,20 +230,20 @@ def packed_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
     CPU fp32 only: there oneDNN's blocked-weight GEMM is 1.3-1.9x MKL's `F.linear` at decode batch sizes (8-100
     rows) and 1.1x at 1,500 rows on this project's 2-core machine, and its rows do not depend on how many rows
-    share the call (MKL's do below ~16 rows). GPUs have cuBLAS/hipBLASLt behind `F.linear`. A tiny probe per
-    dtype checks that this torch build has the ops; TWINPLANE_PACKED_LINEAR=0 turns it off."""
+    share the call (MKL's do below ~16 rows). GPUs have cuBLAS/hipBLASLt behind `F.linear`. A tiny probe
+    checks that this torch build has the ops; TWINPLANE_PACKED_LINEAR=0 turns it off."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or \
             os.environ.get("TWINPLANE_PACKED_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
-    if dtype not in _PACKED_LINEAR:
+    if not _PACKED_LINEAR:
         try:
             w = torch.ones(8, 4, dtype=dtype)
             y = torch.ops.mkldnn._linear_pointwise(torch.ones(3, 4, dtype=dtype),
                                                    torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
-            _PACKED_LINEAR[dtype] = bool(y.shape == (3, 8) and float(y[0, 0]) == 4.0)
+            _PACKED_LINEAR.append(bool(y.shape == (3, 8) and float(y[0, 0]) == 4.0))
         except (AttributeError, RuntimeError, NotImplementedError, TypeError):
-            _PACKED_LINEAR[dtype] = False
-    return _PACKED_LINEAR[dtype]
+            _PACKED_LINEAR.append(False)
+    return _PACKED_LINEAR[0]
 
 
 # --- hardware description ----------------------------------------------------------------------------------------

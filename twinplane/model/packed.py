@@ -73,7 +73,7 @@ def worth_packing(weight: torch.Tensor) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Make the plain and LoRA linears of an inference-only `model` that are `worth_packing` packed, in place;
-    returns how many. Weights, names and state dict are unchanged; `unpack_linears` undoes it."""
+    returns how many. Weights, names and state dict are unchanged."""
     count = 0
     for m in model.modules():
         if type(m) in (nn.Linear, LoraLinear) and worth_packing(m.weight):
@@ -87,14 +87,6 @@ def repack(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, PackedLinear):
             m.pack().refresh(m.weight)
-
-
-def unpack_linears(model: nn.Module) -> nn.Module:
-    for m in model.modules():
-        if isinstance(m, PackedLinear):
-            m.__class__ = LoraLinear if isinstance(m, LoraLinear) else nn.Linear
-            m.__dict__.pop("_pack", None)
-    return model
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, pack: PackedWeight | None) -> torch.Tensor:

@@ -26,14 +26,18 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
-    def shared_tail(self, seq: Sequence) -> bool:
+    def _shared_tail(self, seq: Sequence) -> bool:
         """The next write lands in a partly filled block that other sequences also hold."""
         return seq.num_computed % self.block_size != 0 and self.ref[seq.block_table[-1]] > 1
+
+    def has_slot(self, seq: Sequence) -> bool:
+        """The next token's slot is in a block `seq` already holds alone: appending it needs no allocation."""
+        return seq.num_computed < len(seq.block_table) * self.block_size and not self._shared_tail(seq)
 
     def room(self, seq: Sequence) -> int:
         """Tokens `seq` can append to the pool with the blocks free now."""
         slack = len(seq.block_table) * self.block_size - seq.num_computed
-        if self.shared_tail(seq):  # the copy takes a block and gives back the same free offsets
+        if self._shared_tail(seq):  # the copy takes a block and gives back the same free offsets
             return max(self.num_free * self.block_size - (self.block_size - slack), 0)
         return self.num_free * self.block_size + slack
 
@@ -41,7 +45,7 @@ class BlockManager:
         """Make room for `num_tokens` more k/v of `seq` (call only when `room(seq) >= num_tokens`). Returns the
         (source, destination) block copies the pool must make first (copy-on-write)."""
         copies = []
-        if self.shared_tail(seq):
+        if self._shared_tail(seq):
             src, dst = seq.block_table[-1], self.free.popleft()
             self.ref[src] -= 1
             self.ref[dst] = 1

@@ -289,14 +289,14 @@ class RolloutEngine:
         return self._sample(logits, ready, sched, sp)
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:
-        widths = [len(s.rngs) for s in ready]  # Seq.width
+        widths = [s.width for s in ready]
         if max(widths) > 1:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
         lp = policy_logprobs(logits, sp.temperature)  # [R, V]
         banned = None
         stops = ready[0].stop_ids
         if sp.min_new_tokens and stops:  # stop tokens are banned in the rows still short of min_new_tokens
-            early = [s.num_generated < sp.min_new_tokens for s in ready for _ in range(len(s.rngs))]
+            early = [s.num_generated < sp.min_new_tokens for s, w in zip(ready, widths, strict=True) for _ in range(w)]
             if any(early):
                 stop_mask = torch.zeros(lp.shape[-1], dtype=torch.bool, device=lp.device)
                 stop_mask[list(stops)] = True

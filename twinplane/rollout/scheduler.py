@@ -54,12 +54,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         decodes, prefills = ScheduledBatch(), ScheduledBatch()
         budget = self.max_num_batched_tokens - sum(s.num_pending == 1 for s in self.running)  # decodes go first
-        i, preempted, bs = 0, False, self.blocks.block_size
+        i, preempted = 0, False
         while i < len(self.running):
             seq = self.running[i]
             decode = seq.num_pending == 1
-            if decode and seq.num_computed < len(seq.block_table) * bs and not self.blocks.shared_tail(seq):
-                decodes.seqs.append(seq)  # its next slot is in a block it owns: nothing to allocate
+            if decode and self.blocks.has_slot(seq):  # the common decode: nothing to allocate
+                decodes.seqs.append(seq)
                 decodes.num_tokens.append(1)
                 i += 1
                 continue
