@@ -97,6 +97,33 @@ def test_weight_sync_and_checksum():
     assert s.weight_version == 5 and s.token_ids == greedy_no_cache(b, PROMPTS[0], 3)
 
 
+def test_in_process_sync_compares_bitwise_and_catches_a_bad_copy(monkeypatch):
+    from twinplane.controller import Controller, WeightSyncError
+    from twinplane.sync import bitwise_equal, sync_in_process
+
+    policy = tiny_model(seed=1)
+    trainer = Trainer(policy, TrainSection(), AlgoSection(), temperature=1.0, total_steps=1)
+    engine = RolloutEngine(tiny_model(seed=0), eos_token_id=EOS)
+    report = sync_in_process(engine, trainer, version=1)
+    assert report.mismatched() == [] and report.compared == {"engine 0": True} and engine.weight_version == 1
+    assert all(torch.equal(p, q) for p, q in zip(engine.model.parameters(), policy.parameters(), strict=True))
+    t = torch.randn(100)
+    flipped = t.clone()
+    flipped.view(torch.int32)[7] ^= 1  # one low mantissa bit
+    assert bitwise_equal(t, t.clone()) and not bitwise_equal(t, flipped)
+    assert not bitwise_equal(torch.zeros(2), -torch.zeros(2))  # equal values, different bits
+    # A copy that misses one tensor (a bug in loading) is caught, and the controller refuses to go on.
+    load = engine.load_weights
+    monkeypatch.setattr(engine, "load_weights", lambda named, version, strict: load(
+        [(n, t) for n, t in named if not n.endswith("down_proj.weight")], version, strict=False))
+    with torch.no_grad():
+        policy.model.layers[0].mlp.down_proj.weight.add_(1.0)
+    assert sync_in_process(engine, trainer, version=2).mismatched() == ["engine 0"]
+    controller = Controller(engine, trainer, None, None, None, SamplingParams(n=2))
+    with pytest.raises(WeightSyncError, match="differ bitwise"):
+        controller.sync_weights()
+
+
 def test_checksum_detects_small_changes():
     from twinplane.sync import tensor_checksum, weights_checksum
 

@@ -248,9 +248,8 @@ class Controller:
         report = self.sync(self.version)
         bad = report.mismatched()
         if bad:
-            raise WeightSyncError(f"weight sync to version {self.version} failed on {', '.join(bad)}: checksum "
-                                  f"{report.checksums[bad[0]]} != trainer's {report.expected}; refusing to roll out "
-                                  f"with stale weights")
+            raise WeightSyncError(f"weight sync to version {self.version} failed on {', '.join(bad)}: "
+                                  f"{report.describe(bad[0])}; refusing to roll out with stale weights")
         return report
 
     def _metrics(self, samples, rewards, batch: Batch, updates: list[dict], times: dict) -> dict[str, float]:

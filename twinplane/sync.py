@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -89,31 +89,53 @@ def broadcast_bucket(tensors: list[torch.Tensor] | None, bucket: Shapes, dtype: 
 
 @dataclass
 class SyncReport:
-    """One weight sync: the trainer's checksum of what it sent, each engine's checksum of what it holds after."""
+    """One weight sync: the trainer's checksum of what it sent, each engine's checksum of what it holds after (or,
+    in one process, a direct bitwise comparison of the two, `compared`)."""
     version: int
     expected: int
     checksums: dict[str, int]  # engine name -> checksum
     bytes: int  # payload per engine: the model in the engine dtype, or only the LoRA adapters (fp32)
     seconds: float  # the sender's time for gather + transfer
+    compared: dict[str, bool] = field(default_factory=dict)  # engine name -> bitwise identical (in-process)
 
     def mismatched(self) -> list[str]:
-        return [name for name, c in self.checksums.items() if c != self.expected]
+        return [name for name, c in self.checksums.items() if c != self.expected] + \
+            [name for name, same in self.compared.items() if not same]
+
+    def describe(self, name: str) -> str:
+        """Why engine `name` failed (for the error message)."""
+        if name in self.checksums:
+            return f"checksum {self.checksums[name]} != trainer's {self.expected}"
+        return "its weights differ bitwise from the trainer's"
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (NaN payloads and signed zeros included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    size = a.element_size()
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size, torch.uint8)
+    return torch.equal(a.detach().contiguous().view(-1).view(bits), b.detach().contiguous().view(-1).view(bits))
 
 
 def sync_in_process(engine, trainer, version: int) -> SyncReport:
     """Colocated in one process: the engine copies the trainer's tensors directly.
 
     With LoRA, an engine that has adapters receives only them (it holds the base already); one without (merged,
-    `rollout.lora_merge`) receives every weight with the adapters folded in. Either way the engine's checksum covers
-    its whole model and is compared with the trainer's (the frozen base's part computed once)."""
+    `rollout.lora_merge`) receives every weight with the adapters folded in. A full copy is verified by comparing
+    every engine parameter with what was sent, bitwise: exact, and one read of each side instead of two checksums
+    (~5x cheaper). An adapter-only sync is verified by checksums that cover the engine's whole model (the frozen
+    base's part computed once on the trainer), so a base damaged in the engine is caught too."""
     adapters = has_lora(engine.model)
     merged = not adapters and has_lora(trainer.model)
     t0 = time.perf_counter()
     named = list(trainer.named_weights(engine.dtype, adapters_only=adapters, merged=merged))
     engine.load_weights(named, version=version, strict=not adapters)
     seconds = time.perf_counter() - t0
-    per_tensor = {name: tensor_checksum(t) for name, t in named}
-    if adapters:
-        per_tensor |= trainer.frozen_checksums(engine.dtype)
     payload = sum(t.numel() * t.element_size() for _, t in named)
-    return SyncReport(version, combine_checksums(per_tensor), {"engine 0": engine.checksum()}, payload, seconds)
+    if adapters:
+        per_tensor = {name: tensor_checksum(t) for name, t in named} | trainer.frozen_checksums(engine.dtype)
+        return SyncReport(version, combine_checksums(per_tensor), {"engine 0": engine.checksum()}, payload, seconds)
+    held = dict(engine.model.named_parameters())
+    same = held.keys() == {name for name, _ in named} and all(bitwise_equal(held[n], t) for n, t in named)
+    return SyncReport(version, 0, {}, payload, seconds, compared={"engine 0": same})
