@@ -13,10 +13,10 @@ from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import AttentionMetadata
 from twinplane.model.attention import flex_varlen, sdpa_varlen, varlen_mask
 from twinplane.rollout.sampling import policy_logprobs
-from twinplane.train import Trainer
+from twinplane.train import Batch, Trainer
 from twinplane.train.chunked_logprobs import token_logprobs
 from twinplane.train.fsdp import packed_groups
-from twinplane.train.logprobs import response_logprobs, score
+from twinplane.train.logprobs import response_logprobs, score, shared_layout
 
 attention_module = importlib.import_module("twinplane.model.attention")  # (the package exports a function so named)
 ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
@@ -108,6 +108,60 @@ def test_packed_train_step_equals_padded(tool_masks):
         assert abs(m_pack[k] - v) < 1e-5, k
 
 
+def grouped_batch(model, n=4, seed=0):
+    """GRPO-shaped: 3 prompts of different lengths x n samples (rows of a group not all adjacent), one row with
+    no response token, and a prompt that is another's prefix (equal tokens, shorter: must not share)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [5, 6, 7]]
+    rows = [p for p in prompts for _ in range(n)]
+    rows.append(rows.pop(0))  # a group's rows need not be adjacent
+    responses = [torch.randint(4, 50, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+                 for _ in rows]
+    responses[3] = []
+    batch = Batch.collate(rows, responses, 0)
+    batch.advantages = torch.randn(len(rows), 1, generator=g) * batch.response_mask
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch, 1.0, share_prompts=False)
+    batch.rollout_logprobs = (lp + 0.1 * torch.randn(lp.shape, generator=g)) * batch.response_mask
+    batch.ref_logprobs = (lp - 0.2 * torch.rand(lp.shape, generator=g)) * batch.response_mask
+    return batch
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_shared_prompts_equal_one_copy_per_row(window):
+    """Rows with the same prompt share one copy of it: log-probs, entropies and grads equal the unshared layout."""
+    model = tiny_model(sliding_window=window).train()
+    batch = grouped_batch(tiny_model())
+    lengths, prefix, _, _ = shared_layout(batch)
+    assert sum(lengths) == int(batch.attention_mask.sum()) - (4 - 1) * (5 + 2 + 3)  # n - 1 copies of each prompt
+    assert prefix.count(-1) == 3
+    out = [response_logprobs(model, batch, 0.8, with_entropy=True, chunk_tokens=5, share_prompts=share)
+           for share in (True, False)]
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    grads = [torch.autograd.grad((lp * batch.advantages).sum() + ent.sum(), list(model.parameters()))
+             for lp, ent in out]
+    for a, b in zip(*grads, strict=True):  # fp32 rounding of a different summation order, relative to the largest
+        assert (a - b).abs().max() <= 4e-6 * (1 + b.abs().max()), (a - b).abs().max()
+    torch.testing.assert_close(score(model, batch, 0.8, 5, share_prompts=True),
+                               out[1][0].detach() * batch.response_mask, atol=1e-5, rtol=0)
+
+
+def test_shared_prompts_train_step_equals_unshared():
+    out = []
+    for share in (True, False):
+        model = tiny_model()
+        trainer = Trainer(model, TrainSection(micro_batch_size=8, lr=1e-6, share_prompts=share), ALGO, 1.0, 10)
+        trainer.opt.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
+        out.append((model, trainer.train_step(grouped_batch(tiny_model()))))
+    (shared, m_shared), (plain, m_plain) = out
+    for (name, p), q in zip(shared.named_parameters(), plain.parameters(), strict=True):
+        assert (p.grad - q.grad).abs().max() <= 4e-6 * (1 + q.grad.abs().max()), name
+        torch.testing.assert_close(p, q, atol=3e-6, rtol=0, msg=name)  # Adam's first step: ~lr * sign(grad)
+    for k, v in m_plain.items():
+        assert abs(m_shared[k] - v) < 1e-5, k
+
+
 def test_packed_groups_balance_real_tokens():
     batch = make_batch(tiny_model(), n=11, tool_masks=True)
     lens = batch.attention_mask.sum(1).tolist()
@@ -137,7 +191,7 @@ def test_grouped_varlen_equals_one_block_diagonal_mask(monkeypatch, window):
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=varlen_mask(meta), enable_gqa=True)
     got = sdpa_varlen(q, k, v, meta)
     groups, unpermute = meta.cache["varlen_plan"]
-    assert [(G, L) for _, G, L, _ in groups] == [(2, 12), (3, 5), (2, 2)]  # [12, 6], [5, 4, 3], [2, 1]
+    assert [(G, L) for _, _, G, L, _, _ in groups] == [(2, 12), (3, 5), (2, 2)]  # [12, 6], [5, 4, 3], [2, 1]
     assert unpermute is not None
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     g = torch.randn_like(got)
@@ -155,7 +209,8 @@ def test_uniform_varlen_is_a_view_and_equals_the_mask(monkeypatch, window):
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=varlen_mask(meta), enable_gqa=True)
     got = sdpa_varlen(q, k, v, meta)
     groups, unpermute = meta.cache["varlen_plan"]
-    assert [(index, G) for index, G, _, _ in groups] == [(slice(0, 12), 3), (slice(12, 20), 2)] and unpermute is None
+    assert [(index, G) for index, _, G, _, _, _ in groups] == [(slice(0, 12), 3), (slice(12, 20), 2)]
+    assert unpermute is None
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     g = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
@@ -170,6 +225,51 @@ def test_flex_varlen_agrees_with_portable(window):
     meta = AttentionMetadata.packed(lengths, window=window)
     with torch.no_grad():
         torch.testing.assert_close(flex_varlen(q, k, v, meta), sdpa_varlen(q, k, v, meta), atol=1e-5, rtol=0)
+
+
+# Shared prefixes: a prompt (sequence 0, 2) once, then responses that continue it (1, 3, 4 after 0; 5 after 2).
+SHARED = ([6, 3, 9, 1, 4, 2, 5], [-1, 0, -1, 0, 0, 2, -1])
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_shared_prefix_varlen_equals_the_mask_and_separate_sequences(monkeypatch, window):
+    """Each response attends to its whole prompt, then causally to itself: equal to the dense reference mask
+    (values and grads), and each response's outputs equal those of prompt + response as one separate sequence."""
+    monkeypatch.setattr(attention_module, "VARLEN_GROUP_TOKENS", 24)  # several groups
+    lengths, prefix = SHARED
+    q, k, v = (x.requires_grad_() for x in _qkv(sum(lengths)))
+    meta = AttentionMetadata.packed(lengths, window=window, prefix=prefix)
+    cu = meta.cu_seqlens.tolist()
+    assert meta.positions[0].tolist()[cu[1]:cu[2]] == [6, 7, 8] and meta.max_seqlen == 11
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=varlen_mask(meta), enable_gqa=True)
+    got = sdpa_varlen(q, k, v, meta)
+    assert len(meta.cache["varlen_plan"][0]) > 1
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for s, p in enumerate(prefix):  # independent reference: the unshared sequence parent + own
+        if p < 0:
+            continue
+        cols = list(range(cu[p], cu[p + 1])) + list(range(cu[s], cu[s + 1]))
+        alone = AttentionMetadata.packed([len(cols)], window=window)
+        ref = sdpa_varlen(*(x[:, :, cols] for x in (q, k, v)), alone)
+        torch.testing.assert_close(got[:, :, cu[s]:cu[s + 1]], ref[:, :, cu[p + 1] - cu[p]:], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_flex_varlen_with_shared_prefix_agrees_with_portable(window):
+    lengths, prefix = SHARED
+    q, k, v = _qkv(sum(lengths))
+    meta = AttentionMetadata.packed(lengths, window=window, prefix=prefix)
+    with torch.no_grad():
+        torch.testing.assert_close(flex_varlen(q, k, v, meta), sdpa_varlen(q, k, v, meta), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prefix", [[-1, 1], [0, -1], [-1, 0, 1], [-1]])
+def test_bad_prefix_is_refused(prefix):
+    with pytest.raises(ValueError, match="prefix"):
+        AttentionMetadata.packed([2, 3, 4][:max(len(prefix), 2)], prefix=prefix)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -128,6 +128,7 @@ class TrainSection:
     mini_batches: int = 1  # optimizer steps per rollout batch (>1 makes the PPO clip matter)
     max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (real tokens when packed, else padded); 0 = off
     packing: bool = True  # padding-free micro-batches: sequences back to back, varlen attention, balanced by tokens
+    share_prompts: bool = True  # packed: rows with the same prompt share one copy of it per micro-batch (computed once)
     logprob_chunk_tokens: int = 512  # tokens per LM-head chunk in log-probs/entropy (memory ~ this x vocab)
     compute_dtype: str = "auto"  # auto (bf16 on GPUs, else model.dtype) | float32 | bfloat16 | float16
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, ~30% more compute

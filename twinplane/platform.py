@@ -177,13 +177,15 @@ def autocast(precision: Precision, device: torch.device):
     return torch.autocast(torch.device(device).type, dtype=precision.compute)
 
 
-def varlen_backend(device: torch.device, compute_dtype: torch.dtype) -> str:
+def varlen_backend(device: torch.device, compute_dtype: torch.dtype, shared_prefix: bool = False) -> str:
     """Kernel for packed (varlen) rows, `AttentionMetadata.backend`: flash-attn's varlen kernel where it is
-    installed and eligible and the compute dtype is 16-bit, else FlexAttention on GPUs, else the portable SDPA
-    path (CPU: torch 2.13's FlexAttention has no CPU backward)."""
+    installed and eligible, the compute dtype is 16-bit and no sequence continues a shared prefix (which its
+    kernel cannot express), else FlexAttention on GPUs, else the portable SDPA path (CPU: torch 2.13's
+    FlexAttention has no CPU backward)."""
     if torch.device(device).type != "cuda":
         return "sdpa"
-    if detect().attention.flash_attn_eligible and compute_dtype in (torch.bfloat16, torch.float16):
+    if detect().attention.flash_attn_eligible and compute_dtype in (torch.bfloat16, torch.float16) \
+            and not shared_prefix:
         return "flash_attn"
     return "flex" if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None else "sdpa"
 

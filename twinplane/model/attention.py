@@ -8,6 +8,11 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
   attends causally within its own sequence only. Portable path ("sdpa"): sequences of similar length gathered into
   batches for the fused causal SDPA kernel (no mask, at most 2x padding per batch). Fused paths: "flex"
   (FlexAttention with a document mask) and "flash_attn" (flash-attn's varlen kernel).
+  Shared prefixes (`prefix`): a segment may continue another one, e.g. a GRPO group's n responses each continue one
+  copy of their prompt, so the prompt is computed once (the prefix sharing of Prefix Grouper, Liu et al. 2025).
+  Its tokens then attend to the whole parent segment, then causally to their own. The portable path gathers each
+  such segment's keys (parent + own) and masks; "flex" adds the parent to its document mask; flash-attn's varlen
+  kernel cannot express it, so the platform never picks it for such rows.
 - paged (the rollout engine): one row [1, T] mixing prefill chunks and one-token decodes of many sequences whose
   earlier keys/values live in a block pool (`PagedKV`). Each layer writes its new k/v to the pool at
   `slot_mapping` and attends over its sequence's blocks. Portable path: gather each sequence's slots + SDPA;
@@ -32,6 +37,7 @@ class AttentionMetadata:
     cu_seqlens: torch.Tensor | None = None  # varlen layout (B == 1): [S + 1] int32 sequence starts in the row
     max_seqlen: int = 0  # varlen: longest sequence (what fused varlen kernels size their tiles by)
     window: int | None = None  # sliding-window size (Mistral/Qwen2 configs), None = full causal
+    prefix: list[int] | None = None  # varlen: per sequence, the sequence it continues (-1 = none); see above
     backend: str = "sdpa"  # which kernel runs this layout (decided in twinplane.platform)
     paged: PagedKV | None = None  # paged layout (B == 1): the KV pool and where each sequence's tokens are
     cache: dict = field(default_factory=dict, repr=False)  # per-forward derived data every layer reuses
@@ -42,17 +48,24 @@ class AttentionMetadata:
 
     @classmethod
     def packed(cls, lengths: Sequence[int], device: torch.device | str = "cpu", window: int | None = None,
-               backend: str = "sdpa") -> AttentionMetadata:
-        """Metadata for sequences of `lengths` packed into one row: positions restart at 0 for each sequence."""
+               backend: str = "sdpa", prefix: Sequence[int] | None = None) -> AttentionMetadata:
+        """Metadata for sequences of `lengths` packed into one row: positions restart at 0 for each sequence, or
+        with `prefix` (per sequence, an earlier sequence it continues, -1 = none) at the end of its parent."""
         lens = torch.as_tensor(list(lengths), dtype=torch.int32)
         if len(lens) == 0 or bool((lens <= 0).any()):
             raise ValueError(f"packed sequence lengths must be positive, got {list(lengths)}")
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = lens.cumsum(0)
-        starts = torch.repeat_interleave(cu[:-1].long(), lens.long())
-        positions = torch.arange(int(cu[-1])) - starts  # [T]
-        return cls(positions[None].to(device), cu_seqlens=cu.to(device), max_seqlen=int(lens.max()), window=window,
-                   backend=backend)
+        starts = cu[:-1].long()
+        if prefix is not None:
+            prefix = [int(p) for p in prefix]
+            if len(prefix) != len(lens) or any(not -1 <= p < s or (p >= 0 and prefix[p] >= 0)
+                                               for s, p in enumerate(prefix)):
+                raise ValueError(f"prefix must name an earlier sequence without a prefix of its own, or -1: {prefix}")
+            starts = starts - torch.tensor([int(lens[p]) if p >= 0 else 0 for p in prefix])
+        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(starts, lens.long())  # [T]
+        return cls(positions[None].to(device), cu_seqlens=cu.to(device), max_seqlen=int(positions.max()) + 1,
+                   window=window, backend=backend, prefix=prefix)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -83,12 +96,12 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
     gqa = q.shape[1] != k.shape[1]
     plan = meta.cache.get("varlen_plan")
     if plan is None:
-        plan = meta.cache["varlen_plan"] = _varlen_plan(meta.cu_seqlens.tolist(), meta.window, q.device)
+        plan = meta.cache["varlen_plan"] = _varlen_plan(meta.cu_seqlens.tolist(), meta.window, q.device, meta.prefix)
     groups, unpermute = plan
     outs = []
-    for index, G, L, mask in groups:
-        rows = [x[0][:, index] if isinstance(index, slice) else x[0].index_select(1, index) for x in (q, k, v)]
-        qg, kg, vg = (x.unflatten(1, (G, L)).transpose(0, 1) for x in rows)  # [G, h, L, D]
+    for index, key_index, G, L, Lk, mask in groups:
+        qg, kg, vg = (_rows(x, i).unflatten(1, (G, n)).transpose(0, 1)  # [G, h, n, D]
+                      for x, i, n in ((q, index, L), (k, key_index, Lk), (v, key_index, Lk)))
         y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=gqa)  # [G, H, L, D]
         outs.append(y.transpose(0, 1).flatten(1, 2))  # [H, G * L, D], padding included
@@ -96,52 +109,85 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
     return (out if unpermute is None else out.index_select(1, unpermute))[None]
 
 
-def _varlen_plan(cu: list[int], window: int | None, device: torch.device):
-    """Per group (row index [G*L], or a slice when its sequences are consecutive in the row and all L long; G; L;
-    mask or None), and where each row token's output is in the groups' concatenated outputs (None = in place).
-    Greedy over sequences sorted longest first (stable: equal lengths keep row order): a group takes sequences
-    while its shortest is at least half its longest and G x L <= VARLEN_GROUP_TOKENS."""
+def _rows(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    """Columns `index` of x [1, h, T, D] -> [h, n, D]: a view for a slice, else one index_select."""
+    return x[0][:, index] if isinstance(index, slice) else x[0].index_select(1, index)
+
+
+def _varlen_plan(cu: list[int], window: int | None, device: torch.device, prefix: list[int] | None = None):
+    """Per group (query index [G*L], or a slice when its sequences are consecutive in the row and all L long; key
+    index [G*Lk] (the query index when no member has a parent); G; L; Lk; mask or None), and where each row token's
+    output is in the groups' concatenated outputs (None = in place). A sequence's keys are its parent's tokens, if it
+    has one (`prefix`), then its own. Greedy over sequences sorted by key length, longest first (stable: equal
+    lengths keep row order): a group takes sequences while its shortest is at least half its longest and
+    G x Lk <= VARLEN_GROUP_TOKENS."""
     lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    order = sorted(range(len(lens)), key=lambda s: -lens[s])
+    par = prefix or [-1] * len(lens)
+    before = [lens[p] if p >= 0 else 0 for p in par]  # parent tokens each sequence sees first
+    keys = [a + b for a, b in zip(before, lens, strict=True)]
+    order = sorted(range(len(lens)), key=lambda s: -keys[s])
     groups, unpermute, offset, i = [], [0] * cu[-1], 0, 0
     while i < len(order):
-        L, j = lens[order[i]], i + 1
-        while j < len(order) and 2 * lens[order[j]] >= L and (j - i + 1) * L <= VARLEN_GROUP_TOKENS:
+        Lk, j = keys[order[i]], i + 1
+        while j < len(order) and 2 * keys[order[j]] >= Lk and (j - i + 1) * Lk <= VARLEN_GROUP_TOKENS:
             j += 1
         members = order[i:j]
-        index = []
+        L = max(lens[s] for s in members)
+        index, key_index = [], []
         for g, s in enumerate(members):
-            n = lens[s]
-            index += list(range(cu[s], cu[s] + n)) + [cu[s]] * (L - n)  # pad with a real token (never attended)
+            n, p = lens[s], par[s]
+            own = list(range(cu[s], cu[s] + n))
+            index += own + [cu[s]] * (L - n)  # pad with a real token (never attended)
+            key_index += (list(range(cu[p], cu[p] + before[s])) if p >= 0 else []) + own + [cu[s]] * (Lk - keys[s])
             unpermute[cu[s]:cu[s] + n] = range(offset + g * L, offset + g * L + n)
+        shared = any(before[s] for s in members)
         mask = None
-        if window is not None and window < L:
+        if shared:  # query t of member g sits at key column before[g] + t: it sees columns up to there
+            q_col = torch.tensor([before[s] for s in members], device=device)[:, None] + torch.arange(L, device=device)
+            k_col = torch.arange(Lk, device=device)
+            m = k_col <= q_col[:, :, None]  # [G, L, Lk]
+            if window is not None:
+                m &= q_col[:, :, None] - k_col < window
+            mask = m[:, None]
+        elif window is not None and window < L:
             pos = torch.arange(L, device=device)
             mask = ((pos[None] <= pos[:, None]) & (pos[:, None] - pos[None] < window))[None, None]
         contiguous = index == list(range(index[0], index[0] + len(index)))
-        groups.append((slice(index[0], index[0] + len(index)) if contiguous else torch.tensor(index, device=device),
-                       len(members), L, mask))
+        q_index = slice(index[0], index[0] + len(index)) if contiguous else torch.tensor(index, device=device)
+        groups.append((q_index, torch.tensor(key_index, device=device) if shared else q_index, len(members), L, Lk,
+                       mask))
         offset += len(index)
         i = j
     in_place = offset == cu[-1] and unpermute == list(range(offset))
     return groups, None if in_place else torch.tensor(unpermute, device=device)
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Block-diagonal causal mask [1, 1, T, T] (True = may attend) of the sequences delimited by `cu_seqlens`."""
-    cu = cu_seqlens.long()
-    T = int(cu[-1])
-    seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1])  # [T]
-    pos = torch.arange(T, device=cu.device)
-    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+def block_causal_mask(cu_seqlens: torch.Tensor, window: int | None = None,
+                      prefix: list[int] | None = None) -> torch.Tensor:
+    """Block-diagonal causal mask [1, 1, T, T] (True = may attend) of the sequences delimited by `cu_seqlens`; with
+    `prefix`, a sequence's tokens also see all of its parent's (the window counts positions, parent's first)."""
+    doc, pos, parent = _documents(cu_seqlens, prefix)
+    i = torch.arange(len(doc), device=doc.device)
+    mask = ((doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])) | (parent[doc][:, None] == doc[None, :])
     if window is not None:
         mask &= (pos[:, None] - pos[None, :]) < window
     return mask[None, None]
 
 
+def _documents(cu_seqlens: torch.Tensor, prefix: list[int] | None):
+    """Per token: its sequence [T] and position [T] (after its parent's tokens); per sequence: its parent [S]."""
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), lens)  # [T]
+    parent = torch.tensor(prefix if prefix is not None else [-1] * len(lens), device=cu.device)  # [S]
+    before = torch.where(parent >= 0, lens[parent.clamp(min=0)], 0)
+    pos = torch.arange(int(cu[-1]), device=cu.device) - (cu[:-1] - before)[doc]
+    return doc, pos, parent
+
+
 def varlen_mask(meta: AttentionMetadata) -> torch.Tensor:
     """The whole row's block-diagonal causal mask [1, 1, T, T] (reference for the grouped and fused paths)."""
-    return block_causal_mask(meta.cu_seqlens, meta.window)
+    return block_causal_mask(meta.cu_seqlens, meta.window, meta.prefix)
 
 
 def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -151,13 +197,12 @@ def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
 
     block_mask = meta.cache.get("flex_block_mask")
     if block_mask is None:
-        cu = meta.cu_seqlens.long()
-        T, window = int(cu[-1]), meta.window
-        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), (cu[1:] - cu[:-1]).to(q.device))
+        doc, pos, parent = _documents(meta.cu_seqlens.to(q.device), meta.prefix)
+        T, window = len(doc), meta.window
 
         def document_causal(b, h, qi, ki):
-            keep = (doc[qi] == doc[ki]) & (ki <= qi)
-            return keep & (qi - ki < window) if window is not None else keep
+            keep = ((doc[qi] == doc[ki]) & (ki <= qi)) | (parent[doc[qi]] == doc[ki])
+            return keep & (pos[qi] - pos[ki] < window) if window is not None else keep
 
         block_mask = meta.cache["flex_block_mask"] = create_block_mask(document_causal, None, None, T, T,
                                                                        device=q.device)
@@ -176,9 +221,12 @@ def _flex(device_type: str):
 
 
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """flash-attn's `flash_attn_varlen_func` (CUDA sm80+ and the ROCm CK build; bf16/fp16), GQA native."""
+    """flash-attn's `flash_attn_varlen_func` (CUDA sm80+ and the ROCm CK build; bf16/fp16), GQA native. No shared
+    prefixes (the platform picks another backend for them)."""
     from flash_attn import flash_attn_varlen_func
 
+    if meta.prefix is not None:
+        raise ValueError("flash_attn varlen attention cannot attend to a shared prefix: use flex or sdpa")
     cu, L = meta.cu_seqlens.to(q.device, torch.int32), meta.max_seqlen
     window = (-1, -1) if meta.window is None else (meta.window - 1, 0)
     out = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, L, L,

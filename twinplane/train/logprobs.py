@@ -3,7 +3,10 @@ warm start's scoring.
 
 Two layouts, one result:
 - packed (default, `train.packing`): the rows' real tokens back to back in one row [1, T] with varlen attention
-  (`AttentionMetadata.packed`), so cost follows real tokens, not rows x the longest row;
+  (`AttentionMetadata.packed`), so cost follows real tokens, not rows x the longest row; with `share_prompts`
+  (`train.share_prompts`), rows with the same prompt (a GRPO group's n samples) share one copy of it: the row holds
+  the prompt once, then each response, attending to it (`AttentionMetadata.prefix`), so a prompt is computed once
+  per micro-batch instead of n times, in forward and backward;
 - padded: the batch's [N, P + R] rows as they are.
 Either way only the hidden states that predict a response token go through the LM head, in chunks of
 `chunk_tokens` (`token_logprobs`), and the result is scattered back to [N, R], aligned with `response_mask`.
@@ -28,24 +31,25 @@ DEFAULT_CHUNK_TOKENS = 512
 
 def response_logprobs(model: Transformer, batch: Batch, temperature: float, with_entropy: bool = False,
                       packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                      routing: RoutingState | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      routing: RoutingState | None = None,
+                      share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) [N, R] for the response tokens, and the policy's entropy at each position [N, R]
     (None unless `with_entropy`); 0 at padding. Differentiable; no [N, R, V] tensor is ever built. `routing`: MoE
-    record/replay state in this call's token order (`routing_state(batch, replay, packed)`)."""
+    record/replay state in this call's token order (`routing_state(batch, replay, packed)`); MoE routing keeps one
+    prompt copy per row (its record is laid out that way), so it turns `share_prompts` off."""
     P = batch.prompt_len
     valid = batch.attention_mask.bool()  # [N, P + R]
     resp = valid[:, P:]  # [N, R] real response tokens (tool outputs included: the loss mask is the caller's)
     targets = batch.response_ids[resp]  # [M]
     if packed:
-        lengths = valid.sum(1)
         if bool((valid[:, :P].sum(1) == 0).any()):
             raise ValueError("every row needs at least one prompt token (its last one predicts the response)")
         dev = batch.input_ids.device
-        meta = AttentionMetadata.packed(lengths.tolist(), dev, window=model.config.sliding_window,
-                                        backend=platform.varlen_backend(dev, _compute_dtype(model)))
-        packed_index = valid.flatten().long().cumsum(0).view(valid.shape) - 1  # [N, P + R] position in the row
-        rows = packed_index[:, P:][resp] - 1  # [M] the position whose hidden state predicts each response token
-        ids, mask = batch.input_ids[valid][None], None  # [1, T]
+        lengths, prefix, index, rows = (shared_layout if share_prompts and routing is None else row_layout)(batch)
+        meta = AttentionMetadata.packed(lengths, dev, window=model.config.sliding_window, prefix=prefix,
+                                        backend=platform.varlen_backend(dev, _compute_dtype(model), prefix is not None))
+        ids, mask = batch.input_ids.flatten()[index.to(dev)][None], None  # [1, T]
+        rows = rows.to(dev)
     else:
         N, W = valid.shape
         rows = (torch.arange(N, device=valid.device)[:, None] * W + P - 1
@@ -56,8 +60,50 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
         return token_logprobs(h.flatten(0, 1)[rows], weight, targets, temperature, chunk_tokens, with_entropy)
 
     lp, ent = model(ids, mask, meta=meta, head=head, routing=routing)
-    zeros = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
+    zeros = torch.zeros(resp.shape, dtype=lp.dtype, device=resp.device)  # fp32 (fp64 for fp64 models)
     return zeros.masked_scatter(resp, lp), None if ent is None else zeros.masked_scatter(resp, ent)
+
+
+def row_layout(batch: Batch):
+    """Packed, one copy of everything: (sequence lengths, None, flat index into input_ids [T], the row position
+    whose hidden state predicts each response token [M])."""
+    P, valid = batch.prompt_len, batch.attention_mask.bool()
+    packed_index = valid.flatten().long().cumsum(0).view(valid.shape) - 1  # [N, P + R] position in the row
+    rows = packed_index[:, P:][valid[:, P:]] - 1  # [M]
+    return valid.sum(1).tolist(), None, valid.flatten().nonzero().squeeze(1), rows
+
+
+def shared_layout(batch: Batch):
+    """Packed with shared prompts: each distinct prompt once (in order of first appearance), followed by the
+    responses of its rows; returns what `row_layout` does, with each response's prefix (its prompt's sequence). A
+    row's first response token is predicted by its prompt's last token, the others by its own previous one."""
+    P, valid = batch.prompt_len, batch.attention_mask.bool().cpu()
+    W = valid.shape[1]
+    prompt_lens, resp_lens = valid[:, :P].sum(1).tolist(), valid[:, P:].sum(1).tolist()
+    ids = batch.input_ids.cpu()
+    groups: dict[bytes, list[int]] = {}
+    for i, n in enumerate(prompt_lens):
+        groups.setdefault(ids[i, P - n:P].numpy().tobytes(), []).append(i)
+    lengths, prefix, index, rows = [], [], [], []
+    start = 0  # row position of the next sequence
+    for members in groups.values():
+        i0, n = members[0], prompt_lens[members[0]]
+        parent, last_prompt = len(lengths), start + n - 1
+        lengths.append(n)
+        prefix.append(-1)
+        index.append(torch.arange(i0 * W + P - n, i0 * W + P))
+        start += n
+        for i in members:
+            r = resp_lens[i]
+            if r:
+                lengths.append(r)
+                prefix.append(parent)
+                index.append(torch.arange(i * W + P, i * W + P + r))
+                rows.append((i, torch.cat([torch.tensor([last_prompt]), torch.arange(start, start + r - 1)])))
+                start += r
+    rows.sort(key=lambda x: x[0])  # [N, R] row-major order, as the targets
+    predictors = torch.cat([r for _, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
+    return lengths, prefix, torch.cat(index), predictors
 
 
 def _compute_dtype(model: Transformer) -> torch.dtype:
@@ -68,7 +114,8 @@ def _compute_dtype(model: Transformer) -> torch.dtype:
 @torch.no_grad()
 def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size: int, group=None,
           max_tokens: int = 0, packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-          precision: platform.Precision | None = None, replay: bool = False) -> torch.Tensor:
+          precision: platform.Precision | None = None, replay: bool = False,
+          share_prompts: bool = False) -> torch.Tensor:
     """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs).
 
     With an FSDP `group`, every rank runs as many forwards (padding micro-batches, weight 0, are scored and
@@ -79,7 +126,7 @@ def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size
         mb = batch.select(rows)
         with platform.autocast(precision, dev) if precision is not None else contextlib.nullcontext():
             lp, _ = response_logprobs(model, mb, temperature, packed=packed, chunk_tokens=chunk_tokens,
-                                      routing=routing_state(mb, replay, packed))
+                                      routing=routing_state(mb, replay, packed), share_prompts=share_prompts)
         if weight:
             out[rows, :lp.shape[1]] = lp * mb.response_mask
     return out

@@ -51,7 +51,8 @@ class Reference:
         self.model.eval()  # (the trainer puts a shared model back in train mode for its own forwards)
         with adapters_disabled(self.model) if self.shared else contextlib.nullcontext():
             return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                         self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision, self.replay)
+                         self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision, self.replay,
+                         t.share_prompts)
 
 
 class Trainer:
@@ -84,7 +85,7 @@ class Trainer:
         c = self.cfg
         return score(self.model, batch.to(self.device), self.temperature, c.micro_batch_size, self.group,
                      c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision,
-                     self.algo.cfg.routing_replay)
+                     self.algo.cfg.routing_replay, c.share_prompts)
 
     def named_weights(self, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
                       merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -131,7 +132,8 @@ class Trainer:
             rs = routing_state(mb, self.algo.cfg.routing_replay, c.packing, keep_logits=moe is not None)
             with platform.autocast(self.precision, self.device):
                 lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, packed=c.packing,
-                                            chunk_tokens=c.logprob_chunk_tokens, routing=rs)
+                                            chunk_tokens=c.logprob_chunk_tokens, routing=rs,
+                                            share_prompts=c.share_prompts)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
             w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap) if tis else None  # [n, R]
