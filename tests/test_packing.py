@@ -151,13 +151,15 @@ def test_shared_prompts_train_step_equals_unshared():
     out = []
     for share in (True, False):
         model = tiny_model()
-        trainer = Trainer(model, TrainSection(micro_batch_size=8, lr=1e-6, share_prompts=share), ALGO, 1.0, 10)
+        trainer = Trainer(model, TrainSection(micro_batch_size=12, lr=1e-6, share_prompts=share), ALGO, 1.0, 10)
         trainer.opt.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
         out.append((model, trainer.train_step(grouped_batch(tiny_model()))))
     (shared, m_shared), (plain, m_plain) = out
     for (name, p), q in zip(shared.named_parameters(), plain.parameters(), strict=True):
         assert (p.grad - q.grad).abs().max() <= 4e-6 * (1 + q.grad.abs().max()), name
         torch.testing.assert_close(p, q, atol=3e-6, rtol=0, msg=name)  # Adam's first step: ~lr * sign(grad)
+    assert m_shared.pop("actor/prompt_tokens_shared") == (4 - 1) * (5 + 2 + 3)  # one micro-batch of 12 rows
+    assert m_plain.pop("actor/prompt_tokens_shared") == 0
     for k, v in m_plain.items():
         assert abs(m_shared[k] - v) < 1e-5, k
 

@@ -261,6 +261,7 @@ class Controller:
         groups = rewards.view(-1, n)
         gen_tokens = int(lengths.sum())
         train_tokens = int(batch.attention_mask.sum())
+        computed = train_tokens - int(sum(u.get("actor/prompt_tokens_shared", 0) for u in updates))  # shared prompts
         m = {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -275,7 +276,7 @@ class Controller:
         cfg = self.trainer.config
         prompt_lens = [len(s.prompt_ids) for s in samples]
         mean_prompt = sum(prompt_lens) / len(samples)
-        train_flops = train_flops_per_token(cfg, train_tokens / len(samples)) * train_tokens
+        train_flops = train_flops_per_token(cfg, train_tokens / len(samples)) * computed
         rollout_flops = (gen_tokens * forward_flops_per_token(cfg, mean_prompt + lengths.mean().item() / 2)
                          + sum(prompt_lens) / n * forward_flops_per_token(cfg, mean_prompt / 2))  # prefill once
         for name, flops, t, devices in (("train", train_flops, times["time/train"], self.devices[0]),

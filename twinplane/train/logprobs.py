@@ -77,16 +77,12 @@ def shared_layout(batch: Batch):
     """Packed with shared prompts: each distinct prompt once (in order of first appearance), followed by the
     responses of its rows; returns what `row_layout` does, with each response's prefix (its prompt's sequence). A
     row's first response token is predicted by its prompt's last token, the others by its own previous one."""
-    P, valid = batch.prompt_len, batch.attention_mask.bool().cpu()
-    W = valid.shape[1]
-    prompt_lens, resp_lens = valid[:, :P].sum(1).tolist(), valid[:, P:].sum(1).tolist()
-    ids = batch.input_ids.cpu()
-    groups: dict[bytes, list[int]] = {}
-    for i, n in enumerate(prompt_lens):
-        groups.setdefault(ids[i, P - n:P].numpy().tobytes(), []).append(i)
+    P, W = batch.prompt_len, batch.input_ids.shape[1]
+    prompt_lens, groups = prompt_groups(batch)
+    resp_lens = batch.attention_mask[:, P:].sum(1).tolist()
     lengths, prefix, index, rows = [], [], [], []
     start = 0  # row position of the next sequence
-    for members in groups.values():
+    for members in groups:
         i0, n = members[0], prompt_lens[members[0]]
         parent, last_prompt = len(lengths), start + n - 1
         lengths.append(n)
@@ -104,6 +100,23 @@ def shared_layout(batch: Batch):
     rows.sort(key=lambda x: x[0])  # [N, R] row-major order, as the targets
     predictors = torch.cat([r for _, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
     return lengths, prefix, torch.cat(index), predictors
+
+
+def prompt_groups(batch: Batch) -> tuple[list[int], list[list[int]]]:
+    """Each row's prompt length, and the rows of each distinct prompt (equal tokens), in order of first appearance."""
+    P = batch.prompt_len
+    prompt_lens = batch.attention_mask[:, :P].sum(1).tolist()
+    ids = batch.input_ids.cpu()
+    groups: dict[bytes, list[int]] = {}
+    for i, n in enumerate(prompt_lens):
+        groups.setdefault(ids[i, P - n:P].numpy().tobytes(), []).append(i)
+    return prompt_lens, list(groups.values())
+
+
+def shared_prompt_tokens(batch: Batch) -> int:
+    """Prompt tokens a shared-prompt forward over `batch` does not compute (every copy of a prompt but one)."""
+    prompt_lens, groups = prompt_groups(batch)
+    return sum((len(g) - 1) * prompt_lens[g[0]] for g in groups)
 
 
 def _compute_dtype(model: Transformer) -> torch.dtype:

@@ -22,7 +22,7 @@ from twinplane.sync import tensor_checksum
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.export import export_weights
-from twinplane.train.logprobs import response_logprobs, score
+from twinplane.train.logprobs import response_logprobs, score, shared_prompt_tokens
 from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
 from twinplane.train.routing import RoutingStats, routing_state
@@ -128,8 +128,11 @@ class Trainer:
         c = self.cfg
         mbs = fsdp.micro_batches(batch, c.micro_batch_size, self.group, c.max_tokens_per_micro_batch, c.packing)
         moe = RoutingStats(self.config, self.device) if self.config.num_experts else None
+        shared = 0  # prompt tokens not recomputed (train.share_prompts), for the FLOP count
         for mb, weight in mbs:
             rs = routing_state(mb, self.algo.cfg.routing_replay, c.packing, keep_logits=moe is not None)
+            if c.packing and c.share_prompts and rs is None and weight:
+                shared += shared_prompt_tokens(mb)
             with platform.autocast(self.precision, self.device):
                 lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, packed=c.packing,
                                             chunk_tokens=c.logprob_chunk_tokens, routing=rs,
@@ -155,7 +158,8 @@ class Trainer:
         lr = self.sched.get_last_lr()[0]  # the rate this update uses, read before the scheduler steps
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
                                   self.cfg.optimizer_offload)
-        out = {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr}
+        out = {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr,
+                                                             "actor/prompt_tokens_shared": self._global(shared)}
         return out | (moe.metrics(self.group) if moe is not None else {})
 
 
