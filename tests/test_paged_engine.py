@@ -9,7 +9,7 @@ from test_engine import EOS, PROMPTS, greedy_no_cache
 
 from twinplane import platform
 from twinplane.model import AttentionMetadata, PagedKV
-from twinplane.model.attention import paged_attention
+from twinplane.model.paged_attention import paged_attention
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.kv_cache import bytes_per_block
@@ -111,13 +111,14 @@ def test_budget_too_small_for_one_sequence_is_a_clear_error():
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
 
 
-def paged_case(window=None):
-    """Three sequences (contexts 5, 19, 9) in a pool of 8-token blocks, and a row of 1 + 1 + 4 new tokens."""
+def paged_case(window=None, bs=8):
+    """Three sequences (contexts 5, 19, 9 with 8-token blocks; bs - 3, 2 bs + 3, bs + 1 in general) in a pool of
+    `bs`-token blocks, and a row of 1 + 1 + 4 new tokens (two decodes, then a later prefill chunk)."""
     g = torch.Generator().manual_seed(0)
-    L, N, bs, Hkv, H, D = 1, 12, 8, 2, 4, 16
+    L, N, Hkv, H, D = 1, 12, 2, 4, 16
     kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
     tables = [[3, 0], [5, 1, 7], [2, 9]]
-    ctx, qlens = [5, 19, 9], [1, 1, 4]
+    ctx, qlens = [bs - 3, 2 * bs + 3, bs + 1], [1, 1, 4]
     slots = []
     for t, c, q in zip(tables, ctx, qlens, strict=True):
         slots += [t[p // bs] * bs + p % bs for p in range(c - q, c)]
@@ -152,9 +153,8 @@ def test_paged_attention_equals_dense_per_sequence(window):
         start += n
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or platform.paged_attention_backend(
-    torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0] != "flash",
-    reason="the fused paged backend needs a GPU with flash-attn")
+@pytest.mark.skipif(not torch.cuda.is_available() or not platform.detect().attention.flash_attn_eligible,
+                    reason="the fused paged backend needs a GPU with flash-attn")
 def test_flash_paged_backend_equals_portable():
     model = tiny_model().cuda()
     sp = SamplingParams(temperature=0, max_new_tokens=16, n=2)

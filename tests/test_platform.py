@@ -170,3 +170,74 @@ def test_decode_graphs_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert platform.decode_graph_backend(torch.device("cpu")) == "eager"
     assert platform.decode_graph_backend(torch.device("cpu"), requested=True) == "eager"
+
+
+# --- the rollout engine's paged attention backend ------------------------------------------------------------------
+
+@pytest.fixture
+def probes(monkeypatch):
+    """The flex self-check, recorded and passing (its real run needs the GPU these tests simulate)."""
+    calls = []
+    monkeypatch.delenv("TWINPLANE_PAGED_BACKEND", raising=False)
+    monkeypatch.setattr(platform, "_probe_flex_paged", lambda dev, dtype: calls.append((dev, dtype)) or True)
+    return calls
+
+
+@pytest.mark.parametrize("hip", [None, "6.2.41133"])
+def test_paged_backend_is_flex_on_a_gpu_without_flash_attn(monkeypatch, probes, hip):
+    simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H100 80GB HBM3", hip=hip,
+                 arch="gfx942:sramecc+:xnack-" if hip else None)  # flash_attn not installed
+    gpu = torch.device("cuda")
+    assert platform.paged_attention_backend(gpu, torch.bfloat16) == ("flex", platform.FLEX_PAGE_SIZE) == ("flex", 128)
+    assert platform.paged_attention_backend(gpu, torch.bfloat16) == ("flex", 128)
+    assert probes == [(gpu, torch.bfloat16)]  # checked once per device and dtype
+    assert platform.paged_attention_backend(torch.device("cpu")) == ("sdpa", 16)
+
+
+def test_paged_backend_is_flash_where_flash_attn_is_eligible(monkeypatch, probes):
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
+    assert platform.paged_attention_backend(torch.device("cuda"), torch.bfloat16) == ("flash", 256)
+    assert probes == []
+
+
+@pytest.mark.parametrize("failure", ["raises", "disagrees"])
+def test_paged_backend_falls_back_to_sdpa_when_flex_fails_its_self_check(monkeypatch, probes, failure):
+    simulate_gpu(monkeypatch, "NVIDIA L40S", cc=(8, 9))
+
+    def probe(dev, dtype):
+        if failure == "raises":
+            raise RuntimeError("no valid triton config for this GPU\n(the rest of inductor's message)")
+        return False
+
+    monkeypatch.setattr(platform, "_probe_flex_paged", probe)
+    why = "no valid triton config for this GPU" if failure == "raises" else "it disagreed with the portable path"
+    with pytest.warns(UserWarning, match=f"FlexAttention failed its self-check on cuda \\({why}\\)"):
+        assert platform.paged_attention_backend(torch.device("cuda"), torch.float16) == ("sdpa", 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert platform.paged_attention_backend(torch.device("cuda"), torch.float16) == ("sdpa", 16)  # warned once
+
+
+def test_flex_self_check_runs_here_and_catches_a_wrong_kernel(monkeypatch):
+    """The real self-check, on CPU (eager flex): it passes, and fails when flex's output is off."""
+    from twinplane.model import paged_attention
+
+    cpu = torch.device("cpu")
+    assert paged_attention.flex_decode_agrees(cpu, torch.float32, 16)
+    real = paged_attention._flex_decodes
+    monkeypatch.setattr(paged_attention, "_flex_decodes", lambda *a: real(*a) + 1e-2)
+    assert not paged_attention.flex_decode_agrees(cpu, torch.float32, 16)
+    with pytest.warns(UserWarning, match="disagreed"):
+        assert not platform.flex_paged_ok(cpu, torch.float32)
+
+
+def test_paged_backend_environment_override(monkeypatch, probes):
+    monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "flex")
+    assert platform.paged_attention_backend(torch.device("cpu")) == ("flex", 128)  # forced: eager flex, unchecked
+    monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "sdpa")
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
+    assert platform.paged_attention_backend(torch.device("cuda")) == ("sdpa", 16)
+    monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "fast")
+    with pytest.raises(ValueError, match="TWINPLANE_PAGED_BACKEND"):
+        platform.paged_attention_backend(torch.device("cpu"))
+    assert probes == []

@@ -187,7 +187,7 @@ def varlen_backend(device: torch.device, compute_dtype: torch.dtype, shared_pref
     if detect().attention.flash_attn_eligible and compute_dtype in (torch.bfloat16, torch.float16) \
             and not shared_prefix:
         return "flash_attn"
-    return "flex" if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None else "sdpa"
+    return "flex" if has_flex_attention() else "sdpa"
 
 
 _GROUPED_MM: dict[tuple[str, torch.dtype, bool], bool] = {}
@@ -312,9 +312,10 @@ def detect() -> PlatformInfo:
 
 
 def reset() -> None:
-    """Forget the cached `detect()` result (tests that simulate other hardware)."""
+    """Forget the cached `detect()` result and self-checks (tests that simulate other hardware)."""
     global _INFO
     _INFO = None
+    _FLEX_PAGED.clear()
 
 
 def _other_accelerator() -> str | None:
@@ -440,15 +441,60 @@ def mfu(flops_per_second: float, info: PlatformInfo | None = None) -> float | No
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the automatic KV budget on CPU hosts: 1 GiB (capped by what a generate call needs)
 FLASH_PAGE_SIZE = 256  # flash-attn's paged KV needs page_block_size % 256 == 0
+# FlexAttention's BlockMask over the pool has the pool's block as its KV block, and torch 2.13's Triton flex
+# kernels need that to be a multiple of their KV tile (BLOCK_N): 64 in flex_decoding, up to 128 in the main kernel
+# (by GPU, dtype and head dim), which raises otherwise. 128 fits both.
+FLEX_PAGE_SIZE = 128
+PAGED_BLOCK_SIZES = {"sdpa": 16, "flex": FLEX_PAGE_SIZE, "flash": FLASH_PAGE_SIZE}
+_FLEX_PAGED: dict[tuple[str, torch.dtype], bool] = {}  # the flex self-check's answer per (device, dtype)
 
 
-def paged_attention_backend(device: torch.device) -> tuple[str, int]:
-    """(backend, block size) for the rollout engine's paged KV cache: flash-attn's paged varlen kernel where it is
-    installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350), else the portable gather + SDPA with 16-token
-    blocks (small blocks waste less of the pool on partly filled last blocks)."""
+def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[str, int]:
+    """(backend, block size) for the rollout engine's paged KV cache (twinplane.model.paged_attention):
+    flash-attn's paged varlen kernel where it is installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350);
+    else on GPUs FlexAttention reading the pool in place for the decodes, once its self-check passed here
+    (`flex_paged_ok`); else the portable gather + SDPA with 16-token blocks (small blocks waste less of the pool
+    on partly filled last blocks). TWINPLANE_PAGED_BACKEND=sdpa|flex|flash forces one, unchecked (flex on CPU runs
+    torch's eager reference: slow, for debugging)."""
+    forced = os.environ.get("TWINPLANE_PAGED_BACKEND")
+    if forced:
+        if forced not in PAGED_BLOCK_SIZES:
+            raise ValueError(f"TWINPLANE_PAGED_BACKEND must be one of {', '.join(PAGED_BLOCK_SIZES)}, got {forced!r}")
+        return forced, PAGED_BLOCK_SIZES[forced]
+    device = torch.device(device)
     if device.type == "cuda" and detect().attention.flash_attn_eligible:
         return "flash", FLASH_PAGE_SIZE
+    if device.type == "cuda" and has_flex_attention() and flex_paged_ok(device, dtype):
+        return "flex", FLEX_PAGE_SIZE
     return "sdpa", 16
+
+
+def has_flex_attention() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def flex_paged_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the "flex" paged backend may serve on `device`: once per (device, dtype), a tiny paged decode runs
+    through flex and through the portable path (twinplane.model.paged_attention.flex_decode_agrees). Flex's
+    kernels are generated and compiled for each GPU, and this path is not tested on every one; if the check
+    raises or the two disagree, one warning, and the engine uses the portable path."""
+    key = (str(device), dtype)
+    if key not in _FLEX_PAGED:
+        try:
+            ok, why = _probe_flex_paged(device, dtype), "it disagreed with the portable path"
+        except Exception as e:  # a failed compile raises many types (inductor's, triton's, ValueError, ...)
+            ok, why = False, (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if not ok:
+            warnings.warn(f"paged attention: FlexAttention failed its self-check on {device} ({why}); the rollout "
+                          "engine uses the portable gather + SDPA path", stacklevel=3)
+        _FLEX_PAGED[key] = ok
+    return _FLEX_PAGED[key]
+
+
+def _probe_flex_paged(device: torch.device, dtype: torch.dtype) -> bool:
+    from twinplane.model.paged_attention import flex_decode_agrees
+
+    return flex_decode_agrees(device, dtype, FLEX_PAGE_SIZE)
 
 
 def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float) -> int:

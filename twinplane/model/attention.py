@@ -13,12 +13,14 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
   Its tokens then attend to the whole parent segment, then causally to their own. The portable path gathers each
   such segment's keys (parent + own) and masks; "flex" adds the parent to its document mask; flash-attn's varlen
   kernel cannot express it, so the platform never picks it for such rows.
-- paged (the rollout engine): one row [1, T] mixing prefill chunks and one-token decodes of many sequences whose
-  earlier keys/values live in a block pool (`PagedKV`). Each layer writes its new k/v to the pool at
-  `slot_mapping` and attends over its sequence's blocks. Portable path: gather each sequence's slots + SDPA;
-  fused path (GPUs with flash-attn): `flash_attn_varlen_func(..., block_table=...)` reads the pool in place.
+- paged (the rollout engine; twinplane.model.paged_attention, whose names are re-exported here): one row [1, T]
+  mixing prefill chunks and one-token decodes of many sequences whose earlier keys/values live in a block pool
+  (`PagedKV`). Each layer writes its new k/v to the pool at `slot_mapping` and attends over its sequence's blocks.
+  Portable path ("sdpa"): gather each sequence's slots + SDPA. Fused paths reading the pool in place: "flex"
+  (GPUs without flash-attn: FlexAttention over the pool with a BlockMask from the block tables, for the decodes;
+  prefill chunks as the portable path) and "flash" (flash-attn's `flash_attn_varlen_func(..., block_table=...)`).
 Backends for a layout are chosen by the platform module (stored in `meta.backend`); every fast path keeps the
-portable one and a test that they agree (tests/test_attention.py, tests/test_paged.py).
+portable one and a test that they agree (tests/test_attention.py, tests/test_packing.py, tests/test_paged_engine.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from twinplane.model.paged_attention import PagedKV, paged_attention  # the paged layout (names kept here too)
 
 
 @dataclass
@@ -213,6 +217,8 @@ _FLEX: dict[str, object] = {}
 
 
 def _flex(device_type: str):
+    """flex_attention compiled on GPUs, with dynamic shapes (row lengths, and for the paged decodes the batch and
+    pool, change every step); eager elsewhere (a reference implementation, forward only on CPU)."""
     if device_type not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -251,111 +257,3 @@ def build_mask(q_pos, k_pos, k_valid, self_index, window: int | None) -> torch.T
     cols = torch.arange(k_pos.shape[1], device=k_pos.device)
     mask |= cols[None, None, :] == self_index[None, :, None]
     return mask[:, None]
-
-
-# --- paged layout (the rollout engine's KV pool) ------------------------------------------------------------------
-
-@dataclass
-class PagedKV:
-    """Where the tokens of one paged forward come from and go to. The model reads only these tensors; the block
-    pool's bookkeeping (free list, reference counts, copy-on-write) stays in twinplane.rollout.
-
-    Sequence order: the first `num_decodes` sequences contribute one token each (decodes), the rest a prefill
-    chunk each; token t of the row belongs to the sequence whose [cu_seqlens_q[s], cu_seqlens_q[s+1]) holds it.
-    """
-
-    k_cache: torch.Tensor  # [L, N, bs, H_kv, D] block pool (keys)
-    v_cache: torch.Tensor  # [L, N, bs, H_kv, D] block pool (values)
-    slot_mapping: torch.Tensor  # [T] long: pool slot (block * bs + offset) each new token's k/v is written to
-    block_tables: torch.Tensor  # [S, M] int32: blocks of each sequence in order (padded with block 0)
-    context_lens: torch.Tensor  # [S] int32: tokens of each sequence in the pool once this forward wrote its own
-    cu_seqlens_q: torch.Tensor  # [S + 1] int32: query starts in the row
-    query_lens: list[int]  # host copy of the query lengths (the portable path's loop bounds)
-    num_decodes: int  # leading sequences with exactly one query token
-    max_context: int  # longest context (fused kernels size their tiles by it)
-    # Decode-only with fixed-width block tables (the rollout engine's static / graph-captured decode): the decode
-    # group spans every table slot, masked by `context_lens` on the device: no host reads, no data-dependent shapes.
-    static: bool = False
-    _plan: list | None = None  # portable path: per-group gather slots and masks, built once per forward
-
-    @property
-    def block_size(self) -> int:
-        return self.k_cache.shape[2]
-
-    def plan(self, window: int | None) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
-        """(first query, last query + 1, key slots [G, S_k], mask [G, 1, Q, S_k] or None = causal) per group:
-        all decodes as one group (always first), each prefill chunk as its own. Shared by every layer."""
-        if self._plan is not None:
-            return self._plan
-        bs, dev = self.block_size, self.block_tables.device
-        lens = [] if self.static else self.context_lens.tolist()
-        offsets = torch.arange(bs, device=dev)
-        self._plan = []
-        d = self.num_decodes
-        if d:
-            width = self.block_tables.shape[1] * bs if self.static else max(lens[:d])
-            slots = (self.block_tables[:d, :, None].long() * bs + offsets).flatten(1)[:, :width]  # [d, S_k]
-            k_pos = torch.arange(width, device=dev)[None]
-            ctx = self.context_lens[:d, None].long()
-            mask = k_pos < ctx
-            if window is not None:
-                mask &= (ctx - 1 - k_pos) < window
-            self._plan.append((0, d, slots, mask[:, None, None]))  # [d, 1, 1, S_k]
-        start = d
-        for s in range(d, len(self.query_lens)):
-            q_len, ctx = self.query_lens[s], lens[s]
-            slots = (self.block_tables[s, :, None].long() * bs + offsets).flatten()[:ctx][None]  # [1, ctx]
-            mask = None
-            if q_len != ctx or window is not None:  # a later chunk (earlier context in the pool) or a window
-                q_pos = torch.arange(ctx - q_len, ctx, device=dev)[:, None]
-                k_pos = torch.arange(ctx, device=dev)[None]
-                m = k_pos <= q_pos
-                if window is not None:
-                    m &= (q_pos - k_pos) < window
-                mask = m[None, None]
-            self._plan.append((start, start + q_len, slots, mask))
-            start += q_len
-        return self._plan
-
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                    layer: int) -> torch.Tensor:
-    """q [1, H, T, D], new k/v [1, H_kv, T, D] of a mixed prefill/decode row -> [1, H, T, D]; writes k/v into the
-    pool first, so each token attends to its sequence's earlier tokens and to itself."""
-    p = meta.paged
-    k_pool, v_pool = p.k_cache[layer].flatten(0, 1), p.v_cache[layer].flatten(0, 1)  # [N * bs, H_kv, D] views
-    k_pool.index_copy_(0, p.slot_mapping, k[0].transpose(0, 1))
-    v_pool.index_copy_(0, p.slot_mapping, v[0].transpose(0, 1))
-    if meta.backend == "flash":
-        return _flash_paged(q, meta, layer)
-    gqa = q.shape[1] != k.shape[1]
-    outs = []
-    for a, b, slots, mask in p.plan(meta.window):
-        # one index_select over the flat slots (about 1.5x faster than advanced indexing on CPU)
-        flat, shape = slots.flatten(), (*slots.shape, *k_pool.shape[1:])
-        keys = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [G, H_kv, S_k, D]
-        vals = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
-        if a < p.num_decodes:  # the decode group: one query per sequence, batched over sequences
-            qg = q[0, :, a:b].transpose(0, 1)[:, :, None]  # decodes: [G, H, 1, D]
-            y = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, enable_gqa=gqa)
-            outs.append(y[:, :, 0].transpose(0, 1))  # [H, G, D]
-        else:
-            y = F.scaled_dot_product_attention(q[:, :, a:b], keys, vals, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=gqa)
-            outs.append(y[0])  # [H, q_len, D]
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))[None]
-
-
-def _flash_paged(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.Tensor:
-    """The fused GPU path: flash-attn reads the block pool through the block table (bottom-right causal, so a
-    chunk of later prompt tokens sees the earlier ones). Needs block_size % 256 == 0 (platform picks it)."""
-    from flash_attn import flash_attn_varlen_func
-
-    p = meta.paged
-    cu_k = torch.zeros(len(p.context_lens) + 1, dtype=torch.int32, device=q.device)
-    cu_k[1:] = p.context_lens.cumsum(0)
-    window = (-1, -1) if meta.window is None else (meta.window - 1, 0)
-    y = flash_attn_varlen_func(q[0].transpose(0, 1), p.k_cache[layer], p.v_cache[layer], p.cu_seqlens_q, cu_k,
-                               max(p.query_lens), p.max_context, causal=True, window_size=window,
-                               block_table=p.block_tables)  # [T, H, D]
-    return y.transpose(0, 1)[None]

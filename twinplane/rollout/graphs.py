@@ -7,8 +7,9 @@ context length, then its block table padded to a fixed width: the most blocks on
 call can hold), the batch padded up to a bucket size (1, 2, 4, 8, 16..64 by 8, then by 32 up to
 `rollout.graph_max_batch`). The forward reads only these buffers and returns the logits [bucket, V], with no
 host reads and no data-dependent shapes (`PagedKV.static`: attention's decode group spans the whole fixed-width
-table, masked by the context lengths on the device). Padding rows decode token 0 at position 0, write their k/v
-into one extra pool block that no sequence is ever given, and attend to that block only; their logits are dropped.
+table, masked by the context lengths on the device; the "flex" backend builds its BlockMask from the same table on
+the device). Padding rows decode token 0 at position 0, write their k/v into one extra pool block that no sequence
+is ever given, and attend to that block only; their logits are dropped.
 
 Modes (the engine's `graph_backend`, from `platform.decode_graph_backend`, then `decode_mode` below):
 - "cuda_graph": a bucket is captured the first time a decode step of its size runs in a `generate` call (warm-up
