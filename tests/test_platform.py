@@ -198,6 +198,8 @@ def test_paged_backend_is_flash_where_flash_attn_is_eligible(monkeypatch, probes
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
     assert platform.paged_attention_backend(torch.device("cuda"), torch.bfloat16) == ("flash", 256)
     assert probes == []
+    # flash-attn runs 16-bit only: an fp32 engine takes flex (after its check)
+    assert platform.paged_attention_backend(torch.device("cuda"), torch.float32) == ("flex", 128)
 
 
 @pytest.mark.parametrize("failure", ["raises", "disagrees"])

@@ -451,7 +451,8 @@ _FLEX_PAGED: dict[tuple[str, torch.dtype], bool] = {}  # the flex self-check's a
 
 def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[str, int]:
     """(backend, block size) for the rollout engine's paged KV cache (twinplane.model.paged_attention):
-    flash-attn's paged varlen kernel where it is installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350);
+    flash-attn's paged varlen kernel where it is installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350) and
+    the engine runs in 16 bits;
     else on GPUs FlexAttention reading the pool in place for the decodes, once its self-check passed here
     (`flex_paged_ok`); else the portable gather + SDPA with 16-token blocks (small blocks waste less of the pool
     on partly filled last blocks). TWINPLANE_PAGED_BACKEND=sdpa|flex|flash forces one, unchecked (flex on CPU runs
@@ -462,8 +463,8 @@ def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.flo
             raise ValueError(f"TWINPLANE_PAGED_BACKEND must be one of {', '.join(PAGED_BLOCK_SIZES)}, got {forced!r}")
         return forced, PAGED_BLOCK_SIZES[forced]
     device = torch.device(device)
-    if device.type == "cuda" and detect().attention.flash_attn_eligible:
-        return "flash", FLASH_PAGE_SIZE
+    if device.type == "cuda" and detect().attention.flash_attn_eligible and dtype in (torch.bfloat16, torch.float16):
+        return "flash", FLASH_PAGE_SIZE  # (flash-attn runs 16-bit only)
     if device.type == "cuda" and has_flex_attention() and flex_paged_ok(device, dtype):
         return "flex", FLEX_PAGE_SIZE
     return "sdpa", 16
