@@ -15,6 +15,7 @@ loss forward/backward, clipping, optimizer step). TRL's step is timed from `on_s
     python benchmarks/grpo_vs_trl.py                 # defaults: 4 layers, hidden 256, 8 x 8 x 16 tokens
     python benchmarks/grpo_vs_trl.py --only twinplane --json out.json
     python benchmarks/grpo_vs_trl.py --rounds 3      # both 3 times, alternating; medians of per-round ratios
+    python benchmarks/grpo_vs_trl.py --only twinplane --share-prompts 0   # one prompt copy per sample (as TRL)
 
 TRL is the optional `bench` extra: `pip install -e .[bench]`; without it only twinplane runs.
 """
@@ -76,10 +77,12 @@ def run_twinplane(args, ckpt: str, batches) -> dict:
     model, tok = twinplane.load_model(ckpt), twinplane.load_tokenizer(ckpt)
     total = args.warmup_steps + args.steps
     engine = RolloutEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, max_num_seqs=512, seed=SEED)
-    trainer = Trainer(model, TrainSection(lr=LR, micro_batch_size=args.prompts * args.samples, grad_clip=1.0),
-                      AlgoSection(kl_coef=BETA, kl_estimator="k3", clip_low=CLIP, clip_high=CLIP),
+    train = TrainSection(lr=LR, micro_batch_size=args.prompts * args.samples, grad_clip=1.0,
+                         share_prompts=bool(args.share_prompts))
+    trainer = Trainer(model, train, AlgoSection(kl_coef=BETA, kl_estimator="k3", clip_low=CLIP, clip_high=CLIP),
                       temperature=TEMPERATURE, total_steps=total)
-    reference = Reference(copy.deepcopy(model), TEMPERATURE, micro_batch_size=args.prompts * args.samples)
+    reference = Reference(copy.deepcopy(model), TEMPERATURE, micro_batch_size=args.prompts * args.samples,
+                          train=train)
     sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=args.new_tokens,
                               min_new_tokens=args.new_tokens, n=args.samples)
     controller = Controller(engine, trainer, reference, RewardRunner("exact_int"), tok, sampling, mini_batches=1,
@@ -178,7 +181,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in [("layers", 4), ("hidden", 256), ("heads", 4), ("intermediate", 1024), ("prompts", 8),
                           ("samples", 8), ("new-tokens", 16), ("steps", 20), ("warmup-steps", 3), ("threads", 2),
-                          ("rounds", 1)]:
+                          ("rounds", 1), ("share-prompts", 1)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--only", choices=("both", "trl", "twinplane"), default="both")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON here")
@@ -246,7 +249,7 @@ def main() -> None:
                   f"({gemm:.0f} GFLOP/s, best of 5 1024^3)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(info | {"results": results}, f, indent=2)
+            json.dump(info | {"results": results, "rounds": rounds}, f, indent=2)
 
 
 if __name__ == "__main__":
