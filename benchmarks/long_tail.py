@@ -8,6 +8,9 @@ with `train.max_tokens_per_micro_batch=4096`. Runs are interleaved; the median o
 `python benchmarks/long_tail.py memory`: peak memory added by one train_step with 8 x 512 response tokens, each
 configuration in a fresh subprocess (CPU: peak RSS over the steady state after a warm-up step; GPU: peak
 allocated), as a multiple of one fp32 [tokens, vocab] logits copy; the last one with activation checkpointing.
+`python benchmarks/long_tail.py prompts [--runs 3]`: train_step time on GRPO-shaped batches (4 prompts x 8 samples,
+the long-tail responses above, prompts of 32 and of 512 tokens) with and without `train.share_prompts`,
+interleaved; the median of `--runs`.
 `python benchmarks/long_tail.py varlen [--against REV]`: forward + backward time of the portable varlen attention
 (`sdpa_varlen`) on the demo's lengths and on a long tail; with `--against`, the same calls through
 twinplane/model/attention.py as of git revision REV, interleaved in one invocation.
@@ -94,6 +97,35 @@ def speed(runs: int, device: torch.device, only: list[str] | None = None) -> dic
     return out
 
 
+def prompts(runs: int, device: torch.device) -> dict:
+    """Shared prompts vs one copy per sample: the same GRPO batch, one micro-batch (groups stay whole)."""
+    resp, groups, n = lengths("long_tail"), 4, SEQS // 4
+    g = torch.Generator().manual_seed(2)
+    out = {"runs": runs, "groups": groups, "samples": n}
+    for plen in (32, 512):
+        batch = make_batch(resp, MODEL["vocab_size"], prompt=plen)
+        for i in range(SEQS):  # rows i..i+n-1 of a group share its first row's prompt
+            batch.input_ids[i, :plen] = batch.input_ids[i - i % n, :plen]
+        batch.advantages = torch.randn(SEQS, 1, generator=g) * batch.response_mask
+        trainers = {share: trainer(device, micro_batch_size=SEQS, share_prompts=share) for share in (True, False)}
+        for tr in trainers.values():  # warm-up
+            tr.train_step(batch.select(slice(0, 2)))
+        times = {share: [] for share in trainers}
+        for _ in range(runs):
+            for share, tr in trainers.items():
+                t0 = time.perf_counter()
+                tr.train_step(batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[share].append(time.perf_counter() - t0)
+        real = int(batch.attention_mask.sum())
+        med = {share: statistics.median(t) for share, t in times.items()}
+        out[f"prompt_{plen}"] = {"tokens": real, "tokens_computed_shared": real - (n - 1) * groups * plen,
+                                 "seconds_shared": round(med[True], 3), "seconds_unshared": round(med[False], 3),
+                                 "speedup": round(med[False] / med[True], 2)}
+    return out
+
+
 def measure_memory(packing: bool, chunk: int, device: str, checkpointing: bool = False) -> float:
     """Bytes one train_step (8 x 512 response tokens) adds over the steady state (weights, grads, Adam)."""
     import resource
@@ -161,7 +193,7 @@ def varlen(runs: int, against: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["speed", "memory", "varlen"])
+    ap.add_argument("what", choices=["speed", "memory", "varlen", "prompts"])
     ap.add_argument("--against", default="", help="varlen: a git revision to compare with")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -173,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     only = [c for c in ns.configs.split(",") if c]
     if ns.what == "varlen":
         res = varlen(ns.runs, ns.against)
+    elif ns.what == "prompts":
+        res = prompts(ns.runs, torch.device(ns.device))
     else:
         res = speed(ns.runs, torch.device(ns.device), only) if ns.what == "speed" else memory(ns.device)
     print(json.dumps(res, indent=1))
