@@ -3,9 +3,10 @@
   python benchmarks/lora_sync.py [--hidden 1024 --layers 12 --rank 16 --repeats 5]
 
 Builds a Llama-shaped model (vocab 32000, intermediate 4 x hidden), one trainer per mode, takes one optimizer step
-each (so the AdamW state exists) and times `sync_in_process` (trainer -> engine copy + both checksums) for: full
-weights (no LoRA), adapters only (LoRA, engine holds the base) and merged (LoRA, `rollout.lora_merge`), interleaved,
-median of `--repeats` syncs after a warm-up.
+each (so the AdamW state exists) and times `sync_in_process` (trainer -> engine copy, re-packing of the engine's
+CPU GEMM weights, and the verification: bitwise comparison of full weights, checksums for adapters) for: full weights
+(no LoRA), adapters only (LoRA, engine holds the base) and merged (LoRA, `rollout.lora_merge`), interleaved, median
+of `--repeats` syncs after a warm-up. "transfer" is the copy and re-packing alone.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main() -> None:
     for k in engines:
         med = statistics.median(times[k])
         runs = " ".join(f"{t * 1e3:.0f}" for t in times[k])
-        print(f"sync {k:<9} {sizes[k] / 1e6:9.2f} MB  median {med * 1e3:8.1f} ms with checksums, "
+        print(f"sync {k:<9} {sizes[k] / 1e6:9.2f} MB  median {med * 1e3:8.1f} ms with verification, "
               f"{statistics.median(copies[k]) * 1e3:8.1f} ms transfer  runs {runs}")
 
 
