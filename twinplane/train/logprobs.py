@@ -15,6 +15,7 @@ Either way only the hidden states that predict a response token go through the L
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
@@ -31,12 +32,12 @@ DEFAULT_CHUNK_TOKENS = 512
 
 def response_logprobs(model: Transformer, batch: Batch, temperature: float, with_entropy: bool = False,
                       packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                      routing: RoutingState | None = None,
-                      share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      routing: RoutingState | None = None, share_prompts: bool = False,
+                      layout: PackedLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) [N, R] for the response tokens, and the policy's entropy at each position [N, R]
     (None unless `with_entropy`); 0 at padding. Differentiable; no [N, R, V] tensor is ever built. `routing`: MoE
-    record/replay state in this call's token order (`routing_state(batch, replay, packed)`); MoE routing keeps one
-    prompt copy per row (its record is laid out that way), so it turns `share_prompts` off."""
+    record/replay state in this call's token order (`routing_state(batch, replay, packed)`). Packed, the row is
+    `layout` when the caller already built it, else `packed_layout(batch, share_prompts, routing)`."""
     P = batch.prompt_len
     valid = batch.attention_mask.bool()  # [N, P + R]
     resp = valid[:, P:]  # [N, R] real response tokens (tool outputs included: the loss mask is the caller's)
@@ -45,7 +46,7 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
         if bool((valid[:, :P].sum(1) == 0).any()):
             raise ValueError("every row needs at least one prompt token (its last one predicts the response)")
         dev = batch.input_ids.device
-        lengths, prefix, index, rows = (shared_layout if share_prompts and routing is None else row_layout)(batch)
+        lengths, prefix, index, rows = layout or packed_layout(batch, share_prompts, routing)
         meta = AttentionMetadata.packed(lengths, dev, window=model.config.sliding_window, prefix=prefix,
                                         backend=platform.varlen_backend(dev, _compute_dtype(model), prefix is not None))
         ids, mask = batch.input_ids.flatten()[index.to(dev)][None], None  # [1, T]
@@ -64,16 +65,30 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
     return zeros.masked_scatter(resp, lp), None if ent is None else zeros.masked_scatter(resp, ent)
 
 
-def row_layout(batch: Batch):
-    """Packed, one copy of everything: (sequence lengths, None, flat index into input_ids [T], the row position
-    whose hidden state predicts each response token [M])."""
+class PackedLayout(NamedTuple):
+    """The packed row of a batch: what `AttentionMetadata.packed` takes, and where its tokens come from."""
+
+    lengths: list[int]  # sequences in the row
+    prefix: list[int] | None  # per sequence, the one it continues (-1 = none); None = no shared prompts
+    index: torch.Tensor  # [T] position of each row token in input_ids.flatten()
+    rows: torch.Tensor  # [M] the row position whose hidden state predicts each response token ([N, R] order)
+
+
+def packed_layout(batch: Batch, share_prompts: bool = False, routing: RoutingState | None = None) -> PackedLayout:
+    """`shared_layout` with `share_prompts`, else `row_layout`. MoE routing record/replay (`routing`) keeps one
+    prompt copy per row: its record is laid out that way."""
+    return shared_layout(batch) if share_prompts and routing is None else row_layout(batch)
+
+
+def row_layout(batch: Batch) -> PackedLayout:
+    """Packed, one copy of everything."""
     P, valid = batch.prompt_len, batch.attention_mask.bool()
     packed_index = valid.flatten().long().cumsum(0).view(valid.shape) - 1  # [N, P + R] position in the row
     rows = packed_index[:, P:][valid[:, P:]] - 1  # [M]
-    return valid.sum(1).tolist(), None, valid.flatten().nonzero().squeeze(1), rows
+    return PackedLayout(valid.sum(1).tolist(), None, valid.flatten().nonzero().squeeze(1), rows)
 
 
-def shared_layout(batch: Batch):
+def shared_layout(batch: Batch) -> PackedLayout:
     """Packed with shared prompts: each distinct prompt once (in order of first appearance), followed by the
     responses of its rows; returns what `row_layout` does, with each response's prefix (its prompt's sequence). A
     row's first response token is predicted by its prompt's last token, the others by its own previous one."""
@@ -99,7 +114,7 @@ def shared_layout(batch: Batch):
                 start += r
     rows.sort(key=lambda x: x[0])  # [N, R] row-major order, as the targets
     predictors = torch.cat([r for _, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
-    return lengths, prefix, torch.cat(index), predictors
+    return PackedLayout(lengths, prefix, torch.cat(index), predictors)
 
 
 def prompt_groups(batch: Batch) -> tuple[list[int], list[list[int]]]:
@@ -111,12 +126,6 @@ def prompt_groups(batch: Batch) -> tuple[list[int], list[list[int]]]:
     for i, n in enumerate(prompt_lens):
         groups.setdefault(ids[i, P - n:P].numpy().tobytes(), []).append(i)
     return prompt_lens, list(groups.values())
-
-
-def shared_prompt_tokens(batch: Batch) -> int:
-    """Prompt tokens a shared-prompt forward over `batch` does not compute (every copy of a prompt but one)."""
-    prompt_lens, groups = prompt_groups(batch)
-    return sum((len(g) - 1) * prompt_lens[g[0]] for g in groups)
 
 
 def _compute_dtype(model: Transformer) -> torch.dtype:

@@ -22,7 +22,7 @@ from twinplane.sync import tensor_checksum
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.export import export_weights
-from twinplane.train.logprobs import response_logprobs, score, shared_prompt_tokens
+from twinplane.train.logprobs import packed_layout, response_logprobs, score
 from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
 from twinplane.train.routing import RoutingStats, routing_state
@@ -131,12 +131,12 @@ class Trainer:
         shared = 0  # prompt tokens not recomputed (train.share_prompts), for the FLOP count
         for mb, weight in mbs:
             rs = routing_state(mb, self.algo.cfg.routing_replay, c.packing, keep_logits=moe is not None)
-            if c.packing and c.share_prompts and rs is None and weight:
-                shared += shared_prompt_tokens(mb)
+            layout = packed_layout(mb, c.share_prompts, rs) if c.packing else None
+            if layout is not None and weight:
+                shared += int(mb.attention_mask.sum()) - sum(layout.lengths)
             with platform.autocast(self.precision, self.device):
                 lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, packed=c.packing,
-                                            chunk_tokens=c.logprob_chunk_tokens, routing=rs,
-                                            share_prompts=c.share_prompts)
+                                            chunk_tokens=c.logprob_chunk_tokens, routing=rs, layout=layout)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
             w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap) if tis else None  # [n, R]
