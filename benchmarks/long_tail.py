@@ -67,6 +67,14 @@ def trainer(device: torch.device, **train) -> Trainer:
     return Trainer(model, TrainSection(lr=1e-5, **train), AlgoSection(), 1.0, 100)
 
 
+def timed_step(tr: Trainer, batch: Batch, device: torch.device) -> float:
+    t0 = time.perf_counter()
+    tr.train_step(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def speed(runs: int, device: torch.device, only: list[str] | None = None) -> dict:
     batches = {k: make_batch(lengths(k), MODEL["vocab_size"]) for k in ("long_tail", "uniform")}
     real = {k: int(b.attention_mask.sum()) for k, b in batches.items()}
@@ -82,11 +90,7 @@ def speed(runs: int, device: torch.device, only: list[str] | None = None) -> dic
     for _ in range(runs):
         for name, tr in trainers.items():
             for k, b in batches.items():
-                t0 = time.perf_counter()
-                tr.train_step(b)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[(name, k)].append(time.perf_counter() - t0)
+                times[(name, k)].append(timed_step(tr, b, device))
     out = {"real_tokens": real["uniform"], "response_lengths_long_tail": lengths("long_tail"), "runs": runs}
     for name in configs:
         tps = {k: real[k] / statistics.median(times[(name, k)]) for k in batches}
@@ -113,11 +117,7 @@ def prompts(runs: int, device: torch.device) -> dict:
         times = {share: [] for share in trainers}
         for _ in range(runs):
             for share, tr in trainers.items():
-                t0 = time.perf_counter()
-                tr.train_step(batch)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[share].append(time.perf_counter() - t0)
+                times[share].append(timed_step(tr, batch, device))
         real = int(batch.attention_mask.sum())
         med = {share: statistics.median(t) for share, t in times.items()}
         out[f"prompt_{plen}"] = {"tokens": real, "tokens_computed_shared": real - (n - 1) * groups * plen,
