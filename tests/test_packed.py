@@ -10,7 +10,14 @@ from conftest import tiny_model
 
 from twinplane import platform
 from twinplane.model.lora import apply_lora
-from twinplane.model.packed import PackedLinear, PackedLoraLinear, PackedWeight, pack_linears
+from twinplane.model.packed import (
+    PackedAttention,
+    PackedLinear,
+    PackedLoraLinear,
+    PackedMLP,
+    PackedWeight,
+    pack_linears,
+)
 from twinplane.rollout import RolloutEngine, SamplingParams
 
 EOS = 3
@@ -25,13 +32,13 @@ def test_packed_weight_equals_f_linear_and_follows_in_place_changes():
     torch.manual_seed(0)
     w, b, x = torch.randn(96, 40), torch.randn(96), torch.randn(70, 40)
     pack = PackedWeight()
-    full = pack(x, w, b)
+    full = pack(x, (w,), (b,))
     torch.testing.assert_close(full, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     # a row's result does not depend on how many rows share the call (what batch-independent sampling wants)
-    assert all(torch.equal(pack(x[:m], w, b), full[:m]) for m in (1, 3, 17, 64))
+    assert all(torch.equal(pack(x[:m], (w,), (b,)), full[:m]) for m in (1, 3, 17, 64))
     with torch.no_grad():
         w.mul_(-2)  # in place, as a weight sync's copy_: the next call re-packs
-    torch.testing.assert_close(pack(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pack(x, (w,), (b,)), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
 @packed_only
@@ -41,9 +48,12 @@ def test_pack_linears_keeps_parameters():
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         want = model(ids)
-        assert pack_linears(model) == 2 * 7  # every linear of both layers; not the 50-row LM head
+        # per layer: q/k/v as one GEMM, o, gate/up as one, down; not the 50-row LM head
+        assert pack_linears(model) == 2 * 4
         got = model(ids)
-    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn, PackedAttention) and isinstance(layer.mlp, PackedMLP)
+    assert isinstance(layer.self_attn.o_proj, PackedLinear) and type(layer.mlp.up_proj) is torch.nn.Linear
     assert list(model.state_dict()) == list(state) and all(torch.equal(model.state_dict()[k], v)
                                                            for k, v in state.items())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -54,6 +64,27 @@ def test_pack_linears_keeps_parameters():
     model.requires_grad_(True)
     model(ids).sum().backward()
     assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+@packed_only
+def test_fused_projections_follow_in_place_changes_and_biases():
+    """One GEMM over stacked q/k/v (with Qwen2's biases) and gate/up equals the separate linears, and re-packs when
+    any one of the stacked weights or biases changes in place (a weight sync's copy_). (1e-4: the GEMMs sum in
+    different orders; a stale packing would be off by the changes, ~0.1 and more.)"""
+    model = tiny_model(**{**WIDE, "num_kv_heads": 2}, qkv_bias=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    packed, ids = copy.deepcopy(model), torch.tensor([[5, 6, 7, 8, 9, 10]])
+    pack_linears(packed)
+    assert isinstance(packed.model.layers[1].self_attn, PackedAttention)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), model(ids), atol=1e-4, rtol=1e-4)
+        for m in (model, packed):
+            m.model.layers[1].self_attn.k_proj.bias.add_(0.1)
+            m.model.layers[0].mlp.up_proj.weight.mul_(-1)
+        torch.testing.assert_close(packed(ids), model(ids), atol=1e-4, rtol=1e-4)
 
 
 @packed_only

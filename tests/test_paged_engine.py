@@ -1,6 +1,7 @@
 """The paged, continuously batched engine: outputs independent of batching, sharing and preemption; blocks."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -112,23 +113,25 @@ def test_budget_too_small_for_one_sequence_is_a_clear_error():
 
 
 def paged_case(window=None, bs=8):
-    """Three sequences (contexts 5, 19, 9 with 8-token blocks; bs - 3, 2 bs + 3, bs + 1 in general) in a pool of
-    `bs`-token blocks, and a row of 1 + 1 + 4 new tokens (two decodes, then a later prefill chunk)."""
+    """Six sequences in a pool of `bs`-token blocks: two decodes (contexts bs - 3 and 2 bs + 3), a later prefill
+    chunk of 4 tokens (context bs + 1), then three prompts prefilled whole (3, 3 and bs + 2 tokens: the fresh run,
+    which attends within the row)."""
     g = torch.Generator().manual_seed(0)
     L, N, Hkv, H, D = 1, 12, 2, 4, 16
     kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
-    tables = [[3, 0], [5, 1, 7], [2, 9]]
-    ctx, qlens = [bs - 3, 2 * bs + 3, bs + 1], [1, 1, 4]
+    tables = [[3, 0], [5, 1, 7], [2, 9], [4], [6], [8, 10]]
+    ctx, qlens = [bs - 3, 2 * bs + 3, bs + 1, 3, 3, bs + 2], [1, 1, 4, 3, 3, bs + 2]
     slots = []
     for t, c, q in zip(tables, ctx, qlens, strict=True):
         slots += [t[p // bs] * bs + p % bs for p in range(c - q, c)]
     T = sum(qlens)
     q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D,
                                                                                                       generator=g)
-    cu = torch.tensor([0, 1, 2, 6], dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
     paged = PagedKV(kc, vc, torch.tensor(slots), torch.tensor([t + [0] * (3 - len(t)) for t in tables],
                                                                 dtype=torch.int32),
                     torch.tensor(ctx, dtype=torch.int32), cu, qlens, 2, max(ctx))
+    assert paged.fresh_start == 3
     return q, k, v, paged, tables, ctx, qlens, window
 
 

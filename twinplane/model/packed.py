@@ -5,6 +5,8 @@ rows) that is a large share of the work. oneDNN keeps the weight in its blocked 
 (`_reorder_linear_weight`) and runs the GEMM from it (`_linear_pointwise`), the kernels inductor emits for frozen
 CPU linears. Inference only (no autograd), so only the engine's own copy of the model is packed; the platform
 decides where it applies (`platform.packed_linear_ok`: CPU fp32), and everywhere else stays `F.linear`.
+Attention's q/k/v and an MLP's gate/up are stacked into one packed GEMM each (`PackedAttention`, `PackedMLP`): at
+decode batch sizes a per-call cost dominates small GEMMs, and one wide GEMM runs closer to the machine's rate.
 
 The packed copy follows the weight: the engine re-packs right after loading weights (`repack`; vLLM likewise
 processes weights when they are loaded), and a forward re-packs any weight changed in place since (a `copy_` bumps
@@ -13,48 +15,85 @@ the tensor's version counter). It costs one more copy of the weights in host mem
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from twinplane.model.lora import LoraLinear
+from twinplane.model.transformer import MLP, Attention
 
 
 class PackedWeight:
-    """`F.linear(x, weight, bias)` from a packed copy of `weight`, refreshed whenever `weight` changes."""
+    """`F.linear(x, cat(weights), cat(biases))` from a packed copy of the stacked weights (one weight: one linear),
+    refreshed whenever one of them changes."""
 
     def __init__(self):
-        self.key: tuple[int, int] | None = None
+        self.key: tuple[tuple[int, int], ...] | None = None
         self.packed: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
 
-    def refresh(self, weight: torch.Tensor) -> None:
-        """Re-pack if `weight` changed since the last packing (~0.1-0.2 ms a weight, mostly fixed cost)."""
-        key = (weight.data_ptr(), weight._version)
+    def refresh(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = ()) -> None:
+        """Re-pack if a weight or bias changed since the last packing (~0.1-0.2 ms a weight, mostly fixed cost)."""
+        key = tuple((t.data_ptr(), t._version) for t in (*weights, *biases))
         if key != self.key:
             self.packed = None  # free the old copy first: the new one can take its memory
-            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach()), key
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(_stack(weights))
+            self.bias = _stack(biases) if biases else None
+            self.key = key
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        self.refresh(weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+    def __call__(self, x: torch.Tensor, weights: Sequence[torch.Tensor],
+                 biases: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        self.refresh(weights, biases)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __deepcopy__(self, memo) -> PackedWeight:
         return PackedWeight()  # the packed tensor is opaque (not copyable); the copy packs its own weight
 
 
-class PackedLinear(nn.Linear):
+def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One tensor as is (a view: the packed bias follows it), several concatenated (a copy, re-made on change)."""
+    return tensors[0].detach() if len(tensors) == 1 else torch.cat([t.detach() for t in tensors])
+
+
+class Packed:
+    """A module whose `packed_linears()` (plain `nn.Linear`s of one input) run as one packed GEMM. Modules become
+    packed by a class swap (no __init__), so the packing lives in the instance dict, made on first use."""
+
+    def packed_linears(self) -> tuple[nn.Linear, ...]:
+        raise NotImplementedError
+
+    def _packing(self) -> tuple[PackedWeight, list[torch.Tensor], list[torch.Tensor]]:
+        pack = self.__dict__.get("_pack")
+        if pack is None:
+            pack = self.__dict__["_pack"] = PackedWeight()
+        linears = self.packed_linears()
+        return pack, [m.weight for m in linears], [m.bias for m in linears if m.bias is not None]
+
+    def refresh(self) -> None:
+        """Bring the packed copy up to date (after a weight sync: now rather than in the next forward)."""
+        pack, weights, biases = self._packing()
+        pack.refresh(weights, biases)
+
+    def packed_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The linears' outputs side by side [..., sum of out_features]; None with autograd on (the packed ops have
+        no backward: the caller takes the plain path)."""
+        pack, weights, biases = self._packing()
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            return None
+        return pack(x, weights, biases)
+
+
+class PackedLinear(Packed, nn.Linear):
     """An `nn.Linear` (same parameters, same state dict) computed from a packed weight."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)  # the packed ops have no backward
-        return self.pack()(x, self.weight, self.bias)
+    def packed_linears(self) -> tuple[nn.Linear, ...]:
+        return (self,)
 
-    def pack(self) -> PackedWeight:
-        pack = self.__dict__.get("_pack")
-        if pack is None:  # modules become PackedLinear by a class swap (no __init__)
-            pack = self.__dict__["_pack"] = PackedWeight()
-        return pack
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.packed_gemm(x)
+        return F.linear(x, self.weight, self.bias) if y is None else y
 
 
 class PackedLoraLinear(LoraLinear, PackedLinear):
@@ -62,21 +101,64 @@ class PackedLoraLinear(LoraLinear, PackedLinear):
     the adapters stay plain `F.linear` (rank-r GEMMs)."""
 
 
+class PackedAttention(Packed, Attention):
+    """q, k and v from one GEMM over the stacked projections."""
+
+    def packed_linears(self) -> tuple[nn.Linear, ...]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = self.packed_gemm(x)
+        if y is None:
+            return super().project(x)
+        cfg = self.cfg
+        return y.unflatten(-1, (-1, cfg.head_dim)).split((cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), dim=-2)
+
+
+class PackedMLP(Packed, MLP):
+    """gate and up from one GEMM over the stacked projections."""
+
+    def packed_linears(self) -> tuple[nn.Linear, ...]:
+        return self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor, routing=None) -> torch.Tensor:
+        y = self.packed_gemm(x)
+        if y is None:
+            return super().forward(x)
+        gate, up = y.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: no autograd here
+
+
 # Both dimensions at least this: below it oneDNN's per-call cost (~25 us) outweighs its faster blocking (the demo's
 # 128-wide model rolled out 12% slower packed; the 256-wide one of grpo_vs_trl 13% faster, side by side).
 MIN_PACKED_DIM = 256
 
 
-def worth_packing(weight: torch.Tensor) -> bool:
-    return min(weight.shape) >= MIN_PACKED_DIM
+def worth_packing(shape: Sequence[int]) -> bool:
+    return min(shape) >= MIN_PACKED_DIM
+
+
+FUSED = {Attention: PackedAttention, MLP: PackedMLP}
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Make the plain and LoRA linears of an inference-only `model` that are `worth_packing` packed, in place;
-    returns how many. Weights, names and state dict are unchanged."""
-    count = 0
+    """Make an inference-only `model` packed, in place; returns how many GEMMs run packed. Attention's q/k/v and an
+    MLP's gate/up become one GEMM each where they are plain linears (LoRA adapters keep them apart: the adapters
+    add per projection); every other plain or LoRA linear that is `worth_packing` is packed on its own. Weights,
+    names and state dict are unchanged."""
+    count, fused = 0, set()
     for m in model.modules():
-        if type(m) in (nn.Linear, LoraLinear) and worth_packing(m.weight):
+        cls = FUSED.get(type(m))
+        if cls is None:
+            continue
+        linears = cls.packed_linears(m)
+        if all(type(x) is nn.Linear for x in linears) \
+                and worth_packing((sum(x.out_features for x in linears), linears[0].in_features)):
+            m.__class__ = cls
+            fused.update(id(x) for x in linears)
+            count += 1
+    for m in model.modules():
+        if id(m) not in fused and type(m) in (nn.Linear, LoraLinear) and worth_packing(m.weight.shape):
             m.__class__ = PackedLinear if type(m) is nn.Linear else PackedLoraLinear
             count += 1
     return count
@@ -85,10 +167,10 @@ def pack_linears(model: nn.Module) -> int:
 def repack(model: nn.Module) -> None:
     """Bring every packed copy up to date now (after a weight sync), instead of in the next forward."""
     for m in model.modules():
-        if isinstance(m, PackedLinear):
-            m.pack().refresh(m.weight)
+        if isinstance(m, Packed):
+            m.refresh()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, pack: PackedWeight | None) -> torch.Tensor:
     """`F.linear(x, weight)`, through `pack` when given (the engine's LM head, whose weight may be the embedding)."""
-    return F.linear(x, weight) if pack is None else pack(x, weight)
+    return F.linear(x, weight) if pack is None else pack(x, (weight,))

@@ -6,6 +6,8 @@ q/k/v to `paged_attention`, which writes the new k/v into the pool at `slot_mapp
 sequence's blocks with the backend in `meta.backend` (chosen by `platform.paged_attention_backend`):
 - "sdpa" (portable, any device): gather each sequence's slots from the pool (one index_select per group), then
   SDPA: all decodes as one batched call, each prefill chunk on its own. Reads the context twice per layer.
+  Prompts prefilled in one chunk (at the row's end: new admissions) need no gather: their keys are their own
+  tokens, in the row, so they attend as packed sequences (`attention.sdpa_varlen`, batched by length).
 - "flex" (GPUs with torch's FlexAttention, without flash-attn): the decode group reads the pool in place, one
   `flex_attention` call over the whole pool with a BlockMask built from the block tables (`flex_block_mask`).
   Prefill chunks keep the portable gather + SDPA: their cost is compute, not the gather.
@@ -60,6 +62,7 @@ class PagedKV:
     _lens: list[int] | None = None  # host copy of context_lens (not in the static decode)
     _decodes: Group | None = None  # portable path: the decode group's gather slots and mask
     _chunks: list[Group] | None = None  # portable path: each prefill chunk's gather slots and mask
+    _fresh: tuple[int, AttentionMetadata] | None = None  # the trailing prompts' first token and packed layout
     _flex_mask: BlockMask | None = None  # flex path: the decode group's BlockMask over the pool
 
     @property
@@ -69,7 +72,7 @@ class PagedKV:
     def plan(self, window: int | None, decodes: bool = True) -> list[Group]:
         """(first query, last query + 1, key slots [G, S_k], mask [G, 1, Q, S_k] or None = causal) per group:
         all decodes as one group (first; left out with `decodes=False`, for a path that reads them in place),
-        each prefill chunk as its own."""
+        each prefill chunk before `fresh_start` as its own."""
         d = self.num_decodes
         if self._chunks is None:
             self._chunks = self._chunk_groups(window)
@@ -78,6 +81,31 @@ class PagedKV:
         if self._decodes is None:
             self._decodes = self._decode_group(window)
         return [self._decodes, *self._chunks]
+
+    @property
+    def fresh_start(self) -> int:
+        """The first of the trailing sequences whose chunk is their whole context (a prompt prefilled in one
+        chunk): they attend among their own tokens, which are in the row, so they need no gather from the pool."""
+        if self.static:
+            return len(self.query_lens)
+        lens, s = self._host_lens(), len(self.query_lens)
+        while s > self.num_decodes and self.query_lens[s - 1] == lens[s - 1]:
+            s -= 1
+        return s
+
+    def fresh(self, window: int | None) -> tuple[int, AttentionMetadata] | None:
+        """The trailing fresh prompts as packed sequences: (their first token in the row, their varlen metadata),
+        None when there are none. `sdpa_varlen` batches them by length (a view of the row when lengths repeat)."""
+        first = self.fresh_start
+        if first == len(self.query_lens):
+            return None
+        if self._fresh is None:
+            from twinplane.model.attention import AttentionMetadata  # (attention.py imports this module)
+
+            lens = self.query_lens[first:]
+            self._fresh = sum(self.query_lens[:first]), AttentionMetadata.packed(lens, self.block_tables.device,
+                                                                                 window)
+        return self._fresh
 
     def _host_lens(self) -> list[int]:
         if self._lens is None:
@@ -98,7 +126,7 @@ class PagedKV:
     def _chunk_groups(self, window: int | None) -> list[Group]:
         d, bs, dev = self.num_decodes, self.block_size, self.block_tables.device
         groups, start = [], d
-        for s in range(d, len(self.query_lens)):
+        for s in range(d, self.fresh_start):
             q_len, ctx = self.query_lens[s], self._host_lens()[s]
             slots = (self.block_tables[s, :, None].long() * bs + torch.arange(bs, device=dev)).flatten()[:ctx][None]
             mask = None
@@ -183,6 +211,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     in_place = meta.backend == "flex" and p.num_decodes > 0
     if in_place:
         outs.append(_flex_decodes(q, k_pool, v_pool, meta))  # [H, d, D]
+    fresh = p.fresh(meta.window)
     for a, b, slots, mask in p.plan(meta.window, decodes=not in_place):
         # one index_select over the flat slots (about 1.5x faster than advanced indexing on CPU)
         flat, shape = slots.flatten(), (*slots.shape, *k_pool.shape[1:])
@@ -196,6 +225,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
             y = F.scaled_dot_product_attention(q[:, :, a:b], keys, vals, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=gqa)
             outs.append(y[0])  # [H, q_len, D]
+    if fresh is not None:
+        from twinplane.model.attention import sdpa_varlen
+
+        a, packed = fresh
+        outs.append(sdpa_varlen(q[:, :, a:], k[:, :, a:], v[:, :, a:], packed)[0])  # [H, T - a, D]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))[None]
 
 

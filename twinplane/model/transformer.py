@@ -57,12 +57,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> q [B, T, H, hd], k and v [B, T, H_kv, hd]. (The rollout engine's CPU copy computes the
+        three in one GEMM: twinplane.model.packed.PackedAttention.)"""
+        hd = self.cfg.head_dim
+        return tuple(p(x).unflatten(-1, (-1, hd)) for p in (self.q_proj, self.k_proj, self.v_proj))
+
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         B, T, _ = x.shape
-        hd = self.cfg.head_dim
-        q = self.q_proj(x).view(B, T, -1, hd)
-        k = self.k_proj(x).view(B, T, -1, hd)
-        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k, v = self.project(x)
+        v = v.transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
@@ -80,6 +84,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=bias)
 
     def forward(self, x, routing: RoutingState | None = None):
+        # (the rollout engine's CPU copy computes gate and up in one GEMM: twinplane.model.packed.PackedMLP)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

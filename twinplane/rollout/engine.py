@@ -104,7 +104,7 @@ class RolloutEngine:
         self.device = model.output_weight().device
         # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
         self.packed = platform.packed_linear_ok(self.device, self.dtype) and pack_linears(self.model) > 0
-        self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight()) else None
+        self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight().shape) else None
         self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
