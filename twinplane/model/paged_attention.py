@@ -62,6 +62,7 @@ class PagedKV:
     _lens: list[int] | None = None  # host copy of context_lens (not in the static decode)
     _decodes: Group | None = None  # portable path: the decode group's gather slots and mask
     _chunks: list[Group] | None = None  # portable path: each prefill chunk's gather slots and mask
+    _fresh_start: int | None = None
     _fresh: tuple[int, AttentionMetadata] | None = None  # the trailing prompts' first token and packed layout
     _flex_mask: BlockMask | None = None  # flex path: the decode group's BlockMask over the pool
 
@@ -86,12 +87,14 @@ class PagedKV:
     def fresh_start(self) -> int:
         """The first of the trailing sequences whose chunk is their whole context (a prompt prefilled in one
         chunk): they attend among their own tokens, which are in the row, so they need no gather from the pool."""
-        if self.static:
-            return len(self.query_lens)
-        lens, s = self._host_lens(), len(self.query_lens)
-        while s > self.num_decodes and self.query_lens[s - 1] == lens[s - 1]:
-            s -= 1
-        return s
+        if self._fresh_start is None:
+            s = len(self.query_lens)
+            if not self.static:  # (decode-only: no host reads)
+                lens = self._host_lens()
+                while s > self.num_decodes and self.query_lens[s - 1] == lens[s - 1]:
+                    s -= 1
+            self._fresh_start = s
+        return self._fresh_start
 
     def fresh(self, window: int | None) -> tuple[int, AttentionMetadata] | None:
         """The trailing fresh prompts as packed sequences: (their first token in the row, their varlen metadata),
