@@ -60,14 +60,12 @@ class AttentionMetadata:
             raise ValueError(f"packed sequence lengths must be positive, got {list(lengths)}")
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = lens.cumsum(0)
-        starts = cu[:-1].long()
         if prefix is not None:
             prefix = [int(p) for p in prefix]
             if len(prefix) != len(lens) or any(not -1 <= p < s or (p >= 0 and prefix[p] >= 0)
                                                for s, p in enumerate(prefix)):
                 raise ValueError(f"prefix must name an earlier sequence without a prefix of its own, or -1: {prefix}")
-            starts = starts - torch.tensor([int(lens[p]) if p >= 0 else 0 for p in prefix])
-        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(starts, lens.long())  # [T]
+        _, positions, _ = _documents(cu, prefix)  # [T]
         return cls(positions[None].to(device), cu_seqlens=cu.to(device), max_seqlen=int(positions.max()) + 1,
                    window=window, backend=backend, prefix=prefix)
 

@@ -62,7 +62,7 @@ class PagedKV:
     _lens: list[int] | None = None  # host copy of context_lens (not in the static decode)
     _decodes: Group | None = None  # portable path: the decode group's gather slots and mask
     _chunks: list[Group] | None = None  # portable path: each prefill chunk's gather slots and mask
-    _fresh_start: int | None = None
+    _fresh_start: int | None = None  # see `fresh_start`
     _fresh: tuple[int, AttentionMetadata] | None = None  # the trailing prompts' first token and packed layout
     _flex_mask: BlockMask | None = None  # flex path: the decode group's BlockMask over the pool
 
