@@ -10,7 +10,15 @@ Reported: median over `--runs` of generated tokens/s (stop tokens included) for 
 for it (128 rows x (longest prompt + 256) tokens): it checks that the greedy outputs and the seeded samples equal
 an unconstrained run's, and reports the preemptions.
 
+`--preset qwen2.5-0.5b` is the GPU work of issue 10: a Qwen2.5-0.5B-shaped model (24 layers x 896 hidden, GQA
+14/2, ffn 4864, vocab 151936, tied embeddings, q/k/v biases; random weights, bf16), 64 prompts of 256 tokens x 8
+samples, up to 1024 new tokens, 1/256 of the vocabulary as stop tokens (geometric lengths, mean ~256, ~2% reach
+the cap). twinplane runs with decode graphs on and off (same seeds), and each decode-only engine step is timed
+against the memory roofline: the bytes of weights and KV it must read (sum of the step's context lengths x
+layers x 2 x KV heads x head dim x 2 bytes) over the device-to-device copy bandwidth measured in the same process.
+
     python benchmarks/engine_vs_hf.py --runs 3 --quarter-kv
+    python benchmarks/engine_vs_hf.py --preset qwen2.5-0.5b --runs 3   # on a GPU
 """
 
 from __future__ import annotations
@@ -31,95 +39,243 @@ import transformers  # noqa: E402
 import twinplane  # noqa: E402
 from twinplane import platform  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from twinplane.rollout.scheduler import Scheduler  # noqa: E402
 
-VOCAB, STOPS = 4096, 64
+# name: (layers, hidden, intermediate, heads, kv heads, vocab, tied, prompts, samples, prompt length (0 = random
+# 16-128), new tokens, stop ids, device, dtype, max_num_batched_tokens)
+PRESETS = {
+    "cpu": (6, 512, 1536, 8, 2, 4096, False, 16, 8, 0, 256, 64, "cpu", "float32", 4096),
+    "qwen2.5-0.5b": (24, 896, 4864, 14, 2, 151936, True, 64, 8, 256, 1024, 151936 // 256, "cuda", "bfloat16", 8192),
+}
+FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "tied", "prompts", "samples",
+          "prompt_len", "new_tokens", "stops", "device", "dtype", "max_num_batched_tokens")
 
 
 def build(args, out: str) -> list[list[int]]:
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                   num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
-                                   max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=0,
-                                   eos_token_id=VOCAB - 1)
+    cfg = transformers.Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden,
+                                   intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                   max_position_embeddings=2048, tie_word_embeddings=args.tied, pad_token_id=0,
+                                   eos_token_id=args.vocab - 1)
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(out)
     g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(16, 129, (args.prompts,), generator=g).tolist()
-    return [torch.randint(STOPS + 1, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
+    lengths = [args.prompt_len] * args.prompts if args.prompt_len else \
+        torch.randint(16, 129, (args.prompts,), generator=g).tolist()
+    return [torch.randint(args.stops + 1, args.vocab - 1, (n,), generator=g).tolist() for n in lengths]
 
 
-def stop_ids() -> list[int]:
-    return list(range(VOCAB - STOPS, VOCAB))  # includes the EOS id (VOCAB - 1)
+def stop_ids(args) -> list[int]:
+    return list(range(args.vocab - args.stops, args.vocab))  # includes the EOS id (vocab - 1)
 
 
-def run_hf(model, prompts, args, seed: int) -> tuple[int, float, list[list[int]]]:
-    width = max(len(p) for p in prompts)
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf(model, prompts, args, seed: int, new_tokens: int | None = None) -> tuple[int, float, list[list[int]]]:
+    width, dev = max(len(p) for p in prompts), model.device
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     torch.manual_seed(seed)
+    sync(dev)
     t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                         max_new_tokens=args.new_tokens, num_return_sequences=args.samples, eos_token_id=stop_ids(),
-                         pad_token_id=0)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True, temperature=1.0,
+                         top_k=0, top_p=1.0, max_new_tokens=new_tokens or args.new_tokens,
+                         num_return_sequences=args.samples, eos_token_id=stop_ids(args), pad_token_id=0)
+    sync(dev)
     seconds = time.perf_counter() - t0
-    stops, seqs = set(stop_ids()), []
+    stops, seqs = set(stop_ids(args)), []
     for row in out[:, width:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         seqs.append(row[:cut])
     return sum(map(len, seqs)), seconds, seqs
 
 
-def run_twinplane(engine, prompts, args, seed: int, temperature: float = 1.0):
-    sp = SamplingParams(temperature=temperature, max_new_tokens=args.new_tokens, n=args.samples,
-                        stop_token_ids=stop_ids(), seed=seed)
+def run_twinplane(engine, prompts, args, seed: int, temperature: float = 1.0, new_tokens: int | None = None):
+    sp = SamplingParams(temperature=temperature, max_new_tokens=new_tokens or args.new_tokens, n=args.samples,
+                        stop_token_ids=stop_ids(args), seed=seed)
     engine.pop_metrics()
+    sync(engine.device)
     t0 = time.perf_counter()
     samples = engine.generate(prompts, sp)
+    sync(engine.device)
     seconds = time.perf_counter() - t0
     return sum(len(s.token_ids) for s in samples), seconds, samples, engine.pop_metrics()
 
 
+class Roofline:
+    """Times each engine step (each ends in a host read of the sampled tokens, so host time is device time) and
+    the bytes a decode-only step must read: every weight once (the input embedding's rows aside) and the k/v of
+    every context token of every sequence. Also times, with a device sync around each, the phases inside a step
+    (sampling, graph captures) and the scheduler, so a slow run says where its time went."""
+
+    def __init__(self, engine: RolloutEngine):
+        from twinplane.rollout import graphs
+
+        cfg, model = engine.model.config, engine.model
+        emb = model.model.embed_tokens.weight
+        params = {p.data_ptr(): p for p in model.parameters()}
+        skip = None if emb is model.output_weight() else emb.data_ptr()
+        self.weight_bytes = sum(p.numel() * p.element_size() for k, p in params.items() if k != skip)
+        self.kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+        self.steps: list[tuple[int, int, float]] = []  # decode-only steps: (sequences, context tokens, seconds)
+        self.phases: dict[str, float] = {}
+        step = engine._step
+
+        def timed(batch, sched, sp):
+            decode_only = batch.num_decodes == len(batch)
+            context = sum(s.num_computed + 1 for s in batch.seqs)
+            t0 = time.perf_counter()
+            out = step(batch, sched, sp)
+            dt = time.perf_counter() - t0
+            self.phases["steps"] = self.phases.get("steps", 0.0) + dt
+            if decode_only:
+                self.steps.append((len(batch), context, dt))
+            return out
+
+        engine._step = timed
+        engine._sample = self.phase(engine._sample, "sample", engine.device)
+        for obj, name in ((graphs.DecodeGraphs, "_capture"), (Scheduler, "schedule")):
+            if not hasattr(getattr(obj, name), "timed"):  # (class methods: wrap once, for every engine)
+                setattr(obj, name, self.phase(getattr(obj, name), name.strip("_"), engine.device))
+
+    def phase(self, fn, name: str, device):
+        def timed(*a, **k):
+            sync(device)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            sync(device)
+            for r in Roofline.active:
+                r.phases[name] = r.phases.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        timed.timed = True
+        return timed
+
+    active: list[Roofline] = []  # the timer(s) the class-level phases are credited to (the engine running now)
+
+    def reset(self) -> None:
+        self.steps.clear()
+        self.phases.clear()
+
+    def summary(self, bandwidth: float) -> dict:
+        ideal = [(self.weight_bytes + c * self.kv_bytes_per_token) / bandwidth for _, c, _ in self.steps]
+        real = [s for _, _, s in self.steps]
+        out = {"decode_steps": len(real), "decode_seconds": sum(real), "roofline_seconds": sum(ideal),
+               "fraction_of_roofline": sum(ideal) / sum(real), "weight_bytes": self.weight_bytes}
+        for lo, hi in ((1, 8), (8, 64), (64, 256), (256, 10**9)):  # by batch size: where the time goes
+            sel = [i for i, (n, _, _) in enumerate(self.steps) if lo <= n < hi]
+            if sel:
+                out[f"batch_{lo}+_steps"] = len(sel)
+                out[f"batch_{lo}+_median_step_ms"] = 1e3 * statistics.median(real[i] for i in sel)
+                out[f"batch_{lo}+_median_roofline_ms"] = 1e3 * statistics.median(ideal[i] for i in sel)
+        return out | {f"{k}_seconds": v for k, v in self.phases.items()}
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy (256 MiB on CPU; median of 10)."""
+    x = torch.empty(2**31 if torch.device(device).type == "cuda" else 2**27, dtype=torch.int16, device=device)
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(12):
+        sync(device)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * x.numel() * x.element_size() / statistics.median(times[2:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, default in [("layers", 6), ("hidden", 512), ("intermediate", 1536), ("prompts", 16), ("samples", 8),
-                          ("new-tokens", 256), ("runs", 3), ("threads", 2), ("max-num-batched-tokens", 4096)]:
-        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--preset", choices=PRESETS, default="cpu")
+    for name in FIELDS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=str if name in ("device", "dtype") else int, default=None)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--graph-max-batch", type=int, default=512)
+    p.add_argument("--roofline", action="store_true", help="time the steps against the roofline on CPU too")
     p.add_argument("--quarter-kv", action="store_true", help="also run with a quarter of the static cache's bytes")
     p.add_argument("--only", choices=("both", "twinplane", "hf"), default="both")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
+    for name, value in zip(FIELDS, PRESETS[args.preset], strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    dtype, gpu = getattr(torch, args.dtype), torch.device(args.device).type == "cuda"
     torch.set_num_threads(args.threads)
-    platform.tune_host_allocator()  # what `twinplane train` does on CPU; process-wide, so HF runs with it too
+    if not gpu:
+        platform.tune_host_allocator()  # what `twinplane train` does on CPU; process-wide, so HF runs with it too
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = build(args, tmp)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        model = twinplane.load_model(tmp, device="cpu")
-    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=None, max_num_seqs=512,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
-    res = {"twinplane": [], "hf": [], "twinplane_metrics": []}
-    for r in range(args.runs):  # alternate, so both see the same machine load
-        if args.only in ("both", "twinplane"):
-            n, s, _, m = run_twinplane(engine, prompts, args, seed=r)
-            res["twinplane"].append(n / s)
-            res["twinplane_metrics"].append(m)
-            print(f"run {r}: twinplane {n} tokens in {s:.2f} s = {n / s:.0f} tok/s (running mean "
-                  f"{m['rollout/running_seqs_mean']:.1f}, KV peak {m['rollout/kv_cache_usage_peak']:.2f})")
-        if args.only in ("both", "hf"):
+        hf = None if args.only == "twinplane" else \
+            transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(args.device).eval()
+        model = twinplane.load_model(tmp, device=args.device, dtype=dtype)
+    # on GPUs, decode graphs on and off; on CPU there are none
+    modes = {"twinplane": True, "twinplane_graphs_off": False} if gpu else {"twinplane": True}
+    engines = {} if args.only == "hf" else {
+        k: RolloutEngine(copy.deepcopy(model), eos_token_id=None, max_num_seqs=512, graphs=on,
+                         max_num_batched_tokens=args.max_num_batched_tokens, graph_max_batch=args.graph_max_batch)
+        for k, on in modes.items()}
+    roofs = {k: Roofline(e) for k, e in engines.items()} if gpu or args.roofline else {}
+    if gpu:  # warm-up outside the timings: compiled kernels, cuBLAS handles, the allocator's first blocks
+        for e in engines.values():
+            run_twinplane(e, prompts[:8], args, seed=0, new_tokens=32)
+        if hf is not None:
+            run_hf(hf, prompts[:8], args, seed=0, new_tokens=32)
+        for r in roofs.values():
+            r.reset()
+    bw = copy_bandwidth(args.device) if roofs else None
+    res = {k: [] for k in (*engines, "hf")} | {"twinplane_metrics": []}
+    samples = {}
+    for r in range(args.runs):  # alternate, so all see the same machine load
+        for k, e in engines.items():
+            Roofline.active = [roofs[k]] if k in roofs else []
+            n, s, out, m = run_twinplane(e, prompts, args, seed=r)
+            samples[k] = [x.token_ids for x in out]
+            res[k].append(n / s)
+            if k == "twinplane":
+                res["twinplane_metrics"].append(m)
+            print(f"run {r}: {k:21s} {n} tokens in {s:.2f} s = {n / s:.0f} tok/s (running mean "
+                  f"{m['rollout/running_seqs_mean']:.1f}, KV peak {m['rollout/kv_cache_usage_peak']:.2f}, "
+                  f"{m['rollout/engine_steps']} steps, {m['rollout/engine_steps_graphed']} graphed)", flush=True)
+            if k in roofs:  # printed run by run: a run cut short by a time limit still says where its time went
+                res.setdefault(f"{k}_roofline", []).append(roofs[k].summary(bw))
+                print("  " + ", ".join(f"{n} {v:.4g}" for n, v in res[f"{k}_roofline"][-1].items()), flush=True)
+                roofs[k].reset()
+        if hf is not None:
             n, s, _ = run_hf(hf, prompts, args, seed=r)
             res["hf"].append(n / s)
-            print(f"run {r}: HF        {n} tokens in {s:.2f} s = {n / s:.0f} tok/s")
+            print(f"run {r}: {'HF':21s} {n} tokens in {s:.2f} s = {n / s:.0f} tok/s", flush=True)
     out = {"shapes": vars(args), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "transformers": transformers.__version__}
-    for k in ("twinplane", "hf"):
+           "transformers": transformers.__version__,
+           "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
+    if engines:
+        out["paged_backend"] = engines["twinplane"].backend
+    for k in (*engines, "hf"):
         if res[k]:
             out[f"{k}_tokens_per_s_median"] = statistics.median(res[k])
             out[f"{k}_tokens_per_s"] = res[k]
-    if res["twinplane"] and res["hf"]:
+    if res.get("twinplane") and res["hf"]:
         out["ratio"] = out["twinplane_tokens_per_s_median"] / out["hf_tokens_per_s_median"]
         print(f"median tokens/s: twinplane {out['twinplane_tokens_per_s_median']:.0f}, "
               f"HF {out['hf_tokens_per_s_median']:.0f}, ratio {out['ratio']:.2f}x")
+    if len(samples) == 2:
+        a, b = samples.values()
+        out["graphs_on_off_identical_samples"] = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+        out["graphs_speedup"] = out["twinplane_tokens_per_s_median"] / out["twinplane_graphs_off_tokens_per_s_median"]
+        print(f"graphs on vs off: {out['graphs_speedup']:.2f}x tokens/s; samples identical (last run): "
+              f"{out['graphs_on_off_identical_samples']:.1%}")
+    if roofs:
+        out["copy_bandwidth_bytes_per_s"] = bw
+        print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+        for k in roofs:
+            out[f"{k}_roofline"] = res[f"{k}_roofline"]
     if args.quarter_kv:
         out["quarter_kv"] = quarter_kv(model, prompts, args)
     if args.json:
@@ -130,7 +286,7 @@ def main() -> None:
 def quarter_kv(model, prompts, args) -> dict:
     cfg = model.config
     static = (len(prompts) * args.samples * (max(map(len, prompts)) + args.new_tokens) * cfg.num_layers * 2
-              * cfg.num_kv_heads * cfg.head_dim * 4)
+              * cfg.num_kv_heads * cfg.head_dim * model.output_weight().element_size())
     full = RolloutEngine(copy.deepcopy(model), eos_token_id=None,
                          max_num_batched_tokens=args.max_num_batched_tokens)
     small = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=static // 4,

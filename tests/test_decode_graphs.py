@@ -184,7 +184,7 @@ def test_captured_graphs_equal_eager_before_and_after_weight_sync(monkeypatch):
     for sp in (greedy, sampled):
         captures.clear()
         assert_same(graphed.generate(PROMPTS, sp), eager.generate(PROMPTS, sp), atol=1e-4)
-        assert len(captures) >= 2 and len(set(captures)) == len(captures)  # each bucket once per call, every call
+        assert captures and len(set(captures)) == len(captures)  # each bucket once per call, and in every call
     assert graphed.pop_metrics()["rollout/engine_steps_graphed"] > 10 and graphed.graph_backend == "cuda_graph"
     for e in (graphed, eager):
         e.load_weights(b.named_parameters())

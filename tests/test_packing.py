@@ -176,10 +176,9 @@ def test_packed_groups_balance_real_tokens():
     assert packed_groups(batch, size=11) == [list(range(11))]
 
 
-def _qkv(T, seed=0):
+def _qkv(T, seed=0, D=8):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, 4, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g), torch.randn(1, 2, T, 8,
-                                                                                                   generator=g)
+    return tuple(torch.randn(1, H, T, D, generator=g) for H in (4, 2, 2))
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -280,7 +279,7 @@ def test_fused_varlen_forward_backward_agree_on_gpu(backend):
     if backend == "flash_attn":
         pytest.importorskip("flash_attn")
     lengths = [50, 7, 130, 1, 64]
-    q, k, v = (x.cuda().to(torch.bfloat16).requires_grad_() for x in _qkv(sum(lengths)))
+    q, k, v = (x.cuda().to(torch.bfloat16).requires_grad_() for x in _qkv(sum(lengths), D=16))  # compiled flex: D >= 16
     meta = AttentionMetadata.packed(lengths, "cuda", backend=backend)
     out = attention_module.VARLEN_BACKENDS[backend](q, k, v, meta)
     want = sdpa_varlen(q, k, v, AttentionMetadata.packed(lengths, "cuda"))

@@ -149,7 +149,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self.forward(size)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # CUDA's errors, and ValueError for a tensor off the GPU
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             warnings.warn(f"rollout engine: capturing the decode graph of batch {size} failed ({first}); decoding "
                           "eagerly from now on (rollout.graphs=false turns graphs off)", stacklevel=3)
