@@ -192,6 +192,9 @@ def test_paged_backend_is_flex_on_a_gpu_without_flash_attn(monkeypatch, probes, 
     assert platform.paged_attention_backend(gpu, torch.bfloat16) == ("flex", 128)
     assert probes == [(gpu, torch.bfloat16)]  # checked once per device and dtype
     assert platform.paged_attention_backend(torch.device("cpu")) == ("sdpa", 16)
+    # compiled flex refuses head dims below 16 (seen on an H200): the portable path serves them, unchecked
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, head_dim=8) == ("sdpa", 16)
+    assert probes == [(gpu, torch.bfloat16)]
 
 
 def test_paged_backend_is_flash_where_flash_attn_is_eligible(monkeypatch, probes):

@@ -177,17 +177,18 @@ def autocast(precision: Precision, device: torch.device):
     return torch.autocast(torch.device(device).type, dtype=precision.compute)
 
 
-def varlen_backend(device: torch.device, compute_dtype: torch.dtype, shared_prefix: bool = False) -> str:
+def varlen_backend(device: torch.device, compute_dtype: torch.dtype, shared_prefix: bool = False,
+                   head_dim: int = 64) -> str:
     """Kernel for packed (varlen) rows, `AttentionMetadata.backend`: flash-attn's varlen kernel where it is
     installed and eligible, the compute dtype is 16-bit and no sequence continues a shared prefix (which its
-    kernel cannot express), else FlexAttention on GPUs, else the portable SDPA path (CPU: torch 2.13's
-    FlexAttention has no CPU backward)."""
+    kernel cannot express), else FlexAttention on GPUs (head dims >= FLEX_MIN_HEAD_DIM), else the portable SDPA
+    path (CPU: torch 2.13's FlexAttention has no CPU backward)."""
     if torch.device(device).type != "cuda":
         return "sdpa"
     if detect().attention.flash_attn_eligible and compute_dtype in (torch.bfloat16, torch.float16) \
             and not shared_prefix:
         return "flash_attn"
-    return "flex" if has_flex_attention() else "sdpa"
+    return "flex" if flex_ok(head_dim) else "sdpa"
 
 
 _GROUPED_MM: dict[tuple[str, torch.dtype, bool], bool] = {}
@@ -449,7 +450,8 @@ PAGED_BLOCK_SIZES = {"sdpa": 16, "flex": FLEX_PAGE_SIZE, "flash": FLASH_PAGE_SIZ
 _FLEX_PAGED: dict[tuple[str, torch.dtype], bool] = {}  # the flex self-check's answer per (device, dtype)
 
 
-def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[str, int]:
+def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32,
+                            head_dim: int = 64) -> tuple[str, int]:
     """(backend, block size) for the rollout engine's paged KV cache (twinplane.model.paged_attention):
     flash-attn's paged varlen kernel where it is installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350) and
     the engine runs in 16 bits;
@@ -465,13 +467,23 @@ def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.flo
     device = torch.device(device)
     if device.type == "cuda" and detect().attention.flash_attn_eligible and dtype in (torch.bfloat16, torch.float16):
         return "flash", FLASH_PAGE_SIZE  # (flash-attn runs 16-bit only)
-    if device.type == "cuda" and has_flex_attention() and flex_paged_ok(device, dtype):
+    if device.type == "cuda" and flex_ok(head_dim) and flex_paged_ok(device, dtype):
         return "flex", FLEX_PAGE_SIZE
     return "sdpa", 16
 
 
 def has_flex_attention() -> bool:
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+# Inductor's GPU flex kernels refuse smaller head dims ("NYI: embedding dimension of the query, key, and value must
+# be at least 16", seen with torch 2.11 on an H200); real models have 64-256, tests' tiny ones may have less.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def flex_ok(head_dim: int) -> bool:
+    """Whether compiled FlexAttention can serve this head dim (and exists in this torch)."""
+    return head_dim >= FLEX_MIN_HEAD_DIM and has_flex_attention()
 
 
 def flex_paged_ok(device: torch.device, dtype: torch.dtype) -> bool:

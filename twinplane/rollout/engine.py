@@ -113,7 +113,7 @@ class RolloutEngine:
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
         # paged attention kernel and the pool's block size (twinplane.model.paged_attention), passed to every forward
-        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype)
+        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim)
         # "cuda_graph" | "eager" from the platform; tests set "static" (the graph path's buffers, not captured)
         self.graph_backend, self.graph_max_batch = platform.decode_graph_backend(self.device, graphs), graph_max_batch
         self.kv: KVCache | None = None

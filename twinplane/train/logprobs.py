@@ -48,7 +48,8 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
         dev = batch.input_ids.device
         lengths, prefix, index, rows = layout or packed_layout(batch, share_prompts, routing)
         meta = AttentionMetadata.packed(lengths, dev, window=model.config.sliding_window, prefix=prefix,
-                                        backend=platform.varlen_backend(dev, _compute_dtype(model), prefix is not None))
+                                        backend=platform.varlen_backend(dev, _compute_dtype(model), prefix is not None,
+                                                                        model.config.head_dim))
         ids, mask = batch.input_ids.flatten()[index.to(dev)][None], None  # [1, T]
         rows = rows.to(dev)
     else:
