@@ -19,6 +19,9 @@ layers x 2 x KV heads x head dim x 2 bytes) over the device-to-device copy bandw
 
     python benchmarks/engine_vs_hf.py --runs 3 --quarter-kv
     python benchmarks/engine_vs_hf.py --preset qwen2.5-0.5b --runs 3   # on a GPU
+
+On an H200 one round of the GPU preset took ~2.5 minutes (twinplane with and without graphs, then HF): under a
+10-minute limit per command, run `--only twinplane` and `--only hf` separately.
 """
 
 from __future__ import annotations
@@ -260,7 +263,7 @@ def main() -> None:
             run_hf(hf, prompts[:8], args, seed=0, new_tokens=32)
         for r in roofs.values():
             r.reset()
-    bw = copy_bandwidth(args.device) if roofs else None
+    bw = copy_bandwidth(args.device) if roofs or gpu else None
     if gpu:
         out_kernels = kernel_cost(args.device)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); a tiny kernel: " +
