@@ -308,12 +308,12 @@ def main() -> None:
         out["graphs_speedup"] = out["twinplane_tokens_per_s_median"] / out["twinplane_graphs_off_tokens_per_s_median"]
         print(f"graphs on vs off: {out['graphs_speedup']:.2f}x tokens/s; samples identical (last run): "
               f"{out['graphs_on_off_identical_samples']:.1%}")
-    if roofs:
+    if bw is not None:
         out["copy_bandwidth_bytes_per_s"] = bw
-        if gpu:
-            out["kernel_cost"] = out_kernels
-        for k in roofs:
-            out[f"{k}_roofline"] = res[f"{k}_roofline"]
+    if gpu:
+        out["kernel_cost"] = out_kernels
+    for k in roofs:
+        out[f"{k}_roofline"] = res[f"{k}_roofline"]
     if args.quarter_kv:
         out["quarter_kv"] = quarter_kv(model, prompts, args)
     if args.json:
