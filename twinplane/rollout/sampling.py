@@ -95,8 +95,8 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Index [B, 1] of the first entry of each non-decreasing row of `cdf` [B, N] above `target` [B, 1]; where none
-    is (rounding put the target at the row's total), the first entry that reaches the total, i.e. the last one
-    with mass."""
-    last = cdf[:, -1:].contiguous()
-    return torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, last))
+    """Index [B, 1] of the first entry of each non-decreasing row of `cdf` [B, N] above `target` [B, 1]. A target
+    that rounding put at (or past) the row's total is taken just below it: the result is then the first entry that
+    reaches the total, i.e. the last one with mass."""
+    total = cdf[:, -1:]
+    return torch.searchsorted(cdf, torch.minimum(target, torch.nextafter(total, torch.zeros_like(total))), right=True)
