@@ -19,6 +19,11 @@ layers x 2 x KV heads x head dim x 2 bytes) over the device-to-device copy bandw
 
     python benchmarks/engine_vs_hf.py --runs 3 --quarter-kv
     python benchmarks/engine_vs_hf.py --preset qwen2.5-0.5b --runs 3   # on a GPU
+    python benchmarks/engine_vs_hf.py --preset qwen2.5-0.5b --runs 1 --only twinplane --profile-steps 5
+
+`--profile-steps N` adds, before the timed runs, a torch.profiler table of the kernels (device time on GPUs) of N
+decode-only steps of each twinplane engine (after the first `PROFILE_AFTER` steps, so the batch is full): which
+kernels a slow step spends its time in.
 
 On an H200 one round of the GPU preset took ~2.5 minutes (twinplane with and without graphs, then HF): under a
 10-minute limit per command, run `--only twinplane` and `--only hf` separately.
@@ -223,6 +228,43 @@ def kernel_cost(device, n: int = 1000) -> dict:
     return out
 
 
+PROFILE_AFTER = 64  # engine steps before the profiled ones: past the prefill, the batch still full
+
+
+def kernel_profile(engine, prompts, args, steps: int) -> str:
+    """The profiler's kernel table of `steps` decode-only engine steps (of a 256-token generate), by device time
+    on GPUs and CPU time elsewhere."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = engine.device.type == "cuda"
+    seen = {"all": 0, "profiled": 0}
+    step = engine._step
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
+
+    def counted(batch, sched, sp):
+        seen["all"] += 1
+        record = seen["all"] > PROFILE_AFTER and seen["profiled"] < steps and batch.num_decodes == len(batch)
+        if record and seen["profiled"] == 0:
+            prof.start()  # recording starts at the first decode-only step after PROFILE_AFTER
+        out = step(batch, sched, sp)
+        if record:
+            seen["profiled"] += 1
+            if seen["profiled"] == steps:
+                sync(engine.device)
+                prof.stop()
+        return out
+
+    engine._step = counted
+    try:
+        run_twinplane(engine, prompts, args, seed=0, new_tokens=min(args.new_tokens, 256))
+    finally:
+        engine._step = step
+    if not seen["profiled"]:
+        return "no decode-only step to profile (the generate ended first)"
+    sort = "self_device_time_total" if gpu else "self_cpu_time_total"
+    return f"{seen['profiled']} decode steps:\n" + prof.key_averages().table(sort_by=sort, row_limit=25)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=PRESETS, default="cpu")
@@ -234,6 +276,7 @@ def main() -> None:
     p.add_argument("--roofline", action="store_true", help="time the steps against the roofline on CPU too")
     p.add_argument("--quarter-kv", action="store_true", help="also run with a quarter of the static cache's bytes")
     p.add_argument("--only", choices=("both", "twinplane", "hf"), default="both")
+    p.add_argument("--profile-steps", type=int, default=0, help="kernel table of this many decode steps")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
     for name, value in zip(FIELDS, PRESETS[args.preset], strict=True):
@@ -255,6 +298,11 @@ def main() -> None:
         k: RolloutEngine(copy.deepcopy(model), eos_token_id=None, max_num_seqs=512, graphs=on,
                          max_num_batched_tokens=args.max_num_batched_tokens, graph_max_batch=args.graph_max_batch)
         for k, on in modes.items()}
+    profiles = {}
+    if args.profile_steps:  # before the Roofline timers wrap the engines' steps
+        for k, e in engines.items():
+            profiles[k] = kernel_profile(e, prompts, args, args.profile_steps)
+            print(f"{k}: {profiles[k]}", flush=True)
     roofs = {k: Roofline(e) for k, e in engines.items()} if gpu or args.roofline else {}
     if gpu:  # warm-up outside the timings: compiled kernels, cuBLAS handles, the allocator's first blocks
         for e in engines.values():
@@ -314,6 +362,8 @@ def main() -> None:
         out["kernel_cost"] = out_kernels
     for k in roofs:
         out[f"{k}_roofline"] = res[f"{k}_roofline"]
+    if profiles:
+        out["kernel_profiles"] = profiles
     if args.quarter_kv:
         out["quarter_kv"] = quarter_kv(model, prompts, args)
     if args.json:
