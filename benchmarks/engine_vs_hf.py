@@ -335,10 +335,11 @@ def main() -> None:
     # After the timed runs: a graph captured while the profiler records may fail, and a failed capture turns that
     # engine's graphs off (with a warning), which must not touch the graphs-on timings.
     profiles = {}
-    for k, e in engines.items() if args.profile_steps else ():
-        Roofline.active = []
-        profiles[k] = kernel_profile(e, prompts, args, args.profile_steps)
-        print(f"{k}: {profiles[k]}", flush=True)
+    if args.profile_steps:
+        Roofline.active = []  # the profiled steps count in no run's phases
+        for k, e in engines.items():
+            profiles[k] = kernel_profile(e, prompts, args, args.profile_steps)
+            print(f"{k}: {profiles[k]}", flush=True)
     out = {"shapes": vars(args), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "transformers": transformers.__version__,
            "device_name": torch.cuda.get_device_name() if gpu else "cpu"}

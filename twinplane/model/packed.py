@@ -65,10 +65,12 @@ class Packed:
         raise NotImplementedError
 
     def _packing(self) -> tuple[PackedWeight, list[torch.Tensor], list[torch.Tensor]]:
-        pack = self.__dict__.get("_pack")
-        if pack is None:
-            pack = self.__dict__["_pack"] = PackedWeight()
-        linears = self.packed_linears()
+        """The packing and the linears' current weights and biases (read each call: a parameter may be replaced).
+        The linears themselves are looked up once: this runs before every packed GEMM of the decode loop."""
+        state = self.__dict__.get("_pack")
+        if state is None:
+            state = self.__dict__["_pack"] = PackedWeight(), self.packed_linears()
+        pack, linears = state
         return pack, [m.weight for m in linears], [m.bias for m in linears if m.bias is not None]
 
     def refresh(self) -> None:
