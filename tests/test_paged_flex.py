@@ -55,8 +55,12 @@ WINDOWS = [None, 3, "bs+5"]  # "bs+5": a window whose first block is partial wit
 
 @pytest.mark.parametrize("bs", [16, 128])
 @pytest.mark.parametrize("window", WINDOWS)
-def test_flex_equals_portable_on_a_mixed_row(bs, window):
+@pytest.mark.parametrize("group", [2, 7])  # query heads per KV head (Qwen2.5's 7: flex packs them as query rows)
+def test_flex_equals_portable_on_a_mixed_row(bs, window, group):
     case = paged_case(bs + 5 if window == "bs+5" else window, bs)
+    q, k = case[0], case[1]
+    q = torch.randn(1, k.shape[1] * group, *q.shape[2:], generator=torch.Generator().manual_seed(2))
+    case = (q, *case[1:])
     (flex, flex_pool), (portable, portable_pool) = run(case, "flex"), run(case, "sdpa")
     torch.testing.assert_close(flex, portable, atol=1e-5, rtol=0)
     assert torch.equal(flex_pool.k_cache, portable_pool.k_cache)  # the new k/v went to the same slots
@@ -69,7 +73,7 @@ def test_flex_equals_portable_in_the_static_decode(bs, window, monkeypatch):
     torch.testing.assert_close(run(case, "flex")[0], run(case, "sdpa")[0], atol=1e-5, rtol=0)
     # No host reads around the flex call (the pool write, the views, the BlockMask): on GPUs the static decode is
     # captured as a CUDA graph. (The call itself is stubbed: eager flex on CPU is torch's reference, not the kernel.)
-    monkeypatch.setitem(_FLEX, "cpu", lambda q, k, v, block_mask, enable_gqa: torch.zeros_like(q))
+    monkeypatch.setitem(_FLEX, "cpu", lambda q, k, v, block_mask: torch.zeros_like(q))
     for name in ("tolist", "item", "__int__", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, lambda *a, n=name: pytest.fail(f"host read in the static decode: {n}"))
     run(case, "flex")
@@ -123,7 +127,9 @@ def test_a_compiled_flex_kernel_reads_only_the_listed_blocks(build):
     case = paged_case(bs + 5, bs) if build == "mixed" else static_case(bs, bs + 5)
     portable, pool = run(case, "sdpa")
     d, N = pool.num_decodes, pool.k_cache.shape[1]
-    m = pool.flex_block_mask(bs + 5)
+    q = case[0][0, :, :d].transpose(0, 1)  # [d, H, D]
+    H, H_kv, D = q.shape[1], pool.k_cache.shape[3], q.shape[2]
+    m = pool.flex_block_mask(bs + 5, H // H_kv)
     col = torch.arange(N)
 
     def widen(idx):  # [d, 1, 1, W] -> [d, 1, 1, N]
@@ -145,9 +151,8 @@ def test_a_compiled_flex_kernel_reads_only_the_listed_blocks(build):
                                     mask_mod=wrong_off_partial_blocks, seq_lengths=m.seq_lengths,
                                     compute_q_blocks=False)
     keys, vals = (x[0].flatten(0, 1).permute(1, 0, 2)[None] for x in (pool.k_cache, pool.v_cache))
-    q = case[0][0, :, :d].transpose(0, 1)[:, :, None]  # [d, H, 1, D]
-    y = torch.compile(flex_attention, dynamic=False)(q, keys, vals, block_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(y[:, :, 0].transpose(0, 1), portable[0, :, :d], atol=1e-5, rtol=0)
+    y = torch.compile(flex_attention, dynamic=False)(q.reshape(d, H_kv, H // H_kv, D), keys, vals, block_mask=mask)
+    torch.testing.assert_close(y.reshape(d, H, D).transpose(0, 1), portable[0, :, :d], atol=1e-5, rtol=0)
 
 
 def engine(model, backend, block_size, graphs="eager"):

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
     from twinplane.model.attention import AttentionMetadata
 
-# The flex BlockMask's query tile. A decode has one query, but flex's kernels need the tile to be a multiple of
-# their BLOCK_M (16 to 128 in torch 2.13); 128 is flex's default.
+# The flex BlockMask's query tile. A decode's queries are the query heads sharing one KV head (`_flex_decodes`), at
+# most a few dozen, but flex's kernels need the tile to be a multiple of their BLOCK_M (16 to 128 in torch 2.13);
+# 128 is flex's default.
 FLEX_Q_BLOCK = 128
 
 Group = tuple[int, int, torch.Tensor, torch.Tensor | None]  # the portable path's gathers: see `PagedKV.plan`
@@ -144,9 +145,10 @@ class PagedKV:
             start += q_len
         return groups
 
-    def flex_block_mask(self, window: int | None) -> BlockMask:
-        """The decode group's BlockMask over the whole pool seen as one sequence of N * bs keys, built on the
-        device (no host reads: the static decode is captured as a CUDA graph).
+    def flex_block_mask(self, window: int | None, queries: int = 1) -> BlockMask:
+        """The decode group's BlockMask over the whole pool seen as one sequence of N * bs keys, for `queries`
+        query rows per decode (all at its last position), built on the device (no host reads: the static decode
+        is captured as a CUDA graph).
 
         Decode b (context c, its query at position c - 1, keys from lo = max(0, c - window)) reads the physical
         blocks of its table's columns lo // bs .. (c - 1) // bs. The first of them when lo is not a block start
@@ -195,7 +197,7 @@ class PagedKV:
 
         self._flex_mask = BlockMask.from_kv_blocks(rows(num_partial), rows(partial), rows(num_full), rows(full),
                                                    BLOCK_SIZE=(FLEX_Q_BLOCK, bs), mask_mod=paged_decode,
-                                                   seq_lengths=(1, N * bs), compute_q_blocks=False)
+                                                   seq_lengths=(queries, N * bs), compute_q_blocks=False)
         return self._flex_mask
 
 
@@ -238,24 +240,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
 
 def _flex_decodes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
-    """The decode group -> [H, d, D]: one flex_attention call, queries [d, H, 1, D] against the layer's whole
-    pool as keys/values [1, H_kv, N * bs, D] (a view, nothing copied); the BlockMask (batch d) picks each
-    decode's blocks. flex accepts a KV batch of 1 against a query batch of d when the BlockMask has the query's
-    batch (torch 2.13: its kernels index K/V with batch 0; eager flex expands them).
+    """The decode group -> [H, d, D]: one flex_attention call against the layer's whole pool as keys/values
+    [1, H_kv, N * bs, D] (a view, nothing copied); the BlockMask (batch d) picks each decode's blocks. flex accepts
+    a KV batch of 1 against a query batch of d when the BlockMask has the query's batch (torch 2.13: its kernels
+    index K/V with batch 0; eager flex expands them).
 
-    Compiled on GPUs with dynamic shapes (`attention._flex`: d, table widths and pool sizes change every step).
-    In torch 2.13 a symbolic batch (d > 1) lowers to the main flex kernel (a program per sequence and head,
-    looping over the listed blocks); d == 1 is specialized and gets flex_decoding, whose KV splits are sized by
-    the whole pool when full blocks are listed, so a lone long sequence is read by one program per KV head.
-    Neither is measured here (no GPU): tune, e.g. all blocks as partial, only against numbers."""
+    The G = H / H_kv query heads of a KV head go in as G query rows of one head, [d, H_kv, G, D], not as GQA
+    heads [d, H, 1, D] with enable_gqa. Compiled on GPUs with dynamic shapes (`attention._flex`: d, table widths
+    and pool sizes change every step), a symbolic batch lowers to the main flex kernel in torch 2.13 (its short-
+    query kernel, flex_decoding, wants a static batch and, with GQA, a power-of-two G; Qwen2.5 has G = 7), which
+    runs a program per (sequence, head) over a query tile of up to 128 rows, looping over the listed blocks. As
+    GQA heads, each tile would hold one real row and each KV block would be read once per query head; packed, it
+    holds G rows and each block is read once per KV head (G times fewer programs, tile rows and KV reads). All G
+    rows sit at the decode's position, so the mask_mod ignores q_idx. d == 1 is specialized and gets
+    flex_decoding. Not yet measured on a GPU: tune (BLOCK_M, all blocks as partial, ...) only against numbers."""
     from twinplane.model.attention import _flex  # (attention.py imports this module)
 
     p, d = meta.paged, meta.paged.num_decodes
+    H, H_kv, D = q.shape[1], k_pool.shape[1], q.shape[-1]
     keys, vals = (x.permute(1, 0, 2)[None] for x in (k_pool, v_pool))  # [1, H_kv, N * bs, D]
-    qd = q[0, :, :d].transpose(0, 1)[:, :, None]  # [d, H, 1, D]
-    y = _flex(q.device.type)(qd, keys, vals, block_mask=p.flex_block_mask(meta.window),
-                             enable_gqa=q.shape[1] != keys.shape[1])  # [d, H, 1, D]
-    return y[:, :, 0].transpose(0, 1)
+    qd = q[0, :, :d].transpose(0, 1).reshape(d, H_kv, H // H_kv, D)  # [d, H_kv, G, D]: head h uses KV head h // G
+    y = _flex(q.device.type)(qd, keys, vals, block_mask=p.flex_block_mask(meta.window, H // H_kv))  # [d, H_kv, G, D]
+    return y.reshape(d, H, D).transpose(0, 1)
 
 
 def _flash_paged(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.Tensor:
