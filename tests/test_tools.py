@@ -18,6 +18,7 @@ import torch
 from conftest import tiny_model
 
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, Sample, SamplingParams, multi_turn_metrics
+from twinplane.rollout.sequence import Sequence
 from twinplane.rollout.tools import Calculator, PythonTool, ToolResult, build_tools
 from twinplane.sandbox import SandboxUnavailable, get_sandbox
 from twinplane.tokenizer import build_char_tokenizer
@@ -184,6 +185,15 @@ def test_engine_stop_sequences():
                 assert s.token_ids[-2:] == seq  # kept in the output
     with pytest.raises(ValueError):
         SamplingParams(stop_sequences=[[]])
+
+
+def test_a_stop_sequence_matches_generated_tokens_only():
+    seq = Sequence([1, 2], 0, SamplingParams(max_new_tokens=8, stop_sequences=[[2, 5]]), [0])
+    seq.append(5, 0.0)  # [2, 5] ends the tokens, but its 2 is the prompt's
+    assert seq.finish_reason is None
+    seq.append(2, 0.0)
+    seq.append(5, 0.0)
+    assert seq.finish_reason == "stop"
 
 
 # ---------------------------------------------------------------------------------------------- multi-turn driver

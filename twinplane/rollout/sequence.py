@@ -104,8 +104,8 @@ class Sequence:
             return True
         if not self.sampling.stop_sequences:
             return False
-        gen = self.tokens[self.prompt_len:]  # (a copy: only when there are stop sequences to match)
-        return any(len(s) <= len(gen) and gen[len(gen) - len(s):] == s for s in self.sampling.stop_sequences)
+        n = self.num_generated  # compare the tails only: a copy of all generated tokens per token is O(length^2)
+        return any(len(s) <= n and self.tokens[-len(s):] == s for s in self.sampling.stop_sequences)
 
     def record_routing(self, start: int, experts: torch.Tensor) -> None:
         """Keep the experts [T, M, k] that tokens start.. ran through; a recompute after preemption (which
