@@ -253,7 +253,9 @@ def _flex_decodes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     GQA heads, each tile would hold one real row and each KV block would be read once per query head; packed, it
     holds G rows and each block is read once per KV head (G times fewer programs, tile rows and KV reads). All G
     rows sit at the decode's position, so the mask_mod ignores q_idx. d == 1 is specialized and gets
-    flex_decoding. Not yet measured on a GPU: tune (BLOCK_M, all blocks as partial, ...) only against numbers."""
+    flex_decoding, whose KV splits are sized by the whole pool when full blocks are listed, so a lone long
+    sequence is read by one program per KV head. Not yet measured on a GPU: tune (BLOCK_M, all blocks as
+    partial, ...) only against numbers."""
     from twinplane.model.attention import _flex  # (attention.py imports this module)
 
     p, d = meta.paged, meta.paged.num_decodes
