@@ -18,6 +18,7 @@ Every fast path is tested against the portable one, and that against dense SDPA 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -284,17 +285,18 @@ def _flash_paged(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.
 def flex_decode_agrees(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
     """The platform's self-check of the "flex" backend before an engine relies on it: a tiny paged decode through
     flex and through the portable path, on copies of one pool, both kernels flex may lower a decode to (one
-    sequence; three, with full, partly filled and windowed blocks; the static decode's fixed-width tables).
+    sequence; three, with full, partly filled and windowed blocks; the static decode's fixed-width tables), with
+    2 and 3 query heads per KV head (the packed query rows of `_flex_decodes`, a power of two and not).
     True when they agree within the dtype's tolerance; raises what flex raises (no kernel, a failed compile)."""
     from twinplane.model.attention import AttentionMetadata
 
     g = torch.Generator().manual_seed(0)
-    L, N, bs, H, H_kv, D = 1, 8, block_size, 4, 2, 64
+    L, N, bs, H_kv, D = 1, 8, block_size, 2, 64
     pool = [torch.randn(L, N, bs, H_kv, D, generator=g).to(device, dtype) for _ in range(2)]
     cases = [([[6, 2, 4], [1, 0, 7], [3, 7, 7]], [bs + 3, 3 * bs, 1], None, False),  # 7: the static pad block
              ([[5, 3, 6, 7, 7]], [3 * bs - 1], bs + 5, True)]  # first and last blocks both partial
     with torch.no_grad():
-        for tables, ctx, window, static in cases:
+        for (tables, ctx, window, static), H in itertools.product(cases, (2 * H_kv, 3 * H_kv)):
             d = len(ctx)
             slots = torch.tensor([t[(c - 1) // bs] * bs + (c - 1) % bs for t, c in zip(tables, ctx, strict=True)])
             q, k, v = (torch.randn(1, h, d, D, generator=g).to(device, dtype) for h in (H, H_kv, H_kv))
