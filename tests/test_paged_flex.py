@@ -58,9 +58,8 @@ WINDOWS = [None, 3, "bs+5"]  # "bs+5": a window whose first block is partial wit
 @pytest.mark.parametrize("group", [2, 7])  # query heads per KV head (Qwen2.5's 7: flex packs them as query rows)
 def test_flex_equals_portable_on_a_mixed_row(bs, window, group):
     case = paged_case(bs + 5 if window == "bs+5" else window, bs)
-    q, k = case[0], case[1]
-    q = torch.randn(1, k.shape[1] * group, *q.shape[2:], generator=torch.Generator().manual_seed(2))
-    case = (q, *case[1:])
+    q, k = case[:2]  # new queries with `group` heads per KV head
+    case = (torch.randn(1, k.shape[1] * group, *q.shape[2:], generator=torch.Generator().manual_seed(2)), *case[1:])
     (flex, flex_pool), (portable, portable_pool) = run(case, "flex"), run(case, "sdpa")
     torch.testing.assert_close(flex, portable, atol=1e-5, rtol=0)
     assert torch.equal(flex_pool.k_cache, portable_pool.k_cache)  # the new k/v went to the same slots

@@ -247,23 +247,22 @@ def _flex_decodes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     index K/V with batch 0; eager flex expands them).
 
     The G = H / H_kv query heads of a KV head go in as G query rows of one head, [d, H_kv, G, D], not as GQA
-    heads [d, H, 1, D] with enable_gqa. Compiled on GPUs with dynamic shapes (`attention._flex`: d, table widths
-    and pool sizes change every step), a symbolic batch lowers to the main flex kernel in torch 2.13 (its short-
-    query kernel, flex_decoding, wants a static batch and, with GQA, a power-of-two G; Qwen2.5 has G = 7), which
-    runs a program per (sequence, head) over a query tile of up to 128 rows, looping over the listed blocks. As
-    GQA heads, each tile would hold one real row and each KV block would be read once per query head; packed, it
-    holds G rows and each block is read once per KV head (G times fewer programs, tile rows and KV reads). All G
-    rows sit at the decode's position, so the mask_mod ignores q_idx. d == 1 is specialized and gets
-    flex_decoding, whose KV splits are sized by the whole pool when full blocks are listed, so a lone long
-    sequence is read by one program per KV head. Not yet measured on a GPU: tune (BLOCK_M, all blocks as
-    partial, ...) only against numbers."""
+    heads [d, H, 1, D]. Why: compiled on GPUs with dynamic shapes (`attention._flex`: d, table widths and pool
+    sizes change every step), torch 2.13 lowers a symbolic batch to its main flex kernel (its short-query kernel,
+    flex_decoding, wants a static batch and, with GQA, a power-of-two G; Qwen2.5 has G = 7): one program per
+    (sequence, head) over a query tile of up to 128 rows. As GQA heads, each tile holds one real row and each KV
+    block is read once per query head; packed, G rows and once per KV head. The G rows share the decode's
+    position, so the mask_mod ignores q_idx. d == 1 is specialized and gets flex_decoding, whose KV splits are
+    sized by the whole pool when full blocks are listed (a lone long sequence: one program per KV head). Not yet
+    measured on a GPU: tune (BLOCK_M, all blocks as partial, ...) only against numbers."""
     from twinplane.model.attention import _flex  # (attention.py imports this module)
 
     p, d = meta.paged, meta.paged.num_decodes
     H, H_kv, D = q.shape[1], k_pool.shape[1], q.shape[-1]
+    G = H // H_kv
     keys, vals = (x.permute(1, 0, 2)[None] for x in (k_pool, v_pool))  # [1, H_kv, N * bs, D]
-    qd = q[0, :, :d].transpose(0, 1).reshape(d, H_kv, H // H_kv, D)  # [d, H_kv, G, D]: head h uses KV head h // G
-    y = _flex(q.device.type)(qd, keys, vals, block_mask=p.flex_block_mask(meta.window, H // H_kv))  # [d, H_kv, G, D]
+    qd = q[0, :, :d].transpose(0, 1).reshape(d, H_kv, G, D)  # [d, H_kv, G, D]: head h uses KV head h // G
+    y = _flex(q.device.type)(qd, keys, vals, block_mask=p.flex_block_mask(meta.window, G))  # [d, H_kv, G, D]
     return y.reshape(d, H, D).transpose(0, 1)
 
 
