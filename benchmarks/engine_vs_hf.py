@@ -77,11 +77,6 @@ def stop_ids(args) -> list[int]:
     return list(range(args.vocab - args.stops, args.vocab))  # includes the EOS id (vocab - 1)
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_hf(model, prompts, args, seed: int, new_tokens: int | None = None) -> tuple[int, float, list[list[int]]]:
     width, dev = max(len(p) for p in prompts), model.device
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -89,12 +84,12 @@ def run_hf(model, prompts, args, seed: int, new_tokens: int | None = None) -> tu
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     torch.manual_seed(seed)
-    sync(dev)
+    platform.synchronize(dev)
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True, temperature=1.0,
                          top_k=0, top_p=1.0, max_new_tokens=new_tokens or args.new_tokens,
                          num_return_sequences=args.samples, eos_token_id=stop_ids(args), pad_token_id=0)
-    sync(dev)
+    platform.synchronize(dev)
     seconds = time.perf_counter() - t0
     stops, seqs = set(stop_ids(args)), []
     for row in out[:, width:].tolist():
@@ -107,10 +102,10 @@ def run_twinplane(engine, prompts, args, seed: int, temperature: float = 1.0, ne
     sp = SamplingParams(temperature=temperature, max_new_tokens=new_tokens or args.new_tokens, n=args.samples,
                         stop_token_ids=stop_ids(args), seed=seed)
     engine.pop_metrics()
-    sync(engine.device)
+    platform.synchronize(engine.device)
     t0 = time.perf_counter()
     samples = engine.generate(prompts, sp)
-    sync(engine.device)
+    platform.synchronize(engine.device)
     seconds = time.perf_counter() - t0
     return sum(len(s.token_ids) for s in samples), seconds, samples, engine.pop_metrics()
 
@@ -153,10 +148,10 @@ class Roofline:
 
     def phase(self, fn, name: str, device):
         def timed(*a, **k):
-            sync(device)
+            platform.synchronize(device)
             t0 = time.perf_counter()
             out = fn(*a, **k)
-            sync(device)
+            platform.synchronize(device)
             for r in Roofline.active:
                 r.phases[name] = r.phases.get(name, 0.0) + time.perf_counter() - t0
             return out
@@ -186,14 +181,15 @@ class Roofline:
 
 def copy_bandwidth(device) -> float:
     """Bytes read + written per second by a 4 GiB device-to-device copy (256 MiB on CPU; median of 10)."""
-    x = torch.empty(2**31 if torch.device(device).type == "cuda" else 2**27, dtype=torch.int16, device=device)
+    device = torch.device(device)
+    x = torch.empty(2**31 if device.type == "cuda" else 2**27, dtype=torch.int16, device=device)
     y = torch.empty_like(x)
     times = []
     for _ in range(12):
-        sync(device)
+        platform.synchronize(device)
         t0 = time.perf_counter()
         y.copy_(x)
-        sync(device)
+        platform.synchronize(device)
         times.append(time.perf_counter() - t0)
     return 2 * x.numel() * x.element_size() / statistics.median(times[2:])
 
@@ -201,6 +197,7 @@ def copy_bandwidth(device) -> float:
 def kernel_cost(device, n: int = 1000) -> dict:
     """Microseconds per tiny kernel (an in-place add on 1 KiB), launched eagerly and replayed from a CUDA graph:
     a decode step is about a thousand small kernels, so this sets its floor on this machine."""
+    device = torch.device(device)
     x = torch.zeros(256, device=device)
     out = {}
     for mode in ("eager", "graph"):
@@ -215,14 +212,14 @@ def kernel_cost(device, n: int = 1000) -> dict:
                     x.add_(1)
         times = []
         for _ in range(5):
-            sync(device)
+            platform.synchronize(device)
             t0 = time.perf_counter()
             if mode == "graph":
                 graph.replay()
             else:
                 for _ in range(n):
                     x.add_(1)
-            sync(device)
+            platform.synchronize(device)
             times.append(time.perf_counter() - t0)
         out[f"{mode}_us_per_kernel"] = 1e6 * statistics.median(times) / n
     return out
@@ -250,7 +247,7 @@ def kernel_profile(engine, prompts, args, steps: int) -> str:
         if record:
             seen["profiled"] += 1
             if seen["profiled"] == steps:
-                sync(engine.device)
+                platform.synchronize(engine.device)
                 prof.stop()
         return out
 
