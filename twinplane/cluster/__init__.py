@@ -9,6 +9,7 @@ from twinplane.cluster.planes import (
     build_engine,
     build_rollout,
     critic_weights,
+    local_engine,
 )
 from twinplane.config import Config
 from twinplane.model import Transformer
@@ -32,4 +33,5 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
                      total_steps, tis_cap, log, critic)
 
 
-__all__ = ["LocalPlanes", "WorkerError", "build_algorithm", "build_engine", "build_planes", "build_rollout"]
+__all__ = ["LocalPlanes", "WorkerError", "build_algorithm", "build_engine", "build_planes", "build_rollout",
+           "local_engine"]

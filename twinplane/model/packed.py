@@ -34,10 +34,12 @@ class PackedWeight:
         self.packed: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
-    def refresh(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = ()) -> None:
-        """Re-pack if a weight or bias changed since the last packing (~0.1-0.2 ms a weight, mostly fixed cost)."""
+    def refresh(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = (),
+                force: bool = False) -> None:
+        """Re-pack if a weight or bias changed since the last packing (~0.1-0.2 ms a weight, mostly fixed cost);
+        `force`: also when another process wrote them (shared memory), which this one's version counters miss."""
         key = tuple((t.data_ptr(), t._version) for t in (*weights, *biases))
-        if key != self.key:
+        if force or key != self.key:
             self.packed = None  # free the old copy first: the new one can take its memory
             self.packed = torch.ops.mkldnn._reorder_linear_weight(_stack(weights))
             self.bias = _stack(biases) if biases else None
@@ -73,10 +75,10 @@ class Packed:
         pack, linears = state
         return pack, [m.weight for m in linears], [m.bias for m in linears if m.bias is not None]
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         """Bring the packed copy up to date (after a weight sync: now rather than in the next forward)."""
         pack, weights, biases = self._packing()
-        pack.refresh(weights, biases)
+        pack.refresh(weights, biases, force)
 
     def packed_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
         """The linears' outputs side by side [..., sum of out_features]; None with autograd on (the packed ops have
@@ -166,11 +168,12 @@ def pack_linears(model: nn.Module) -> int:
     return count
 
 
-def repack(model: nn.Module) -> None:
-    """Bring every packed copy up to date now (after a weight sync), instead of in the next forward."""
+def repack(model: nn.Module, force: bool = False) -> None:
+    """Bring every packed copy up to date now (after a weight sync), instead of in the next forward; `force`:
+    re-pack all (the weights were written by another process)."""
     for m in model.modules():
         if isinstance(m, Packed):
-            m.refresh()
+            m.refresh(force)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, pack: PackedWeight | None) -> torch.Tensor:
