@@ -81,8 +81,8 @@ class EngineStats:
         """Prefill and decode tokens/s are both over the busy time, as vLLM reports them: a step mixes the two."""
         if not self.steps:
             return {}
-        busy = {} if self.seconds_min is None else {"rollout/engine_busy_s_max": self.seconds,
-                                                    "rollout/engine_busy_s_min": self.seconds_min}
+        busy = {} if self.seconds_min is None else {"time/engine_busy_max": self.seconds,
+                                                    "time/engine_busy_min": self.seconds_min}
         return busy | {"rollout/kv_cache_usage_peak": self.usage_peak, "rollout/preemptions": self.preemptions,
                 "rollout/running_seqs_mean": self.running_sum / self.steps, "rollout/engine_steps": self.steps,
                 "rollout/engine_steps_graphed": self.graph_steps,
