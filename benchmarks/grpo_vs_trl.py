@@ -16,7 +16,6 @@ loss forward/backward, clipping, optimizer step). TRL's step is timed from `on_s
     python benchmarks/grpo_vs_trl.py --only twinplane --json out.json
     python benchmarks/grpo_vs_trl.py --rounds 3      # both 3 times, alternating; medians of per-round ratios
     python benchmarks/grpo_vs_trl.py --only twinplane --share-prompts 0   # one prompt copy per sample (as TRL)
-    python benchmarks/grpo_vs_trl.py --cpu-engines 1  # one engine in this process (default: one per thread)
 
 TRL is the optional `bench` extra: `pip install -e .[bench]`; without it only twinplane runs.
 """
@@ -47,8 +46,7 @@ from twinplane.platform import measure_cpu_flops  # noqa: E402
 from twinplane.prompts import Prompt  # noqa: E402
 from twinplane.rewards import exact_int  # noqa: E402
 from twinplane.rewards.runner import RewardRunner  # noqa: E402
-from twinplane.rollout import SamplingParams  # noqa: E402
-from twinplane.rollout.pool import engines  # noqa: E402
+from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from twinplane.tasks import ALPHABET, ArithmeticTask, PromptStream  # noqa: E402
 from twinplane.train import Reference, Trainer  # noqa: E402
 
@@ -78,9 +76,7 @@ def summarize(steps: list[dict]) -> dict:
 def run_twinplane(args, ckpt: str, batches) -> dict:
     model, tok = twinplane.load_model(ckpt), twinplane.load_tokenizer(ckpt)
     total = args.warmup_steps + args.steps
-    # as `twinplane train` builds it: on CPU one single-threaded engine process per thread (`rollout.cpu_engines`)
-    engine = engines(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, max_num_seqs=512, seed=SEED,
-                     processes=platform.engine_processes(torch.device("cpu"), args.cpu_engines))
+    engine = RolloutEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, max_num_seqs=512, seed=SEED)
     train = TrainSection(lr=LR, micro_batch_size=args.prompts * args.samples, grad_clip=1.0,
                          share_prompts=bool(args.share_prompts))
     trainer = Trainer(model, train, AlgoSection(kl_coef=BETA, kl_estimator="k3", clip_low=CLIP, clip_high=CLIP),
@@ -102,7 +98,6 @@ def run_twinplane(args, ckpt: str, batches) -> dict:
         s["other"] = s["step"] - sum(s[k] for k in ("rollout", "reward", "ref", "train"))  # weight sync, collate
         if i >= args.warmup_steps:
             steps.append(s)
-    engine.close()
     return summarize(steps)
 
 
@@ -186,7 +181,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in [("layers", 4), ("hidden", 256), ("heads", 4), ("intermediate", 1024), ("prompts", 8),
                           ("samples", 8), ("new-tokens", 16), ("steps", 20), ("warmup-steps", 3), ("threads", 2),
-                          ("rounds", 1), ("share-prompts", 1), ("cpu-engines", 0)]:
+                          ("rounds", 1), ("share-prompts", 1)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--only", choices=("both", "trl", "twinplane"), default="both")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON here")

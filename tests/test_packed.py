@@ -122,6 +122,28 @@ def test_packed_engine_equals_the_portable_engine(monkeypatch, sampling):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=1e-5)
 
 
+@packed_only
+def test_sync_packs_the_lm_head_once_and_the_next_forward_uses_it(monkeypatch):
+    """`load_weights` re-packs the LM head as part of the sync (not in the next rollout), from the head weight."""
+    model = tiny_model(**WIDE, vocab_size=256)  # 256 x 256 head: worth packing
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS)
+    assert engine.head is not None
+    new = {n: p + 0.01 for n, p in model.named_parameters()}
+    engine.load_weights(new.items())
+    packs = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda w, *a: packs.append(w.shape) or reorder(w, *a))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3)
+    got = engine.generate(PROMPTS, sp)
+    assert packs == []  # the sync packed everything, the head from its weight
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(new)
+    want = RolloutEngine(fresh, eos_token_id=EOS).generate(PROMPTS, sp)
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+
+
 def test_kv_pool_is_kept_between_calls_on_cpu():
     """The second call reuses the first call's pool (zeroed), with the outputs and metrics of a fresh engine; a call
     that needs more blocks gets a new pool."""

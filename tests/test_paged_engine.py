@@ -44,9 +44,9 @@ def test_engine_stats_of_parallel_engines_merge_into_one_plane():
     assert m["rollout/engine_steps"] == 40 and m["rollout/preemptions"] == 3
     assert m["rollout/running_seqs_mean"] == 100 / 40 and m["rollout/kv_cache_usage_peak"] == 0.75
     assert m["perf/decode_tokens_per_s"] == 400 / 4.0 and m["perf/prefill_tokens_per_s"] == 150 / 4.0
-    assert m["time/engine_busy_max"] == 4.0 and m["time/engine_busy_min"] == 2.0
+    assert m["rollout/engine_busy_s_max"] == 4.0 and m["rollout/engine_busy_s_min"] == 2.0
     one = (a + b).metrics()  # one engine, two rollouts in a row (DAPO): time adds up
-    assert one["perf/decode_tokens_per_s"] == 400 / 6.0 and "time/engine_busy_max" not in one
+    assert one["perf/decode_tokens_per_s"] == 400 / 6.0 and "rollout/engine_busy_s_max" not in one
 
 
 def sampled(engine, prompts, seeds_per_prompt, sp):

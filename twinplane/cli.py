@@ -189,16 +189,13 @@ def _main(argv: list[str], stop: StopRequests) -> int:
 
 
 def _eval(run, setup, cfg, ns) -> int:
-    from twinplane.cluster import build_rollout, local_engine
+    from twinplane.cluster import build_engine, build_rollout
 
-    engine = None
     try:
-        engine = local_engine(cfg, setup.model, setup.tokenizer)
+        engine = build_engine(cfg, setup.model, setup.tokenizer)
         result = run.run_eval(setup, build_rollout(cfg, engine, setup.tokenizer), ns.n, ns.temperature)
     finally:
         setup.scorer.close()
-        if engine is not None:
-            engine.close()
     data = ns.data or f"built-in task {cfg.task.name} (held-out, seed {cfg.seed})"
     result = {"model": ns.model, "data": data, "reward": ns.reward, "prompts": len(setup.val_prompts), **result}
     Path(ns.out).write_text(json.dumps(result, indent=2))

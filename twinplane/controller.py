@@ -30,7 +30,6 @@ from twinplane.metrics import PhaseTimer
 from twinplane.prompts import Prompt
 from twinplane.rollout import Done, RolloutEngine, Sample, SamplingParams, multi_turn_metrics
 from twinplane.rollout.engine import EngineStats
-from twinplane.rollout.pool import EnginePool
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer
@@ -212,7 +211,7 @@ class Controller:
 
     def submit(self, requests):
         """A handle whose `result()` gives the samples, then `stats` the engines' counters for them."""
-        if not isinstance(self.engine, RolloutEngine | EnginePool):  # remote engines: a rollout in flight
+        if not isinstance(self.engine, RolloutEngine):  # remote engines: a rollout in flight
             return self.rollout.submit(requests, self.sampling)
         self.engine.pop_stats()  # one process: run it now (same weights), on its own counters (not validation's)
         samples = self.rollout.generate(requests, self.sampling)

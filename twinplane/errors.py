@@ -19,7 +19,3 @@ class InputError(ValueError):
 
 class Preempted(Exception):
     """A SIGTERM/SIGINT was handled: whatever could be saved is saved, and `--resume auto` continues."""
-
-
-class WorkerError(RuntimeError):
-    """A worker (a Ray actor, or a rollout engine process) died or stopped answering; the message names it."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
-import multiprocessing
 import os
 import random
 import statistics
@@ -88,15 +87,6 @@ def setup(seed: int, threads: int | None = None, deterministic: bool = True) -> 
     if deterministic and torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     tune_host_allocator()
-
-
-def engine_processes(device: torch.device, requested: int = 0) -> int:
-    """How many rollout engines a local rollout plane runs: on CPU `requested` (`rollout.cpu_engines`; 0 = one per
-    torch thread), each a forked process of one thread (twinplane.rollout.pool), where processes can fork; else 1,
-    in this process (a GPU's engine, or a CPU without fork)."""
-    if torch.device(device).type != "cpu" or "fork" not in multiprocessing.get_all_start_methods():
-        return 1
-    return requested or torch.get_num_threads()
 
 
 def tune_host_allocator() -> bool:

@@ -9,7 +9,6 @@ from twinplane.cluster.planes import (
     build_engine,
     build_rollout,
     critic_weights,
-    local_engine,
 )
 from twinplane.config import Config
 from twinplane.model import Transformer
@@ -33,5 +32,4 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
                      total_steps, tis_cap, log, critic)
 
 
-__all__ = ["LocalPlanes", "WorkerError", "build_algorithm", "build_engine", "build_planes", "build_rollout",
-           "local_engine"]
+__all__ = ["LocalPlanes", "WorkerError", "build_algorithm", "build_engine", "build_planes", "build_rollout"]

@@ -19,11 +19,9 @@ import torch
 from twinplane import platform
 from twinplane.algos import Algorithm
 from twinplane.config import Config
-from twinplane.errors import WorkerError  # noqa: F401  (raised by the planes; re-exported)
 from twinplane.model import ModelConfig, Transformer, iter_safetensors
 from twinplane.model.lora import cast_base, merge_lora
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, build_tools, engine_options
-from twinplane.rollout.pool import EnginePool, engines
 from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
@@ -33,22 +31,18 @@ from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 
 
+class WorkerError(RuntimeError):
+    """A worker died or stopped answering; the message names it."""
+
+
 def build_algorithm(cfg: Config) -> Algorithm:
     return Algorithm(cfg.algo, cfg.algo.loss_agg_horizon or cfg.rollout.max_new_tokens)
 
 
-def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_offset: int = 0,
-                 processes: int = 1) -> RolloutEngine | EnginePool:
-    """An engine generating with `model` itself (callers pass a copy when the model also trains); `processes` > 1:
-    that many single-threaded engines in worker processes, as one (CPU, `platform.engine_processes`)."""
-    return engines(model, tokenizer.eos_token_id, tokenizer.pad_token_id, processes, seed=cfg.seed + seed_offset,
-                   **engine_options(cfg.rollout))
-
-
-def local_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer) -> RolloutEngine | EnginePool:
-    """The engine of a rollout plane in this process (`LocalPlanes`, `twinplane eval`)."""
-    processes = platform.engine_processes(model.output_weight().device, cfg.rollout.cpu_engines)
-    return build_engine(cfg, model, tokenizer, processes=processes)
+def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_offset: int = 0) -> RolloutEngine:
+    """An engine generating with `model` itself (callers pass a copy when the model also trains)."""
+    return RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=cfg.seed + seed_offset,
+                         **engine_options(cfg.rollout))
 
 
 def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
@@ -96,7 +90,7 @@ class LocalPlanes:
     def __init__(self, cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer,
                  total_steps: int, tis_cap: float | None):
         r, t = cfg.rollout, cfg.train
-        self.engine = local_engine(cfg, engine_model(cfg, model), tokenizer)
+        self.engine = build_engine(cfg, engine_model(cfg, model), tokenizer)
         self.rollout = build_rollout(cfg, self.engine, tokenizer)
         self.trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap,
                                horizon=r.max_new_tokens)
@@ -128,7 +122,7 @@ class LocalPlanes:
         restore_generator(self.engine.generator, engine_rng[0] if len(engine_rng) == 1 else None, version)
 
     def close(self) -> None:
-        self.engine.close()
+        pass
 
 
 def critic_state(critic) -> dict | None:

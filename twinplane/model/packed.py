@@ -34,12 +34,10 @@ class PackedWeight:
         self.packed: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
-    def refresh(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = (),
-                force: bool = False) -> None:
-        """Re-pack if a weight or bias changed since the last packing (~0.1-0.2 ms a weight, mostly fixed cost);
-        `force`: also when another process wrote them (shared memory), which this one's version counters miss."""
+    def refresh(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = ()) -> None:
+        """Re-pack if a weight or bias changed since the last packing (~0.1-0.2 ms a weight, mostly fixed cost)."""
         key = tuple((t.data_ptr(), t._version) for t in (*weights, *biases))
-        if force or key != self.key:
+        if key != self.key:
             self.packed = None  # free the old copy first: the new one can take its memory
             self.packed = torch.ops.mkldnn._reorder_linear_weight(_stack(weights))
             self.bias = _stack(biases) if biases else None
@@ -75,10 +73,10 @@ class Packed:
         pack, linears = state
         return pack, [m.weight for m in linears], [m.bias for m in linears if m.bias is not None]
 
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self) -> None:
         """Bring the packed copy up to date (after a weight sync: now rather than in the next forward)."""
         pack, weights, biases = self._packing()
-        pack.refresh(weights, biases, force)
+        pack.refresh(weights, biases)
 
     def packed_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
         """The linears' outputs side by side [..., sum of out_features]; None with autograd on (the packed ops have
@@ -168,12 +166,11 @@ def pack_linears(model: nn.Module) -> int:
     return count
 
 
-def repack(model: nn.Module, force: bool = False) -> None:
-    """Bring every packed copy up to date now (after a weight sync), instead of in the next forward; `force`:
-    re-pack all (the weights were written by another process)."""
+def repack(model: nn.Module) -> None:
+    """Bring every packed copy up to date now (after a weight sync), instead of in the next forward."""
     for m in model.modules():
         if isinstance(m, Packed):
-            m.refresh(force)
+            m.refresh()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, pack: PackedWeight | None) -> torch.Tensor:

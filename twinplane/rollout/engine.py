@@ -81,8 +81,8 @@ class EngineStats:
         """Prefill and decode tokens/s are both over the busy time, as vLLM reports them: a step mixes the two."""
         if not self.steps:
             return {}
-        busy = {} if self.seconds_min is None else {"time/engine_busy_max": self.seconds,
-                                                    "time/engine_busy_min": self.seconds_min}
+        busy = {} if self.seconds_min is None else {"rollout/engine_busy_s_max": self.seconds,
+                                                    "rollout/engine_busy_s_min": self.seconds_min}
         return busy | {"rollout/kv_cache_usage_peak": self.usage_peak, "rollout/preemptions": self.preemptions,
                 "rollout/running_seqs_mean": self.running_sum / self.steps, "rollout/engine_steps": self.steps,
                 "rollout/engine_steps_graphed": self.graph_steps,
@@ -131,15 +131,13 @@ class RolloutEngine:
         load_weights(self.model, named, strict=strict)
         self.weights_loaded(self.weight_version + 1 if version is None else version)
 
-    def weights_loaded(self, version: int, elsewhere: bool = False) -> None:
+    def weights_loaded(self, version: int) -> None:
         """New weights are in the model (copied in place, here or by a bucketed broadcast): what derives from them
-        follows now, as part of the sync rather than of the next rollout (the packed GEMMs' copies). `elsewhere`:
-        another process wrote them into shared memory (twinplane.rollout.pool), unseen by this one's version
-        counters, so every packed copy is re-made."""
+        follows now, as part of the sync rather than of the next rollout (the packed GEMMs' copies)."""
         if self.packed:
-            repack(self.model, force=elsewhere)
+            repack(self.model)
         if self.head is not None:
-            self.head.refresh((self.model.output_weight(),), force=elsewhere)
+            self.head.refresh((self.model.output_weight(),))  # (a sequence of weights: one)
         self.weight_version = version
 
     def checksum(self) -> int:
@@ -149,18 +147,16 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
         """Samples ordered request by request, `sampling.n` per request."""
-        return self.run(self.sequences(enumerate(requests), sampling, call_seed(self.generator, sampling)))
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        seed = int(torch.randint(2**62, (1,), generator=self.generator, device=self.generator.device))
+        seqs = [self.sequence(p, i, sampling, [sample_seed(seed, i, j) for j in range(sampling.n)])
+                for i, p in enumerate(requests)]
+        return self.run(seqs)
 
     def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> Done:
         """The async interface (`handle.result()`): one process has one device, so it generates now."""
         return Done(self.generate(requests, sampling))
-
-    def sequences(self, requests: Iterable[tuple[int, Sequence[int]]], sampling: SamplingParams,
-                  seed: int) -> list[Seq]:
-        """(request index, prompt) pairs, sample j of request i drawing from the stream seeded from (seed, i, j),
-        whichever engine runs it."""
-        return [self.sequence(p, i, sampling, [sample_seed(seed, i, j) for j in range(sampling.n)])
-                for i, p in requests]
 
     def sequence(self, prompt: Sequence[int], request_index: int, sampling: SamplingParams,
                  seeds: list[int]) -> Seq:
@@ -214,10 +210,6 @@ class RolloutEngine:
 
     def pop_metrics(self) -> dict[str, float]:
         return self.pop_stats().metrics()
-
-    def close(self) -> None:
-        """Free the KV pool (an `EnginePool` also stops its workers here)."""
-        self.kv = self.decoder = None
 
     # --- internals ----------------------------------------------------------------------------------------------
     def _allocate(self, seqs: list[Seq]) -> None:
@@ -330,13 +322,6 @@ class RolloutEngine:
                     finished.append(c)
         sched.finish(finished)
         return finished
-
-
-def call_seed(generator: torch.Generator, sampling: SamplingParams) -> int:
-    """One `generate` call's seed: one draw from the engine's generator (reset first by `sampling.seed`)."""
-    if sampling.seed is not None:
-        generator.manual_seed(sampling.seed)
-    return int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
 
 
 class Done:
