@@ -112,15 +112,15 @@ def test_budget_too_small_for_one_sequence_is_a_clear_error():
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
 
 
-def paged_case(window=None, bs=8):
-    """Six sequences in a pool of `bs`-token blocks: two decodes (contexts bs - 3 and 2 bs + 3), a later prefill
-    chunk of 4 tokens (context bs + 1), then three prompts prefilled whole (3, 3 and bs + 2 tokens: the fresh run,
-    which attends within the row)."""
+def paged_case(window=None, bs=8, lockstep=False):
+    """Six sequences in a pool of `bs`-token blocks: two decodes (contexts bs - 3 and 2 bs + 3, or both 2 bs + 3
+    with `lockstep`), a later prefill chunk of 4 tokens (context bs + 1), then three prompts prefilled whole (3, 3
+    and bs + 2 tokens: the fresh run, which attends within the row)."""
     g = torch.Generator().manual_seed(0)
     L, N, Hkv, H, D = 1, 12, 2, 4, 16
     kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
-    tables = [[3, 0], [5, 1, 7], [2, 9], [4], [6], [8, 10]]
-    ctx, qlens = [bs - 3, 2 * bs + 3, bs + 1, 3, 3, bs + 2], [1, 1, 4, 3, 3, bs + 2]
+    tables = [[3, 0, 11] if lockstep else [3, 0], [5, 1, 7], [2, 9], [4], [6], [8, 10]]
+    ctx, qlens = [2 * bs + 3 if lockstep else bs - 3, 2 * bs + 3, bs + 1, 3, 3, bs + 2], [1, 1, 4, 3, 3, bs + 2]
     slots = []
     for t, c, q in zip(tables, ctx, qlens, strict=True):
         slots += [t[p // bs] * bs + p % bs for p in range(c - q, c)]
@@ -136,11 +136,14 @@ def paged_case(window=None, bs=8):
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_paged_attention_equals_dense_per_sequence(window):
-    q, k, v, paged, tables, ctx, qlens, window = paged_case(window)
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_paged_attention_equals_dense_per_sequence(window, lockstep):
+    q, k, v, paged, tables, ctx, qlens, window = paged_case(window, lockstep=lockstep)
     kc0, vc0 = paged.k_cache.clone(), paged.v_cache.clone()
     meta = AttentionMetadata(torch.zeros(1, q.shape[2], dtype=torch.long), window=window, paged=paged)
     out = paged_attention(q, k, v, meta, 0)
+    # decodes of one context length (the common case: samples in lockstep) attend with no mask unless windowed
+    assert (paged.plan(window)[0][3] is None) == (lockstep and window is None)
     bs, start = paged.block_size, 0
     for t, c, n in zip(tables, ctx, qlens, strict=True):
         slots = [t[p // bs] * bs + p % bs for p in range(c)]

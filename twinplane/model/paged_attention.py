@@ -73,9 +73,9 @@ class PagedKV:
         return self.k_cache.shape[2]
 
     def plan(self, window: int | None, decodes: bool = True) -> list[Group]:
-        """(first query, last query + 1, key slots [G, S_k], mask [G, 1, Q, S_k] or None = causal) per group:
-        all decodes as one group (first; left out with `decodes=False`, for a path that reads them in place),
-        each prefill chunk before `fresh_start` as its own."""
+        """(first query, last query + 1, key slots [G, S_k], mask [G, 1, Q, S_k] or None = causal, for the decode
+        group all keys) per group: all decodes as one group (first; left out with `decodes=False`, for a path that
+        reads them in place), each prefill chunk before `fresh_start` as its own."""
         d = self.num_decodes
         if self._chunks is None:
             self._chunks = self._chunk_groups(window)
@@ -119,8 +119,12 @@ class PagedKV:
 
     def _decode_group(self, window: int | None) -> Group:
         d, bs, dev = self.num_decodes, self.block_size, self.block_tables.device
-        width = self.block_tables.shape[1] * bs if self.static else max(self._host_lens()[:d])
+        lens = None if self.static else self._host_lens()[:d]
+        width = self.block_tables.shape[1] * bs if lens is None else max(lens)
         slots = (self.block_tables[:d, :, None].long() * bs + torch.arange(bs, device=dev)).flatten(1)[:, :width]
+        slots = slots.contiguous()  # (once here, not in every layer's gather)
+        if lens is not None and min(lens) == width and (window is None or width <= window):
+            return 0, d, slots, None  # every decode sees all `width` keys (sequences in lockstep): no mask
         k_pos = torch.arange(width, device=dev)[None]  # [1, S_k]
         ctx = self.context_lens[:d, None].long()
         mask = k_pos < ctx

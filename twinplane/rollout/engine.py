@@ -24,6 +24,7 @@ Decode-only steps run from static buffers at bucketed batch sizes, captured as C
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -269,24 +270,26 @@ class RolloutEngine:
             if seq.num_computed == len(seq.tokens):
                 rows.append(len(ids) - 1)
                 ready.append(seq)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs],
-                              dtype=torch.int32)
-        cu = torch.zeros(len(qlens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(qlens).cumsum(0)
-        paged = PagedKV(self.kv.k, self.kv.v, torch.tensor(slots).to(dev), tables.to(dev),
-                        torch.tensor(ctx, dtype=torch.int32).to(dev), cu.to(dev), qlens, batch.num_decodes, max(ctx))
-        meta = AttentionMetadata(torch.tensor(pos).to(dev)[None], window=self.model.config.sliding_window,
+        # The step's metadata as two host tensors (one copy each to the device); the model gets views of them.
+        T, S, width = len(ids), len(qlens), max(len(s.block_table) for s in batch.seqs)
+        longs = torch.tensor(ids + pos + slots).to(dev)  # [3T]
+        tables = [b for s in batch.seqs for b in (*s.block_table, *[0] * (width - len(s.block_table)))]
+        ints = torch.tensor(ctx + list(itertools.accumulate(qlens, initial=0)) + tables, dtype=torch.int32).to(dev)
+        paged = PagedKV(self.kv.k, self.kv.v, longs[2 * T:], ints[2 * S + 1:].view(S, width), ints[:S],
+                        ints[S:2 * S + 1], qlens, batch.num_decodes, max(ctx))
+        meta = AttentionMetadata(longs[T:2 * T][None], window=self.model.config.sliding_window,
                                  backend=self.backend, paged=paged)
         rec = RoutingState() if self.record_routing else None
-        h = self.model.hidden_states(torch.tensor(ids).to(dev)[None], meta=meta, routing=rec)[0]  # [T, D]
+        h = self.model.hidden_states(longs[:T][None], meta=meta, routing=rec)[0]  # [T, D]
         if rec is not None:  # this step's experts [T, M, k], handed to each sequence at its token positions
             chosen = rec.indices().to(torch.int16).cpu().split(qlens)
             for seq, k, route in zip(batch.seqs, qlens, chosen, strict=True):
                 seq.record_routing(seq.num_computed - k, route)
         if not ready:
             return []
-        logits = linear(h[torch.tensor(rows, device=dev)], self.model.output_weight(), self.head)  # [R, V]
+        if len(rows) < T:  # (in a decode-only step every token's row is sampled)
+            h = h[torch.tensor(rows, device=dev)]
+        logits = linear(h, self.model.output_weight(), self.head)  # [R, V]
         return self._sample(logits, ready, sched, sp)
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:
@@ -294,16 +297,15 @@ class RolloutEngine:
         if max(widths) > 1:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
         lp = policy_logprobs(logits, sp.temperature)  # [R, V]
-        banned = None
-        stops = ready[0].stop_ids
-        if sp.min_new_tokens and stops:  # stop tokens are banned in the rows still short of min_new_tokens
+        banned = rows = None
+        if sp.min_new_tokens and ready[0].stop_ids:  # stop tokens are banned in the rows short of min_new_tokens
             early = [s.num_generated < sp.min_new_tokens for s, w in zip(ready, widths, strict=True) for _ in range(w)]
             if any(early):
-                stop_mask = torch.zeros(lp.shape[-1], dtype=torch.bool, device=lp.device)
-                stop_mask[list(stops)] = True
-                banned = torch.tensor(early, device=lp.device)[:, None] & stop_mask  # [R, V]
-        u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float64)
-        tok = sample(lp, sp, u.to(lp.device), banned)  # [R]
+                banned = torch.tensor(sorted(ready[0].stop_ids), device=lp.device)  # [K]
+                rows = None if all(early) else torch.tensor(early, device=lp.device)  # [R] (None: all of them)
+        # (float32 as `sample` uses them; Python's doubles rounded once, as .to(float32) would)
+        u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32)
+        tok = sample(lp, sp, u.to(lp.device), banned, rows)  # [R]
         chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
         tok, chosen = tok.tolist(), chosen.tolist()
         finished, r = [], 0

@@ -38,18 +38,22 @@ class SamplingParams:
 def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log pi(. | context) [..., V] in fp32: the distribution the trainer scores, i.e. logits / T with no
     top-k/top-p truncation (greedy scores at T = 1). Shared by engine and trainer so both compute one thing."""
-    t = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits.float() / t, dim=-1)
+    x = logits.float()
+    if temperature > 0 and temperature != 1.0:  # (x / 1 is x: one op fewer per step)
+        x = x / temperature
+    return torch.log_softmax(x, dim=-1)
 
 
-def sample(logprobs: torch.Tensor, p: SamplingParams, uniforms: torch.Tensor,
-           banned: torch.Tensor | None = None) -> torch.Tensor:
-    """Choose next tokens [B] from policy log-probs [B, V] after banning tokens [B, V] and applying top-k/top-p.
+def sample(logprobs: torch.Tensor, p: SamplingParams, uniforms: torch.Tensor, banned: torch.Tensor | None = None,
+           banned_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Choose next tokens [B] from policy log-probs [B, V] after banning the token ids `banned` [K] (in the rows
+    where `banned_rows` [B] is true; in all rows when it is None) and applying top-k/top-p.
 
     Inverse-CDF sampling with one uniform in [0, 1) per row (`uniforms` [B], drawn from each sequence's own
     stream): a row's token depends on its own logits and its own stream only, never on the rest of the batch."""
     if banned is not None:
-        logprobs = logprobs.masked_fill(banned, float("-inf"))
+        masked = logprobs.index_fill(-1, banned, float("-inf"))
+        logprobs = masked if banned_rows is None else torch.where(banned_rows[:, None], masked, logprobs)
     if p.temperature == 0:
         return logprobs.argmax(-1)
     if p.top_k > 0 and p.top_k < logprobs.shape[-1]:
