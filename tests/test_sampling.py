@@ -55,3 +55,20 @@ def test_sampling_over_a_large_vocabulary_follows_the_distribution():
     freq = torch.bincount(tok, minlength=V).double() / n
     assert (freq - lp.exp().double()).abs().max() < 2.0 / n
     assert sample(lp.expand(64, V), SamplingParams(temperature=1.0), u[::128]).tolist() == tok[::128].tolist()
+
+
+def test_banned_tokens_only_in_the_banned_rows():
+    """Token ids `banned` are never chosen in the rows `banned_rows` marks (all rows when None), while the other
+    rows sample exactly as without a ban; greedy rows likewise."""
+    V, n = 12, 256
+    lp = torch.log_softmax(torch.randn(V, generator=torch.Generator().manual_seed(2)), -1)
+    lp[3] = lp[7] = 2.0  # (not normalised: the banned ids would take nearly all mass)
+    logprobs, u = lp.expand(n, V), (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    banned, rows = torch.tensor([3, 7]), torch.arange(n) % 2 == 0
+    for temperature in (1.0, 0.0):
+        sp = SamplingParams(temperature=temperature)
+        free = sample(logprobs, sp, u)
+        ref = sample(logprobs.masked_fill(torch.isin(torch.arange(V), banned), float("-inf")), sp, u)
+        assert torch.isin(free, banned).any() and not torch.isin(ref, banned).any()
+        assert sample(logprobs, sp, u, banned).tolist() == ref.tolist()
+        assert sample(logprobs, sp, u, banned, rows).tolist() == torch.where(rows, ref, free).tolist()
