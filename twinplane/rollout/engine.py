@@ -24,6 +24,7 @@ Decode-only steps run from static buffers at bucketed batch sizes, captured as C
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable, Sequence
@@ -273,7 +274,7 @@ class RolloutEngine:
         # The step's metadata as two host tensors (one copy each to the device); the model gets views of them.
         T, S, width = len(ids), len(qlens), max(len(s.block_table) for s in batch.seqs)
         longs = torch.tensor(ids + pos + slots).to(dev)  # [3T]
-        tables = [b for s in batch.seqs for b in (*s.block_table, *[0] * (width - len(s.block_table)))]
+        tables = [b for s in batch.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
         ints = torch.tensor(ctx + list(itertools.accumulate(qlens, initial=0)) + tables, dtype=torch.int32).to(dev)
         paged = PagedKV(self.kv.k, self.kv.v, longs[2 * T:], ints[2 * S + 1:].view(S, width), ints[:S],
                         ints[S:2 * S + 1], qlens, batch.num_decodes, max(ctx))
@@ -301,7 +302,7 @@ class RolloutEngine:
         if sp.min_new_tokens and ready[0].stop_ids:  # stop tokens are banned in the rows short of min_new_tokens
             early = [s.num_generated < sp.min_new_tokens for s, w in zip(ready, widths, strict=True) for _ in range(w)]
             if any(early):
-                banned = torch.tensor(sorted(ready[0].stop_ids), device=lp.device)  # [K]
+                banned = _id_tensor(ready[0].stop_ids, lp.device)  # [K]
                 rows = None if all(early) else torch.tensor(early, device=lp.device)  # [R] (None: all of them)
         # (float32 as `sample` uses them; Python's doubles rounded once, as .to(float32) would)
         u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32)
@@ -324,6 +325,12 @@ class RolloutEngine:
                     finished.append(c)
         sched.finish(finished)
         return finished
+
+
+@functools.lru_cache(maxsize=16)
+def _id_tensor(ids: frozenset[int], device: torch.device) -> torch.Tensor:
+    """`ids` sorted, as a tensor on `device`: made once per set of stop ids, not in every decode step."""
+    return torch.tensor(sorted(ids), device=device)
 
 
 class Done:
