@@ -9,6 +9,7 @@ from conftest import tiny_model
 from test_engine import EOS, PROMPTS, greedy_no_cache
 
 from twinplane import platform
+from twinplane.errors import InputError
 from twinplane.model import AttentionMetadata, PagedKV
 from twinplane.model.paged_attention import paged_attention
 from twinplane.rollout import RolloutEngine, SamplingParams
@@ -106,10 +107,21 @@ def test_preemption_and_batching_do_not_change_outputs(temperature):
 
 
 def test_budget_too_small_for_one_sequence_is_a_clear_error():
+    """An input error (exit 2 in a run), raised before anything is allocated; one block short is refused, exact fits."""
     model = tiny_model()
     engine = RolloutEngine(model, eos_token_id=None, kv_cache_bytes=1)
-    with pytest.raises(ValueError, match="KV cache budget"):
+    with pytest.raises(InputError, match="holds 0 blocks .* raise rollout.kv_cache_gb"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    assert engine.kv is None
+    sp = SamplingParams(max_new_tokens=30)
+    longest = max(len(p) for p in PROMPTS) + sp.max_new_tokens  # 37 tokens: 3 blocks of 16
+    per_block = bytes_per_block(model.config, engine.block_size, engine.dtype)
+    need = -(-longest // engine.block_size)
+    engine.kv_cache_bytes = (need - 1) * per_block
+    with pytest.raises(InputError, match=f"one sequence of {longest} tokens needs {need}"):
+        engine.generate(PROMPTS, sp)
+    engine.kv_cache_bytes = need * per_block
+    assert len(engine.generate(PROMPTS, sp)) == len(PROMPTS)
 
 
 def paged_case(window=None, bs=8, lockstep=False):

@@ -12,10 +12,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from twinplane import platform
 from twinplane.config import Config
 from twinplane.errors import InputError
 from twinplane.model import ModelConfig, Transformer, load_model
 from twinplane.model.weights import checkpoint_files
+from twinplane.rollout.engine import pool_blocks
 from twinplane.tokenizer import Tokenizer, load_tokenizer
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -80,6 +82,11 @@ def open_model(path: str, device: torch.device, dtype: torch.dtype) -> Transform
         raise InputError(f"model.path {path}: {msg}") from None
 
 
+def prompt_tokens(cfg: Config) -> int:
+    """The longest prompt a run keeps: data.max_prompt_tokens, or the demo task's ("a+b=", task.digits each)."""
+    return cfg.data.max_prompt_tokens if cfg.model.path else 2 * cfg.task.digits + 2
+
+
 def estimate_bytes(cfg: Config, mc: ModelConfig, prompt_tokens: int) -> dict[str, float]:
     """What the run must hold at once, by part: the training plane's weights, gradients and AdamW moments, the
     engine's copy when its dtype differs, the reference model, and the KV cache of the sequences in flight.
@@ -109,6 +116,19 @@ def check_memory(cfg: Config, mc: ModelConfig, prompt_tokens: int, memory_bytes:
                          f"{min(cfg.rollout.max_num_seqs, cfg.rollout.prompts_per_step * cfg.rollout.n)} sequences) "
                          f"but {where} has {memory_bytes / 1e9:.3g} GB; reduce the model, rollout.max_new_tokens or "
                          "rollout.max_num_seqs")
+
+
+def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: torch.device) -> None:
+    """The rollout engine's KV pool must hold one whole sequence (the longest prompt and every turn's new tokens),
+    or the first such prompt would stop the run. The block size and the reserved padding block are the platform's
+    choices for the engine (which checks each call's own sequences again); on GPUs with an automatic budget the
+    memory free now is more than the engine will find, so this only refuses what can never fit."""
+    r = cfg.rollout
+    dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+    _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim)
+    reserved = int(platform.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
+    pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,
+                prompt_tokens + r.max_new_tokens * r.max_turns)
 
 
 def check_tools(tools: list[str], tokenizer: Tokenizer, path: str) -> None:

@@ -203,11 +203,10 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
         preflight.check_weight_files(cfg.model.path)
         tokenizer = preflight.open_tokenizer(cfg.model.path)
         preflight.check_tools(cfg.rollout.tools, tokenizer, cfg.model.path)
-        prompt_tokens = cfg.data.max_prompt_tokens
     else:
         tokenizer = build_char_tokenizer(ALPHABET)
         mc = demo_model_config(cfg, tokenizer)
-        prompt_tokens = 2 * cfg.task.digits + 2
+    prompt_tokens = preflight.prompt_tokens(cfg)
     for key, on in (("rollout.record_routing", cfg.rollout.record_routing),
                     ("train.router_aux_loss_coef", cfg.train.router_aux_loss_coef > 0)):
         if on and not mc.num_experts:
@@ -216,6 +215,7 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     if cfg.cluster.backend == "local":
         memory = platform.device_memory(device)
         preflight.check_memory(cfg, mc, prompt_tokens, memory, f"this {device.type} device")
+        preflight.check_kv_budget(cfg, mc, prompt_tokens, device)
     try:  # the template, rendered once on a sample: a missing or broken one fails before the model is loaded
         formatter(cfg).format(Record("What is 1+1?", "2"))
     except InputError:

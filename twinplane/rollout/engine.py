@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from twinplane import platform
-from twinplane.model import AttentionMetadata, PagedKV, Transformer, load_weights
+from twinplane.errors import InputError
+from twinplane.model import AttentionMetadata, ModelConfig, PagedKV, Transformer, load_weights
 from twinplane.model.moe import RoutingState
 from twinplane.model.packed import PackedWeight, linear, pack_linears, repack, worth_packing
 from twinplane.rollout import graphs as decode_graphs
@@ -218,18 +219,14 @@ class RolloutEngine:
         """Size the pool: the budget, capped at what these sequences could ever hold at once (plus, with static
         decode steps, one block reserved for their padding rows); set up this call's static decode."""
         cfg, bs = self.model.config, self.block_size
-        per_block = bytes_per_block(cfg, bs, self.dtype)
         longest = max(len(s.tokens) + s.sampling.max_new_tokens for s in seqs)
-        need_one = -(-longest // bs)
         need_all = sum((-(-(len(s.tokens) + s.sampling.max_new_tokens) // bs) + 1) * s.width for s in seqs)
-        budget = platform.kv_cache_budget(self.device, self.kv_cache_bytes, self.gpu_memory_utilization)
         mode = decode_graphs.decode_mode(self.graph_backend, self.model, self.record_routing)
         reserved = int(mode != "eager")
-        usable = budget // per_block - reserved
+        usable = pool_blocks(cfg, self.device, self.dtype, bs, reserved, self.kv_cache_bytes,
+                             self.gpu_memory_utilization, longest)
+        need_one = -(-longest // bs)
         num_blocks = min(usable, need_all)
-        if num_blocks < need_one:
-            raise ValueError(f"KV cache budget of {budget} bytes holds {usable} blocks of {bs} tokens; "
-                             f"one sequence of {longest} tokens needs {need_one}: raise rollout.kv_cache_gb")
         # The previous call's pool (kept on CPU, platform.keep_kv_pool) serves when it is large enough and within
         # the budget; the block manager hands out this call's `num_blocks` of it (so the metrics and preemptions
         # do not depend on earlier calls), and its last block stays the reserved one. Zeroed like a new pool
@@ -325,6 +322,23 @@ class RolloutEngine:
                     finished.append(c)
         sched.finish(finished)
         return finished
+
+
+def pool_blocks(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int, reserved: int,
+                kv_cache_bytes: int, gpu_memory_utilization: float, tokens: int) -> int:
+    """Blocks of `block_size` tokens the KV budget holds beside `reserved` ones; an InputError when that is less
+    than one sequence of `tokens` tokens needs, which no preemption can help. Every `generate` checks its longest
+    sequence here, and `twinplane train` the config's before loading anything (`preflight.check_kv_budget`)."""
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    budget = platform.kv_cache_budget(device, kv_cache_bytes, gpu_memory_utilization)
+    usable, need = budget // per_block - reserved, -(-tokens // block_size)
+    if usable < need:
+        key = "rollout.kv_cache_gb" if kv_cache_bytes or device.type == "cpu" else \
+            "rollout.gpu_memory_utilization (or set rollout.kv_cache_gb)"
+        raise InputError(f"KV cache: a budget of {budget / 2**30:.4g} GiB holds {max(usable, 0)} blocks of "
+                         f"{block_size} tokens ({per_block} bytes each); one sequence of {tokens} tokens needs "
+                         f"{need}: raise {key}")
+    return usable
 
 
 @functools.lru_cache(maxsize=16)
