@@ -35,6 +35,17 @@ def test_greedy_with_n_backfill_and_chunked_prefill_equals_full_recompute():
     assert_pool_empty(engine)
 
 
+def test_decodes_beyond_the_token_budget_make_a_prefill_chunk_wait():
+    """3 decodes with a 2-token budget while a 40-token prompt is mid-prefill: its chunk waits for room (it was
+    sized from the negative remainder of the budget, and the step crashed)."""
+    model = tiny_model()
+    prompts = [list(range(5, 36)), list(range(5, 45))]
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=None, max_num_batched_tokens=2)
+    for s in engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6, n=3)):
+        assert s.token_ids == greedy_no_cache(model, prompts[s.request_index], 6)
+    assert_pool_empty(engine)
+
+
 def test_engine_stats_of_parallel_engines_merge_into_one_plane():
     """Ray's data-parallel engines report their counters; the driver's merge is the plane's metrics."""
     a = EngineStats(steps=10, running_sum=40, usage_peak=0.5, preemptions=1, prefill_tokens=100, decode_tokens=300,

@@ -63,7 +63,8 @@ class Scheduler:
                 decodes.num_tokens.append(1)
                 i += 1
                 continue
-            want = 1 if decode else min(seq.num_pending, budget)
+            # (decodes always run, so when they alone exceed the token budget a prefill chunk waits)
+            want = 1 if decode else min(seq.num_pending, max(budget, 0))
             if want == 0:
                 i += 1
                 continue
