@@ -81,6 +81,29 @@ def test_yaml_config_file(tmp_path):
         load_config(tmp_path / "bad.yaml")
 
 
+def test_every_number_setting_refuses_inf_and_nan():
+    """No setting means anything at inf or NaN (kv_cache_gb=inf crashed the engine's int conversion)."""
+    from twinplane.config import Config, ConfigError, load_config
+
+    numbers = [k for k, f in _fields(Config) if f in (float, float | None)]
+    assert "rollout.kv_cache_gb" in numbers and "algo.clip_high" in numbers and len(numbers) > 30
+    for key in numbers:
+        for bad in ("inf", "-inf", "nan"):
+            with pytest.raises(ConfigError, match=f"^{key}: must be a finite number"):
+                load_config(overrides=[f"{key}={bad}"])
+
+
+def _fields(cls, prefix=""):
+    """(dotted key, annotated type) of every leaf setting."""
+    import dataclasses
+    import typing
+
+    for f in dataclasses.fields(cls):
+        t = typing.get_type_hints(cls)[f.name]
+        name = f.name.rstrip("_")
+        yield from _fields(t, f"{prefix}{name}.") if dataclasses.is_dataclass(t) else [(prefix + name, t)]
+
+
 def test_help_lists_options():
     out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "algo.kl_estimator" in out.stdout and "--run-dir" in out.stdout
