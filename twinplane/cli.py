@@ -162,10 +162,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     else:
         if ns.n < 1 or ns.temperature < 0:
             raise ConfigError(f"--n must be >= 1 and --temperature >= 0, got {ns.n} and {ns.temperature}")
-        out = Path(ns.out)
-        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-            raise InputError(f"--out {ns.out}: " + ("is a folder" if out.is_dir() else "its folder does not exist "
-                                                    "or is not writable"))
+        _check_writable(Path(ns.out))
         data = [f"data.train_file={ns.data}", f"data.val_file={ns.data}"] if ns.data else []
         args = [f"model.path={ns.model}", *data, f"reward.name={ns.reward}", f"eval.n={ns.n}",
                 f"eval.temperature={ns.temperature}", *args]
@@ -198,9 +195,23 @@ def _eval(run, setup, cfg, ns) -> int:
         setup.scorer.close()
     data = ns.data or f"built-in task {cfg.task.name} (held-out, seed {cfg.seed})"
     result = {"model": ns.model, "data": data, "reward": ns.reward, "prompts": len(setup.val_prompts), **result}
+    print(json.dumps(result, indent=2))  # (first: the results are on screen whatever happens to the file)
     Path(ns.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
     return 0
+
+
+def _check_writable(out: Path) -> None:
+    """Before any work: `out` can be written (opened for appending, as the user running this; a file this made
+    is removed again), so a bad --out costs a one-line error, not an evaluation."""
+    if out.is_dir():
+        raise InputError(f"--out {out}: is a folder")
+    existed = out.exists()
+    try:
+        os.close(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot be written ({e.strerror})") from None
+    if not existed:
+        out.unlink()
 
 
 def _export(source: Path, out: Path, fmt: str) -> int:
