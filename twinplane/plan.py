@@ -612,12 +612,15 @@ def main(argv: list[str] | None = None) -> int:
     if device is None:
         print(f"error: unknown --gpu {ns.gpu!r} (known: cpu, {', '.join(BY_KEY)})", file=sys.stderr)
         return 2
-    if min(ns.gpus, ns.nodes, ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
-           ns.logprob_chunk_tokens) < 1:
-        print("error: --gpus, --nodes, batch sizes and lengths must be >= 1", file=sys.stderr)
-        return 2
+    counts = ("gpus", "nodes", "prompts_per_step", "n", "prompt_len", "response_len", "micro_batch_size",
+              "logprob_chunk_tokens")
+    bad = [f"--{k.replace('_', '-')} {getattr(ns, k)}: must be >= 1" for k in counts if getattr(ns, k) < 1]
     if ns.lora < 0:
-        print(f"error: --lora {ns.lora}: the rank must be >= 0 (0 = full fine-tuning)", file=sys.stderr)
+        bad.append(f"--lora {ns.lora}: the rank must be >= 0 (0 = full fine-tuning)")
+    if not (math.isfinite(ns.price_per_gpu_hour) and ns.price_per_gpu_hour >= 0):
+        bad.append(f"--price-per-gpu-hour {ns.price_per_gpu_hour}: must be a finite number >= 0")
+    if bad:
+        print(f"error: {bad[0]}", file=sys.stderr)
         return 2
     w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
                  ns.logprob_chunk_tokens, ns.lora)
