@@ -125,6 +125,8 @@ CASES = [
     Case("config/not key=value", T("=5"), "is not key=value"),
     Case("config/missing file", lambda fx: ["train", "no_such.yaml"], "config file no_such.yaml not found"),
     Case("config/invalid YAML", lambda fx: ["train", fx.file("bad.yaml", "train:\n  lr: [1\n")], "invalid YAML"),
+    Case("config/file not UTF-8", lambda fx: ["train", fx.file("bin.yaml", b"train:\n  lr: \xff\n")],
+         "bin.yaml: not UTF-8 text (byte 13)"),
     Case("config/YAML not a mapping", lambda fx: ["train", fx.file("list.yaml", "- 1\n- 2\n")],
          "expected a mapping of sections"),
     Case("config/section not a mapping", T("train=3"), "train: expected a mapping"),

@@ -541,9 +541,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
+            raise ConfigError(f"config file {path} " + ("is a folder" if path.is_dir() else "not found"))
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
