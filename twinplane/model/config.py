@@ -26,7 +26,9 @@ FAMILIES = {
     "mixtral": (False, False, "MixtralForCausalLM"),
 }
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
-ROPE_TYPES = ("default", "linear", "llama3")
+# rope scaling types and the numbers each needs (all finite and > 0; llama3 also needs high_freq_factor > low)
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 @dataclass
@@ -69,9 +71,16 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        for key in ROPE_TYPES[rope_type]:
+            value = scaling.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"{rope_type} rope scaling needs {key} as a finite number > 0, got {value!r}")
+        if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+            raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                              f"{self.num_experts}")
@@ -117,6 +126,8 @@ class ModelConfig:
         qkv_bias, qk_norm, _ = FAMILIES.get(model_type, (False, False, None))
         if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
+        if not isinstance(hf.get("rope_scaling") or {}, dict) or not isinstance(hf.get("rope_parameters") or {}, dict):
+            raise ValueError("rope_scaling / rope_parameters must be an object")
         # 5.x keeps theta and scaling together in rope_parameters; 4.x splits them.
         rope = dict(hf.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
