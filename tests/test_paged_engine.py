@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+import random
 
 import pytest
 import torch
@@ -115,6 +116,32 @@ def test_preemption_and_batching_do_not_change_outputs(temperature):
     assert_pool_empty(tight)
     one = RolloutEngine(copy.deepcopy(model), eos_token_id=None, max_num_seqs=1).generate(PROMPTS, sp)
     assert [s.token_ids for s in one] == [s.token_ids for s in want]
+
+
+def test_random_budgets_caps_and_chunks_give_the_unconstrained_outputs():
+    """Seeded random mixes of prompt lengths (around block edges), n, stops, sampling, KV budgets from one sequence
+    up, running-set caps and token budgets (below the number of decodes too): the outputs, log-probs and finish
+    reasons of the unconstrained engine, and an empty pool afterwards. (It catches the negative prefill chunk above.)"""
+    model, rng = tiny_model(), random.Random(0)
+    bs = RolloutEngine(copy.deepcopy(model), None).block_size
+    per_block = bytes_per_block(model.config, bs, torch.float32)
+    for _ in range(40):
+        prompts = [[rng.randrange(4, 50) for _ in range(rng.choice([1, 5, 15, 16, 17, 33]))]
+                   for _ in range(rng.randint(1, 4))]
+        sp = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_new_tokens=rng.choice([1, 7, 16]),
+                            n=rng.choice([1, 2, 3, 5]), seed=rng.randrange(100),
+                            stop_token_ids=rng.choice([[], [7, 9]]), top_p=rng.choice([1.0, 0.8]),
+                            stop_sequences=rng.choice([[], [[8], [9, 10]]]))
+        eos = rng.choice([None, EOS])
+        want = RolloutEngine(copy.deepcopy(model), eos).generate(prompts, sp)
+        need = -(-(max(map(len, prompts)) + sp.max_new_tokens) // bs)
+        tight = RolloutEngine(copy.deepcopy(model), eos, kv_cache_bytes=(need + rng.choice([0, 1, 4])) * per_block,
+                              max_num_seqs=rng.choice([1, 3, 8, 64]), max_num_batched_tokens=rng.choice([1, 2, 3, 64]))
+        got = tight.generate(prompts, sp)
+        assert [(s.token_ids, s.finish_reason) for s in got] == [(s.token_ids, s.finish_reason) for s in want]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        assert_pool_empty(tight)
 
 
 def test_budget_too_small_for_one_sequence_is_a_clear_error():
