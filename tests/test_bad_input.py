@@ -6,6 +6,7 @@ run dir that the command points at is byte for byte as it was (an earlier run in
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -82,6 +83,18 @@ def TD(name: str, text: str | bytes, *args: str) -> Callable[[Fx], list[str]]:
     """Train on a data file with this content (the tiny model's character tokenizer: digits, + and =)."""
     return lambda fx: ["train", "--run-dir", str(fx.run), "--overwrite", *TINY, f"model.path={fx.model}",
                        f"data.train_file={fx.file(name, text)}", "data.template=plain", *args]
+
+
+def _damaged_parquet() -> bytes:
+    """A Parquet file whose header and footer are intact but whose row data is zeroed (a damaged copy)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"question": [f"{i}+1=" for i in range(2000)], "answer": ["1"] * 2000}), sink)
+    data = bytearray(sink.getvalue().to_pybytes())
+    data[len(data) // 3:len(data) // 3 + 200] = bytes(200)
+    return bytes(data)
 
 
 def TR(spec: str, code: str | None = None, *args: str) -> Callable[[Fx], list[str]]:
@@ -180,6 +193,10 @@ CASES = [
                                          "data.max_prompt_tokens=2"), "longer than data.max_prompt_tokens=2"),
     Case("data/folder without state.json", lambda fx: T(f"data.train_file={fx.tmp}", f"model.path={fx.model}")(fx),
          "not one written by datasets' save_to_disk"),
+    Case("data/not gzip", TD("fake.jsonl.gz", "1+1=\n"), "fake.jsonl.gz: unreadable after line 0 (Not a gzipped file"),
+    Case("data/gzip cut short", TD("cut.jsonl.gz", gzip.compress(b'{"question": "1+1=", "answer": "2"}\n' * 200)[:60]),
+         "cut.jsonl.gz: unreadable after line"),
+    Case("data/damaged Parquet", lambda fx: TD("bad.parquet", _damaged_parquet())(fx), "bad.parquet: not a readable"),
     Case("data/missing val_file", lambda fx: TD("ok.jsonl", '{"question": "1+1=", "answer": "2"}\n',
                                                 "data.val_file=/nonexistent/val.jsonl")(fx), "data.val_file"),
     # ---- model folders ----

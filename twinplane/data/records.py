@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,23 +61,27 @@ def _kind(value: Any) -> str:
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | _RowError]]:
     """JSON Lines (optionally gzipped), read as bytes so that a line number can be given for invalid UTF-8; blank
     lines are ignored."""
-    with (gzip.open(path, "rb") if path.suffix.lower() == ".gz" else path.open("rb")) as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: invalid UTF-8 at byte {e.start} (the file must be UTF-8)") from None
-            if lineno == 1:
-                line = line.removeprefix("\ufeff")  # tolerate a byte-order mark
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.rstrip("\r\n"))  # keep error columns on this line
-            except json.JSONDecodeError as e:
-                yield where, _RowError(f"invalid JSON ({e.msg} at column {e.colno})")
-                continue
-            yield where, row if isinstance(row, dict) else _RowError(f"expected a JSON object, got {_kind(row)}")
+    lineno = 0
+    try:
+        with (gzip.open(path, "rb") if path.suffix.lower() == ".gz" else path.open("rb")) as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: invalid UTF-8 at byte {e.start} (the file must be UTF-8)") from None
+                if lineno == 1:
+                    line = line.removeprefix("\ufeff")  # tolerate a byte-order mark
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line.rstrip("\r\n"))  # keep error columns on this line
+                except json.JSONDecodeError as e:
+                    yield where, _RowError(f"invalid JSON ({e.msg} at column {e.colno})")
+                    continue
+                yield where, row if isinstance(row, dict) else _RowError(f"expected a JSON object, got {_kind(row)}")
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, or cut short (a partial download)
+        raise DataError(f"{path}: unreadable after line {lineno} ({_first_line(e)})") from None
 
 
 def _json_array_rows(path: Path) -> Iterator[tuple[str, dict | _RowError]]:
@@ -116,10 +121,13 @@ def _parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
 
     def rows() -> Iterator[tuple[str, dict]]:
         n = 0
-        for batch in pf.iter_batches(batch_size=4096):
-            for row in batch.to_pylist():
-                n += 1
-                yield f"{path}: row {n}", row
+        try:
+            for batch in pf.iter_batches(batch_size=4096):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield f"{path}: row {n}", row
+        except Exception as e:  # a corrupt row group: pyarrow raises OSError or ArrowInvalid
+            raise DataError(f"{path}: not a readable Parquet file after row {n} ({_first_line(e)})") from None
 
     return list(pf.schema_arrow.names), rows()
 
@@ -127,7 +135,10 @@ def _parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
 def _saved_dataset_rows(path: Path, split: str | None) -> tuple[list[str], Iterator[tuple[str, dict]]]:
     """A `save_to_disk` folder: a `Dataset` (state.json) or, with `split`, one split of a `DatasetDict`."""
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
+        except (ValueError, AttributeError) as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+            raise DataError(f"{path / 'dataset_dict.json'}: not a datasets split list ({_first_line(e)})") from None
         if split is None:
             raise DataError(f"{path}: a DatasetDict folder with splits {', '.join(splits)}; "
                             f"pass split=<name> or point at the split's folder, e.g. {path / splits[0]}"
@@ -143,7 +154,10 @@ def _saved_dataset_rows(path: Path, split: str | None) -> tuple[list[str], Itera
         import datasets
     except ImportError:
         raise DataError(f"{path}: reading a saved datasets folder needs `pip install datasets`") from None
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # a damaged folder: datasets raises FileNotFoundError, ValueError, pyarrow errors...
+        raise DataError(f"{path}: not a loadable saved dataset ({_first_line(e)})") from None
 
     def rows() -> Iterator[tuple[str, dict]]:
         for i, row in enumerate(ds):
