@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import keyword
 import math
 import re
@@ -448,12 +449,13 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-def _all_keys(cls, prefix="") -> list[str]:
-    keys = []
+@functools.cache
+def _all_keys(cls, prefix="") -> tuple[str, ...]:
+    keys, hints = [], typing.get_type_hints(cls)  # (resolving the hints is the slow part: once per class)
     for f in dataclasses.fields(cls):
-        t = typing.get_type_hints(cls)[f.name]
+        t = hints[f.name]
         keys += _all_keys(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else [prefix + _key(f.name)]
-    return keys
+    return tuple(keys)
 
 
 def _coerce(value, t, key: str):
