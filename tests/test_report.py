@@ -112,6 +112,12 @@ def test_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/m')  # only a partial line so far
     assert main([str(tmp_path)]) == 2
     assert "no metrics rows" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time/step": 1.0}\n')
+    (tmp_path / "taken").write_text("a file where the report folder would go")
+    for out in (tmp_path / "taken", "/proc/twinplane-report"):  # (no folder can be made there, even as root)
+        assert main([str(tmp_path), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{out}: cannot make the report folder" in err
 
 
 def test_load_metrics_merges_and_skips(tmp_path):

@@ -369,7 +369,10 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file there, a read-only run dir, a place no folder can be made
+        raise ReportError(f"{out_dir}: cannot make the report folder ({e.strerror})") from None
     summary_path = run_dir / "summary.json"
     try:
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
