@@ -266,6 +266,8 @@ CASES = [
          "is a file"),
     Case("cli/export --out is the source", lambda fx: ["export", str(fx.ck / "final"), "--out",
                                                        str(fx.ck / "final")], "is the source folder"),
+    Case("cli/export of a model folder", lambda fx: ["export", str(fx.ck / "final"), "--out", str(fx.tmp / "o2")],
+         "already a Hugging Face model folder"),
     Case("cli/export --out not empty", lambda fx: ["export", str(fx.ck), "--out", str(fx.run)], "is not empty"),
     Case("cli/eval --out in a missing folder", lambda fx: ["eval", "--model", str(fx.model), "--out",
                                                            str(fx.tmp / "no" / "e.json")], "cannot be written"),

@@ -23,6 +23,9 @@ def _policy_dir(source: Path) -> Path:
         return ckpt
     if (source / "final" / "config.json").exists():
         return source / "final"
+    if (source / "config.json").exists():  # e.g. RUN_DIR/final itself
+        raise FileNotFoundError(f"{source}: already a Hugging Face model folder (transformers loads it as it is); "
+                                "export takes a run dir or a checkpoint")
     raise FileNotFoundError(f"{source}: not a checkpoint, and a run dir with no complete checkpoint or final/")
 
 
