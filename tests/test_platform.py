@@ -111,6 +111,21 @@ def test_cpu_machine():
     assert platform.detect() is info
 
 
+def test_automatic_kv_budget_is_the_same_for_every_call(monkeypatch):
+    """A simulated 80 GB GPU with 10 GB of weights: the pool a first generate made and freed sits in torch's cache
+    (reserved, not allocated, so not free to the driver); the second call's budget must still count it."""
+    GB, mem = 2**30, {"allocated": 10 * 2**30, "reserved": 10 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GB - mem["reserved"], 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: mem["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: mem["reserved"])
+    gpu = torch.device("cuda", 0)
+    first = platform.kv_cache_budget(gpu, 0, 0.9)
+    assert first == int(70 * GB * 0.9)
+    mem["reserved"] += first  # the first call's pool, freed into the caching allocator
+    assert platform.kv_cache_budget(gpu, 0, 0.9) == first
+    assert platform.kv_cache_budget(gpu, 5 * GB, 0.9) == 5 * GB  # an explicit budget is taken as given
+
+
 def test_other_accelerator_degrades_to_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.xpu, "is_available", lambda: True)

@@ -512,12 +512,16 @@ def _probe_flex_paged(device: torch.device, dtype: torch.dtype) -> bool:
 
 def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float) -> int:
     """Bytes the rollout engine may give its KV pool: `kv_cache_bytes` when set, else on GPUs a fraction of the
-    memory free now (after the weights), else CPU_KV_CACHE_BYTES."""
+    memory free now (after the weights), else CPU_KV_CACHE_BYTES. Free on a GPU counts what torch's caching
+    allocator holds unused, as well as what the driver has: the previous call's pool goes back to that cache, not
+    to the driver, and counting the driver's figure alone would shrink every later pool to a fraction of the
+    first."""
     if kv_cache_bytes > 0:
         return int(kv_cache_bytes)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * gpu_memory_utilization)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int((free + cached) * gpu_memory_utilization)
     return CPU_KV_CACHE_BYTES
 
 
