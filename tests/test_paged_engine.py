@@ -144,6 +144,27 @@ def test_random_budgets_caps_and_chunks_give_the_unconstrained_outputs():
         assert_pool_empty(tight)
 
 
+def test_per_request_caps_are_prefixes_and_decode_nothing_past_them():
+    """`generate(..., max_new_tokens=[...])` (multi-turn continuations, each with what is left of its budget): a
+    capped sample is the uncapped one's first tokens, and no decode step runs past a cap."""
+    model = tiny_model()
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=None)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=4)
+    full = engine.generate(PROMPTS, sp)
+    engine.pop_stats()
+    caps = [12, 3, 1, 7]
+    capped = engine.generate(PROMPTS, sp, max_new_tokens=caps)
+    for s, f in zip(capped, full, strict=True):
+        assert s.token_ids == f.token_ids[:caps[s.request_index]] and s.finish_reason == "length"
+        torch.testing.assert_close(s.logprobs, f.logprobs[:len(s.token_ids)], atol=1e-5, rtol=0)
+    # a sample's first token comes from its prompt's prefill, every later one from a decode of the one before
+    assert engine.pop_stats().decode_tokens == sum(len(s.token_ids) - 1 for s in capped)
+    assert_pool_empty(engine)
+    for bad in ([13, 1, 1, 1], [0, 1, 1, 1], [1, 1]):
+        with pytest.raises(ValueError, match="one cap in 1..12 per request"):
+            engine.generate(PROMPTS, sp, max_new_tokens=bad)
+
+
 def test_budget_too_small_for_one_sequence_is_a_clear_error():
     """An input error (exit 2 in a run), raised before anything is allocated; one block short is refused, exact fits."""
     model = tiny_model()

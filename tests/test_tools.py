@@ -209,8 +209,8 @@ class ScriptedEngine:
     def __init__(self, tok, script, marker="<tool_response>"):
         self.tok, self.script, self.marker, self.calls = tok, script, marker, []
 
-    def generate(self, prompts, sampling):
-        self.calls.append(([list(p) for p in prompts], sampling))
+    def generate(self, prompts, sampling, max_new_tokens=None):
+        self.calls.append(([list(p) for p in prompts], sampling, max_new_tokens))
         out = []
         for i, p in enumerate(prompts):
             text = self.tok.decode(p, skip_special_tokens=False)
@@ -218,8 +218,9 @@ class ScriptedEngine:
             ids = self.tok.encode(reply) + [self.tok.eos_token_id]
             cut = [first_stop(ids, s) for s in sampling.stop_sequences]
             end = min([c for c in cut if c is not None], default=len(ids))
-            reason = "stop" if end <= sampling.max_new_tokens else "length"
-            ids = ids[:min(end, sampling.max_new_tokens)]
+            cap = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens[i]
+            reason = "stop" if end <= cap else "length"
+            ids = ids[:min(end, cap)]
             for _ in range(sampling.n):
                 out.append(Sample(i, list(p), ids, [-0.5 - 0.01 * t for t in ids], reason, 7))
         return out
@@ -253,10 +254,10 @@ def test_tool_call_round_trip():
     assert [lp for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m] == \
            [-0.5 - 0.01 * t for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
     # tokens in, tokens out: the continuation prompt is exactly prompt + everything so far
-    (p1, sp1), (p2, sp2) = engine.calls
+    (p1, sp1, _), (p2, sp2, caps) = engine.calls
     assert p2 == [p1[0] + tok.encode("Let me compute." + CALL + "<tool_response>14</tool_response>")]
     assert sp1.stop_sequences == [tok.encode("</tool_call>")] and sp2.n == 1 and sp2.seed is None
-    assert sp2.max_new_tokens == 400 - len(p2[0]) + len(p1[0])
+    assert sp2.max_new_tokens == caps[0] == 400 - len(p2[0]) + len(p1[0])
 
 
 @pytest.mark.parametrize("call,error,shown", [
@@ -286,7 +287,7 @@ def test_max_turns_and_batching():
            [(3, 2, "max_turns")] * 2 + [(1, 0, "stop")] * 2 + [(3, 2, "stop")] * 2
     assert segments(tok, samples[0])[-1] == (CALL, True)  # the last turn's call is not run
     # one engine call per turn, with only the live samples, n=1 after the first
-    assert [len(p) for p, _ in engine.calls] == [3, 4, 4] and [sp.n for _, sp in engine.calls] == [2, 1, 1]
+    assert [len(p) for p, _, _ in engine.calls] == [3, 4, 4] and [sp.n for _, sp, _ in engine.calls] == [2, 1, 1]
     m = multi_turn_metrics(samples)
     assert m["rollout/turns_mean"] == pytest.approx(14 / 6) and m["rollout/tool_calls_mean"] == pytest.approx(8 / 6)
     assert m["rollout/tool_errors_mean"] == 0 and m["rollout/max_turns_reached"] == pytest.approx(1 / 3)
@@ -300,11 +301,11 @@ def test_budget_covers_tool_tokens():
     tok, engine, [s] = rollout({"A": [CALL, "never"]}, budget=budget)
     assert len(s.token_ids) == budget and s.finish_reason == "length" and len(engine.calls) == 1
     assert segments(tok, s)[1] == ("<tool_response>"[:8], False)
-    # continuation turns cut at each sample's own budget, though the engine runs to the largest one
+    # continuation turns capped at each sample's own budget (the engine's per-request max_new_tokens)
     budget = len(CALL) + len("<tool_response>14</tool_response>") + 12
     tok, engine, samples = rollout({"A": [CALL, "a long answer"], "D": ["wxyz" + CALL, "a long answer"]},
                                    budget=budget, prompts=("A|", "D|"))
-    assert engine.calls[1][1].max_new_tokens == 12
+    assert engine.calls[1][1].max_new_tokens == 12 and engine.calls[1][2] == [12, 8]
     assert [segments(tok, s)[-1] for s in samples] == [("a long answe", True), ("a long a", True)]
     assert all(len(s.token_ids) == budget and s.finish_reason == "length" for s in samples)
 

@@ -583,7 +583,7 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
         mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
         prompt = 2 * cfg.task.digits + 2
     r = cfg.rollout
-    return mc, Workload(r.prompts_per_step, r.n, prompt, r.max_new_tokens * r.max_turns,
+    return mc, Workload(r.prompts_per_step, r.n, prompt, r.max_new_tokens,  # (all turns of a response included)
                         min(cfg.train.micro_batch_size, r.prompts_per_step * r.n), lora_rank=cfg.train.lora.rank)
 
 

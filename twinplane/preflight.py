@@ -101,7 +101,7 @@ def estimate_bytes(cfg: Config, mc: ModelConfig, prompt_tokens: int) -> dict[str
     rb = DTYPE_BYTES[cfg.model.rollout_dtype or cfg.model.dtype]
     r = cfg.rollout
     seqs = min(r.max_num_seqs, r.prompts_per_step * r.n)
-    context = prompt_tokens + r.max_new_tokens * r.max_turns
+    context = prompt_tokens + r.max_new_tokens  # (a multi-turn response, tool tokens too, fits max_new_tokens)
     parts = {"weights, grads and AdamW": 4.0 * p * b, "KV cache": 2.0 * mc.num_layers * mc.num_kv_heads * mc.head_dim
              * rb * seqs * context}
     if rb != b:
@@ -118,23 +118,24 @@ def check_memory(cfg: Config, mc: ModelConfig, prompt_tokens: int, memory_bytes:
     if memory_bytes and total > memory_bytes:
         detail = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in parts.items())
         raise InputError(f"the run needs at least {total / 1e9:.3g} GB ({detail}: model {mc.num_params / 1e6:.4g}M "
-                         f"params, {prompt_tokens}+{cfg.rollout.max_new_tokens * cfg.rollout.max_turns} tokens x "
+                         f"params, {prompt_tokens}+{cfg.rollout.max_new_tokens} tokens x "
                          f"{min(cfg.rollout.max_num_seqs, cfg.rollout.prompts_per_step * cfg.rollout.n)} sequences) "
                          f"but {where} has {memory_bytes / 1e9:.3g} GB; reduce the model, rollout.max_new_tokens or "
                          "rollout.max_num_seqs")
 
 
 def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: torch.device) -> None:
-    """The rollout engine's KV pool must hold one whole sequence (the longest prompt and every turn's new tokens),
-    or the first such prompt would stop the run. The block size and the reserved padding block are the platform's
-    choices for the engine (which checks each call's own sequences again); on GPUs with an automatic budget the
-    memory free now is more than the engine will find, so this only refuses what can never fit."""
+    """The rollout engine's KV pool must hold one whole sequence (the longest prompt and max_new_tokens, which a
+    multi-turn response fills with its tool tokens too), or the first such prompt would stop the run. The block
+    size and the reserved padding block are the platform's choices for the engine (which checks each call's own
+    sequences again); on GPUs with an automatic budget the memory free now is more than the engine will find, so
+    this only refuses what can never fit."""
     r = cfg.rollout
     dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
     _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim)
     reserved = int(platform.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
     pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,
-                prompt_tokens + r.max_new_tokens * r.max_turns)
+                prompt_tokens + r.max_new_tokens)
 
 
 def check_tools(tools: list[str], tokenizer: Tokenizer, path: str) -> None:

@@ -148,26 +148,32 @@ class RolloutEngine:
 
     # --- requests in, samples out -------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
-        """Samples ordered request by request, `sampling.n` per request."""
+    def generate(self, requests: Sequence[Sequence[int]], sampling: SamplingParams,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Sample]:
+        """Samples ordered request by request, `sampling.n` per request. `max_new_tokens`: per request, a cap of
+        its own below `sampling.max_new_tokens` (multi-turn continuations: what is left of each sample's budget)."""
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         seed = int(torch.randint(2**62, (1,), generator=self.generator, device=self.generator.device))
-        seqs = [self.sequence(p, i, sampling, [sample_seed(seed, i, j) for j in range(sampling.n)])
-                for i, p in enumerate(requests)]
+        caps = [None] * len(requests) if max_new_tokens is None else list(max_new_tokens)
+        if len(caps) != len(requests) or any(c is not None and not 1 <= c <= sampling.max_new_tokens for c in caps):
+            raise ValueError(f"max_new_tokens: one cap in 1..{sampling.max_new_tokens} per request, got {caps}")
+        seqs = [self.sequence(p, i, sampling, [sample_seed(seed, i, j) for j in range(sampling.n)], cap)
+                for i, (p, cap) in enumerate(zip(requests, caps, strict=True))]
         return self.run(seqs)
 
-    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> Done:
+    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams,
+               max_new_tokens: Sequence[int] | None = None) -> Done:
         """The async interface (`handle.result()`): one process has one device, so it generates now."""
-        return Done(self.generate(requests, sampling))
+        return Done(self.generate(requests, sampling, max_new_tokens))
 
     def sequence(self, prompt: Sequence[int], request_index: int, sampling: SamplingParams,
-                 seeds: list[int]) -> Seq:
+                 seeds: list[int], max_new_tokens: int | None = None) -> Seq:
         """A request as the scheduler sees it: one sequence per prompt, one random stream per sample."""
         if len(prompt) == 0:
             raise ValueError(f"request {request_index}: empty prompt")
         stops = frozenset(t for t in [self.eos_token_id, *sampling.stop_token_ids] if t is not None)
-        return Seq(list(prompt), request_index, sampling, seeds, stops)
+        return Seq(list(prompt), request_index, sampling, seeds, stops, max_new_tokens=max_new_tokens)
 
     @torch.no_grad()
     def run(self, seqs: list[Seq]) -> list[Sample]:
@@ -219,8 +225,8 @@ class RolloutEngine:
         """Size the pool: the budget, capped at what these sequences could ever hold at once (plus, with static
         decode steps, one block reserved for their padding rows); set up this call's static decode."""
         cfg, bs = self.model.config, self.block_size
-        longest = max(len(s.tokens) + s.sampling.max_new_tokens for s in seqs)
-        need_all = sum((-(-(len(s.tokens) + s.sampling.max_new_tokens) // bs) + 1) * s.width for s in seqs)
+        longest = max(len(s.tokens) + s.max_new_tokens for s in seqs)
+        need_all = sum((-(-(len(s.tokens) + s.max_new_tokens) // bs) + 1) * s.width for s in seqs)
         mode = decode_graphs.decode_mode(self.graph_backend, self.model, self.record_routing)
         reserved = int(mode != "eager")
         usable = pool_blocks(cfg, self.device, self.dtype, bs, reserved, self.kv_cache_bytes,

@@ -29,9 +29,9 @@ is three segments: the model's turn 1 (loss_mask 1, up to and including `</tool_
   the ones answered with an error). `multi_turn_metrics` averages them over a batch.
 
 Every turn sends all live samples to ONE `engine.generate` call (n=1 each; the first turn uses `sampling.n`, so
-samples come back request by request like the engine's). Continuations decode up to the largest remaining
-budget and are cut to their own, which samples exactly what a per-sample budget would. The engine is seeded
-once, on the first turn, so a seeded rollout is reproducible.
+samples come back request by request like the engine's), each continuation capped at what is left of its own
+budget (the engine's per-request `max_new_tokens`), so no sample decodes past it. The engine is seeded once, on
+the first turn, so a seeded rollout is reproducible.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ class MultiTurnRollout:
                 s.loss_mask += [0] * len(ids)
             if not live:
                 return samples
-            rest = max(budget - len(samples[i].token_ids) for i in live)
-            cont = replace(sampling, n=1, max_new_tokens=rest, min_new_tokens=0, seed=None, stop_sequences=stops)
-            outs = self.engine.generate([samples[i].prompt_ids + samples[i].token_ids for i in live], cont)
+            rooms = [budget - len(samples[i].token_ids) for i in live]
+            cont = replace(sampling, n=1, max_new_tokens=max(rooms), min_new_tokens=0, seed=None, stop_sequences=stops)
+            outs = self.engine.generate([samples[i].prompt_ids + samples[i].token_ids for i in live], cont, rooms)
 
     def _run_calls(self, turns: list[list[int]]) -> list[ToolResult]:
         if len(turns) <= 1 or self.tool_workers <= 1:

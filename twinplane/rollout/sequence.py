@@ -49,11 +49,14 @@ class Sequence:
     """Tokens (prompt + generated), how many of them have k/v in the pool, and the blocks holding them."""
 
     def __init__(self, prompt: list[int], request_index: int, sampling: SamplingParams, seeds: list[int],
-                 stop_ids: frozenset[int] = frozenset(), sample_indices: list[int] | None = None):
+                 stop_ids: frozenset[int] = frozenset(), sample_indices: list[int] | None = None,
+                 max_new_tokens: int | None = None):
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
         self.request_index = request_index
         self.sampling = sampling
+        # this request's cap: sampling.max_new_tokens, or less (a multi-turn continuation's remaining budget)
+        self.max_new_tokens = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         self.stop_ids = stop_ids  # EOS and the request's stop tokens
         self.sample_indices = list(range(len(seeds))) if sample_indices is None else sample_indices
         self.rngs = [random.Random(s) for s in seeds]  # > 1 only before the fork: one per sample
@@ -96,7 +99,7 @@ class Sequence:
         sp, n = self.sampling, self.num_generated
         if n > sp.min_new_tokens and self._stopped(token):  # a stop counts at index >= min_new_tokens
             self.finish_reason = "stop"
-        elif n >= sp.max_new_tokens:
+        elif n >= self.max_new_tokens:
             self.finish_reason = "length"
 
     def _stopped(self, token: int) -> bool:
