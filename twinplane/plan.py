@@ -574,16 +574,16 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
     cfg = load_config(path, [f"model.path={model}"] if model else [])
     if cfg.model.path:
         mc = load_model_config(cfg.model.path)
-        prompt = cfg.data.max_prompt_tokens
     else:
         from twinplane.prepare import demo_model_config
         from twinplane.tasks import ALPHABET
         from twinplane.tokenizer import build_char_tokenizer
 
         mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
-        prompt = 2 * cfg.task.digits + 2
+    from twinplane.preflight import prompt_tokens
+
     r = cfg.rollout
-    return mc, Workload(r.prompts_per_step, r.n, prompt, r.max_new_tokens,  # (all turns of a response included)
+    return mc, Workload(r.prompts_per_step, r.n, prompt_tokens(cfg), r.max_new_tokens,  # (a response's every turn)
                         min(cfg.train.micro_batch_size, r.prompts_per_step * r.n), lora_rank=cfg.train.lora.rank)
 
 

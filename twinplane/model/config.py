@@ -71,14 +71,18 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
+        if not (_finite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        if not (_finite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
         scaling = self.rope_scaling or {}
         rope_type = scaling.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
         for key in ROPE_TYPES[rope_type]:
-            value = scaling.get(key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-                raise ValueError(f"{rope_type} rope scaling needs {key} as a finite number > 0, got {value!r}")
+            if not (_finite(scaling.get(key)) and scaling[key] > 0):
+                raise ValueError(f"{rope_type} rope scaling needs {key} as a finite number > 0, got "
+                                 f"{scaling.get(key)!r}")
         if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
             raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -236,6 +240,11 @@ class ModelConfig:
         if self.model_type == "qwen2_moe":
             hf.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         return hf
+
+
+def _finite(value) -> bool:
+    """A finite number, as config.json may hold it (a bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
