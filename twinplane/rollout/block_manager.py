@@ -31,8 +31,10 @@ class BlockManager:
         return seq.num_computed % self.block_size != 0 and self.ref[seq.block_table[-1]] > 1
 
     def has_slot(self, seq: Sequence) -> bool:
-        """The next token's slot is in a block `seq` already holds alone: appending it needs no allocation."""
-        return seq.num_computed < len(seq.block_table) * self.block_size and not self._shared_tail(seq)
+        """The next token's slot is in a block `seq` already holds alone: appending it needs no allocation. (Asked of
+        every running sequence in every step, hence `_shared_tail` spelled out.)"""
+        n, table = seq.num_computed, seq.block_table
+        return n < len(table) * self.block_size and (n % self.block_size == 0 or self.ref[table[-1]] == 1)
 
     def room(self, seq: Sequence) -> int:
         """Tokens `seq` can append to the pool with the blocks free now."""

@@ -256,18 +256,20 @@ class RolloutEngine:
             logits = self.decoder.step(batch.seqs)  # None: a capture failed, the step runs eagerly below
             if logits is not None:
                 return self._sample(logits, batch.seqs, sched, sp)
-        bs, dev = self.block_size, self.device
-        ids, pos, slots, ctx, qlens, rows, ready = [], [], [], [], [], [], []
-        for seq, k in zip(batch.seqs, batch.num_tokens, strict=True):
+        bs, dev, d = self.block_size, self.device, batch.num_decodes
+        # The decodes (most rows of most steps) first, as whole lists: each runs its last token and is then ready.
+        decodes = batch.seqs[:d]
+        pos = [s.num_computed for s in decodes]
+        ids = [s.tokens[-1] for s in decodes]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, pos, strict=True)]
+        ctx, qlens, rows, ready = [p + 1 for p in pos], [1] * d, list(range(d)), list(decodes)
+        for s in decodes:
+            s.num_computed += 1
+        for seq, k in zip(batch.seqs[d:], batch.num_tokens[d:], strict=True):  # prefill chunks
             start, table = seq.num_computed, seq.block_table
-            if k == 1:  # a decode (most rows of most steps)
-                ids.append(seq.tokens[start])
-                pos.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                ids += seq.tokens[start:start + k]
-                pos += range(start, start + k)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, start + k)]
+            ids += seq.tokens[start:start + k]
+            pos += range(start, start + k)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + k)]
             seq.num_computed += k
             ctx.append(seq.num_computed)
             qlens.append(k)
@@ -277,7 +279,11 @@ class RolloutEngine:
         # The step's metadata as two host tensors (one copy each to the device); the model gets views of them.
         T, S, width = len(ids), len(qlens), max(len(s.block_table) for s in batch.seqs)
         longs = torch.tensor(ids + pos + slots).to(dev)  # [3T]
-        tables = [b for s in batch.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+        tables = []
+        for s in batch.seqs:
+            tables += s.block_table
+            if len(s.block_table) < width:
+                tables += [0] * (width - len(s.block_table))
         ints = torch.tensor(ctx + list(itertools.accumulate(qlens, initial=0)) + tables, dtype=torch.int32).to(dev)
         paged = PagedKV(self.kv.k, self.kv.v, longs[2 * T:], ints[2 * S + 1:].view(S, width), ints[:S],
                         ints[S:2 * S + 1], qlens, batch.num_decodes, max(ctx))
@@ -297,35 +303,40 @@ class RolloutEngine:
         return self._sample(logits, ready, sched, sp)
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:
-        widths = [s.width for s in ready]
-        if max(widths) > 1:  # a prompt just prefilled: its n samples all draw from its last position
+        """Sample the next token of each of `ready` from its logits row; returns the sequences that finished."""
+        widths = [len(s.rngs) for s in ready]  # (`width`, without a property call per row)
+        forks = max(widths) > 1
+        if forks:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
         lp = policy_logprobs(logits, sp.temperature)  # [R, V]
         banned = rows = None
         if sp.min_new_tokens and ready[0].stop_ids:  # stop tokens are banned in the rows short of min_new_tokens
-            early = [s.num_generated < sp.min_new_tokens for s, w in zip(ready, widths, strict=True) for _ in range(w)]
+            early = [s.num_generated < sp.min_new_tokens for s in ready]
             if any(early):
                 banned = _id_tensor(ready[0].stop_ids, lp.device)  # [K]
-                rows = None if all(early) else torch.tensor(early, device=lp.device)  # [R] (None: all of them)
+                if not all(early):  # [R] (None: all of them)
+                    per_row = [e for e, w in zip(early, widths, strict=True) for _ in range(w)] if forks else early
+                    rows = torch.tensor(per_row, device=lp.device)
         # (float32 as `sample` uses them; Python's doubles rounded once, as .to(float32) would)
         u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32)
         tok = sample(lp, sp, u.to(lp.device), banned, rows)  # [R]
         chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
         tok, chosen = tok.tolist(), chosen.tolist()
-        finished, r = [], 0
-        for seq, w in zip(ready, widths, strict=True):
-            if w > 1:  # fork: the samples share the prompt's blocks from here on
-                children = seq.fork()
-                self.blocks.share(seq, w - 1)
-                i = sched.running.index(seq)
-                sched.running[i:i + 1] = children
-            else:
-                children = [seq]
-            for c in children:
-                c.append(tok[r], chosen[r])
-                r += 1
-                if c.finish_reason is not None:
-                    finished.append(c)
+        if forks:  # the samples of a prompt share its blocks from here on
+            rows_of = []
+            for seq, w in zip(ready, widths, strict=True):
+                if w > 1:
+                    children = seq.fork()
+                    self.blocks.share(seq, w - 1)
+                    i = sched.running.index(seq)
+                    sched.running[i:i + 1] = children
+                    rows_of += children
+                else:
+                    rows_of.append(seq)
+            ready = rows_of
+        for seq, t, logprob in zip(ready, tok, chosen, strict=True):
+            seq.append(t, logprob)
+        finished = [s for s in ready if s.finish_reason is not None]
         sched.finish(finished)
         return finished
 

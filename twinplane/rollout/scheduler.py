@@ -53,14 +53,14 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         decodes, prefills = ScheduledBatch(), ScheduledBatch()
-        budget = self.max_num_batched_tokens - sum(s.num_pending == 1 for s in self.running)  # decodes go first
-        i, preempted = 0, False
+        pending = [s.num_pending for s in self.running]
+        budget = self.max_num_batched_tokens - pending.count(1)  # decodes go first
+        i, preempted, has_slot = 0, False, self.blocks.has_slot
         while i < len(self.running):
             seq = self.running[i]
-            decode = seq.num_pending == 1
-            if decode and self.blocks.has_slot(seq):  # the common decode: nothing to allocate
+            decode = pending[i] == 1
+            if decode and has_slot(seq):  # the common decode: nothing to allocate
                 decodes.seqs.append(seq)
-                decodes.num_tokens.append(1)
                 i += 1
                 continue
             # (decodes always run, so when they alone exceed the token budget a prefill chunk waits)
@@ -79,11 +79,14 @@ class Scheduler:
                     break
             if preempted and victim is seq:
                 break  # `seq` itself was the newest: it waits, and nothing after it is running
-            out = decodes if decode else prefills
-            out.copies += self.blocks.allocate(seq, want)
-            out.seqs.append(seq)
-            out.num_tokens.append(want)
-            budget -= 0 if decode else want
+            if decode:
+                decodes.copies += self.blocks.allocate(seq, 1)
+                decodes.seqs.append(seq)
+            else:
+                prefills.copies += self.blocks.allocate(seq, want)
+                prefills.seqs.append(seq)
+                prefills.num_tokens.append(want)
+                budget -= want
             i += 1
         # Admit while the whole remaining prompt fits the free blocks (not only this step's chunk: a prompt that
         # cannot finish prefilling would only be preempted again); none in a step that had to preempt.
@@ -100,8 +103,9 @@ class Scheduler:
             prefills.seqs.append(seq)
             prefills.num_tokens.append(want)
             budget -= want
-        return ScheduledBatch(decodes.seqs + prefills.seqs, decodes.num_tokens + prefills.num_tokens,
-                              len(decodes.seqs), decodes.copies + prefills.copies)
+        d = len(decodes.seqs)
+        return ScheduledBatch(decodes.seqs + prefills.seqs, [1] * d + prefills.num_tokens, d,
+                              decodes.copies + prefills.copies)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and queue it first for recomputation (its samples and random state are kept)."""
