@@ -131,6 +131,16 @@ def _truncate(rel: str) -> Callable[[Path], None]:
     return lambda d: (d / rel).write_bytes((d / rel).read_bytes()[:200])
 
 
+def _shrink_vocab(d: Path) -> None:
+    """The folder's model (consistent weights and config) with 6 fewer embedding rows than its tokenizer's ids."""
+    import dataclasses
+
+    from twinplane.model import Transformer, load_model, save_pretrained
+
+    cfg = load_model(d).config
+    save_pretrained(Transformer(dataclasses.replace(cfg, vocab_size=cfg.vocab_size - 6)), d)
+
+
 CASES = [
     # ---- config: types, ranges, choices, keys that depend on each other, sizes that cannot fit ----
     Case("config/unknown key", T("train.lrr=1"), "unknown key train.lrr (did you mean train.lr?)"),
@@ -220,6 +230,9 @@ CASES = [
     Case("model/no tokenizer.json", TM(lambda d: (d / "tokenizer.json").unlink()), "no tokenizer.json"),
     Case("model/tokenizer_config not JSON", TM(_write("tokenizer_config.json", "{x")), "tokenizer_config.json"),
     Case("model/wrong tensor shape", TM(_json_edit("config.json", intermediate_size=48)), "checkpoint shape"),
+    Case("model/vocab smaller than the tokenizer", TM(_shrink_vocab), "config.json's vocab_size is"),
+    Case("cli/eval on a model whose vocab is smaller than its tokenizer", lambda fx: ["eval", "--model", fx.model_copy(_shrink_vocab)],
+         "config.json's vocab_size is"),
     Case("model/tools the tokenizer can't spell", lambda fx: T(f"model.path={fx.model}",
                                                                "rollout.tools=[calculator]")(fx),
          "rollout.tools: the tokenizer of"),

@@ -202,6 +202,7 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
         mc = preflight.model_config(cfg.model.path)
         preflight.check_weight_files(cfg.model.path)
         tokenizer = preflight.open_tokenizer(cfg.model.path)
+        preflight.check_vocab(tokenizer, mc, cfg.model.path)
         preflight.check_tools(cfg.rollout.tools, tokenizer, cfg.model.path)
     else:
         tokenizer = build_char_tokenizer(ALPHABET)
