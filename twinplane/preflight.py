@@ -66,13 +66,19 @@ def check_weight_files(path: str) -> None:
 
 def open_tokenizer(path: str) -> Tokenizer:
     try:
-        return load_tokenizer(path)
+        tok = load_tokenizer(path)
     except FileNotFoundError as e:
         raise InputError(str(e)) from None
     except json.JSONDecodeError as e:
         raise InputError(f"{path}/tokenizer_config.json: invalid JSON ({e})") from None
     except Exception as e:  # the `tokenizers` library raises a bare Exception for a malformed tokenizer.json
         raise InputError(f"{Path(path) / 'tokenizer.json'}: not a valid tokenizer ({_first_line(e)})") from None
+    for name in ("eos_token", "bos_token", "pad_token"):  # a named token the vocabulary lacks would be dropped
+        text = getattr(tok, name)
+        if text is not None and tok.token_id(text) is None:
+            raise InputError(f"{Path(path) / 'tokenizer_config.json'}: {name} {text!r} is not in the vocabulary of "
+                             "tokenizer.json")
+    return tok
 
 
 def open_model(path: str, device: torch.device, dtype: torch.dtype) -> Transformer:

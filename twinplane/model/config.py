@@ -130,6 +130,9 @@ class ModelConfig:
         qkv_bias, qk_norm, _ = FAMILIES.get(model_type, (False, False, None))
         if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
+        act = hf.get("hidden_act", "silu")  # (transformers: "swish" is silu too)
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (the Llama/Qwen/Mistral families use silu)")
         if not isinstance(hf.get("rope_scaling") or {}, dict) or not isinstance(hf.get("rope_parameters") or {}, dict):
             raise ValueError("rope_scaling / rope_parameters must be an object")
         # 5.x keeps theta and scaling together in rope_parameters; 4.x splits them.
@@ -148,7 +151,7 @@ class ModelConfig:
             "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
             "sliding_window", "use_sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "architectures",
             "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-            "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
+            "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "qkv_bias", "hidden_act",
         }
         moe = model_type in MOE_TYPES
         mixtral = model_type == "mixtral"  # experts use intermediate_size and always renormalise the top-k
