@@ -231,6 +231,8 @@ CASES = [
     Case("model/tokenizer_config not JSON", TM(_write("tokenizer_config.json", "{x")), "tokenizer_config.json"),
     Case("model/wrong tensor shape", TM(_json_edit("config.json", intermediate_size=48)), "checkpoint shape"),
     Case("model/vocab smaller than the tokenizer", TM(_shrink_vocab), "config.json's vocab_size is"),
+    Case("model/quantized checkpoint", TM(_json_edit("config.json", quantization_config={"quant_method": "gptq"})),
+         "quantized checkpoints are not supported (quantization_config: gptq)"),
     Case("model/hidden_act gelu", TM(_json_edit("config.json", hidden_act="gelu")),
          "hidden_act 'gelu' is not supported"),
     Case("model/eos_token not in the vocabulary", TM(_json_edit("tokenizer_config.json", eos_token="<nope>")),

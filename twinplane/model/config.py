@@ -130,6 +130,11 @@ class ModelConfig:
         qkv_bias, qk_norm, _ = FAMILIES.get(model_type, (False, False, None))
         if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
+        quant = hf.get("quantization_config")  # (GPTQ/AWQ/FP8 weights are packed integers plus scales)
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method}); use the "
+                             "unquantized model")
         act = hf.get("hidden_act", "silu")  # (transformers: "swish" is silu too)
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported (the Llama/Qwen/Mistral families use silu)")
