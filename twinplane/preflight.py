@@ -143,7 +143,7 @@ def check_vocab(tokenizer: Tokenizer, mc: ModelConfig, path: str) -> None:
     """Every id the tokenizer can produce must have a row in the model's embedding and LM head. A model may have
     more rows than tokens (Qwen2.5 pads 151,665 tokens to 151,936), never fewer: a tokenizer from another model
     would fail inside the first forward."""
-    top = max(tokenizer.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    top = tokenizer.max_token_id
     if top >= mc.vocab_size:
         raise InputError(f"model.path {path}: tokenizer.json has token ids up to {top} but config.json's vocab_size "
                          f"is {mc.vocab_size} (is the tokenizer from another model?)")

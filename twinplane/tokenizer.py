@@ -39,6 +39,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_id(self) -> int:
+        """The largest id `encode` can return (ids need not be dense, so not always vocab_size - 1)."""
+        return max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
