@@ -251,6 +251,11 @@ CASES = [
     Case("reward/syntax error", TR("FILE:f", "def f(c, a:\n"), "rewards_mod.py"),
     Case("reward/not callable", TR("FILE:f", "f = 3\n"), "f"),
     Case("reward/model folder missing", T("reward.model=/nonexistent/rm"), "/nonexistent/rm"),
+    Case("reward/model vocab smaller than its tokenizer",
+         lambda fx: T(f"reward.model={fx.model_copy(_shrink_vocab)}")(fx), "config.json's vocab_size is"),
+    Case("reward/model config.json unsupported",
+         lambda fx: T(f"reward.model={fx.model_copy(_json_edit('config.json', hidden_act='relu'))}")(fx),
+         "model_copy/config.json: hidden_act 'relu' is not supported"),
     Case("reward/timeout_s=0", T("reward.timeout_s=0"), "reward.timeout_s: must be > 0"),
     # ---- checkpoints ----
     Case("checkpoint/not a folder", lambda fx: ["train", "--run-dir", str(fx.run), *TINY, "--resume",

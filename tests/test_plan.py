@@ -91,15 +91,19 @@ def test_qwen7b_mi300x_vs_h100(qwen, capsys):
 
 
 def test_cli_errors_and_json(qwen, capsys):
-    assert main(["--model", str(qwen), "--gpu", "tpu9", "--gpus", "8"]) == 2
-    err = capsys.readouterr().err
-    assert "mi300x" in err and "h100" in err and len(err.strip().splitlines()) == 1
-    for args, message in ((["--nodes", "0"], "--nodes 0: must be >= 1"), (["--lora", "-4"], "--lora -4: the rank"),
+    from twinplane.cli import main as cli
+
+    bad = qwen / "bad"  # a size as a string: named by its config.json key, not a traceback in the arithmetic
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(QWEN25_7B | {"hidden_size": "3584"}))
+    for args, message in ((["--gpu", "tpu9"], "unknown --gpu 'tpu9' (known: cpu, mi355x"),
+                          (["--nodes", "0"], "--nodes 0: must be >= 1"), (["--lora", "-4"], "--lora -4: the rank"),
                           (["--price-per-gpu-hour", "nan"], "--price-per-gpu-hour nan: must be a finite number"),
-                          (["--price-per-gpu-hour", "-1"], "--price-per-gpu-hour -1.0: must be a finite number")):
-        assert main(["--model", str(qwen), "--gpu", "h100", *args]) == 2
+                          (["--price-per-gpu-hour", "-1"], "--price-per-gpu-hour -1.0: must be a finite number"),
+                          (["--model", str(bad)], f"{bad / 'config.json'}: hidden_size must be a positive integer")):
+        assert cli(["plan", "--model", str(qwen), "--gpu", "h100", *args]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+        assert err.startswith(f"twinplane: error: {message}") and len(err.splitlines()) == 1, err
     assert main(["--model", str(qwen), "--gpu", "h200", "--gpus", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"]["tp"] == 1 and data["layouts"]

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from twinplane.devices import BY_KEY, DeviceSpec
+from twinplane.errors import InputError
 from twinplane.flops import decode_read_params, forward_flops_per_token, matmul_params, mlp_width, train_flops_per_token
 from twinplane.model import ModelConfig
 
@@ -610,8 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     device = CPU if ns.gpu.lower() == "cpu" else BY_KEY.get(ns.gpu.lower())
     if device is None:
-        print(f"error: unknown --gpu {ns.gpu!r} (known: cpu, {', '.join(BY_KEY)})", file=sys.stderr)
-        return 2
+        raise InputError(f"unknown --gpu {ns.gpu!r} (known: cpu, {', '.join(BY_KEY)})")
     counts = ("gpus", "nodes", "prompts_per_step", "n", "prompt_len", "response_len", "micro_batch_size",
               "logprob_chunk_tokens")
     bad = [f"--{k.replace('_', '-')} {getattr(ns, k)}: must be >= 1" for k in counts if getattr(ns, k) < 1]
@@ -620,8 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(ns.price_per_gpu_hour) and ns.price_per_gpu_hour >= 0):
         bad.append(f"--price-per-gpu-hour {ns.price_per_gpu_hour}: must be a finite number >= 0")
     if bad:
-        print(f"error: {bad[0]}", file=sys.stderr)
-        return 2
+        raise InputError(bad[0])
     w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
                  ns.logprob_chunk_tokens, ns.lora)
     try:
@@ -631,11 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.model:
             cfg = load_model_config(ns.model)
         else:
-            print("error: give --model, --run-dir or --config", file=sys.stderr)
-            return 2
+            raise InputError("give --model, --run-dir or --config")
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise InputError(str(e)) from None
     cluster = Cluster(device, ns.gpus, ns.nodes, ns.price_per_gpu_hour, ns.overlap)
     print(json.dumps(plan(cfg, cluster, w), indent=2) if ns.json else format_plan(cfg, cluster, w))
     return 0
@@ -644,5 +641,7 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = ["CPU", "Cluster", "Dtypes", "Layout", "RolloutMemory", "TrainMemory", "Workload", "format_plan", "layouts",
            "lora_params", "main", "plan", "recommend", "rollout_memory", "training_memory"]
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # (through the CLI's handler: bad input is one line and exit 2)
+    from twinplane.cli import main as cli
+
+    sys.exit(cli(["plan", *sys.argv[1:]]))

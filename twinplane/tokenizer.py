@@ -39,10 +39,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def max_token_id(self) -> int:
-        """The largest id `encode` can return (ids need not be dense, so not always vocab_size - 1)."""
-        return max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    def vocab_mismatch(self, vocab_size: int) -> str | None:
+        """Why a model with `vocab_size` embedding rows cannot take this tokenizer's ids (None when it can). A model
+        may have more rows than tokens (Qwen2.5 pads 151,665 tokens to 151,936), never fewer: a tokenizer from
+        another model would fail inside the first forward."""
+        top = max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1)  # (ids need not be dense)
+        if top < vocab_size:
+            return None
+        return (f"tokenizer.json has token ids up to {top} but config.json's vocab_size is {vocab_size} (is the "
+                "tokenizer from another model?)")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids

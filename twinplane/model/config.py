@@ -31,6 +31,13 @@ ROPE_TYPES = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
+# Sizes that must be positive integers (JSON lets them be strings or floats), as fields and as config.json keys.
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+         "max_position_embeddings")
+HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -66,6 +73,10 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back on save
 
     def __post_init__(self):
+        for name in SIZES:
+            _positive_int(name, getattr(self, name))
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window, " or null")
         if self.model_type not in FAMILIES:
             raise ValueError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
         if self.num_heads % self.num_kv_heads:
@@ -148,6 +159,9 @@ class ModelConfig:
             scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
         if scaling.get("rope_type", "default") == "default":
             scaling = None
+        for key in HF_SIZES:  # by the file's names, and before any arithmetic on them
+            if hf.get(key) is not None:
+                _positive_int(key, hf[key])
         bias = bool(hf.get("attention_bias", False))
         heads = hf["num_attention_heads"]
         known = {
@@ -207,6 +221,8 @@ class ModelConfig:
             return cls.from_hf(hf)
         except KeyError as e:
             raise ValueError(f"{path}: missing key {e}") from None
+        except (ValueError, TypeError, AttributeError) as e:  # an unsupported or mistyped value: name the file
+            raise ValueError(f"{path}: {e}") from None
 
     def to_hf(self) -> dict:
         """The transformers 4.x form, which both transformers 4.x and 5.x read."""
@@ -248,6 +264,11 @@ class ModelConfig:
         if self.model_type == "qwen2_moe":
             hf.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         return hf
+
+
+def _positive_int(name: str, value, alternative: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")
 
 
 def _finite(value) -> bool:

@@ -35,6 +35,9 @@ class RewardModel:
         self.tokenizer = load_tokenizer(path)
         # Tied embeddings = no LM head module: a classifier checkpoint has none, and nothing reads one.
         cfg = dataclasses.replace(ModelConfig.from_file(path), tie_word_embeddings=True)
+        why = self.tokenizer.vocab_mismatch(cfg.vocab_size)
+        if why:
+            raise ValueError(f"{path}: {why}")
         with torch.device("meta"):
             self.transformer = Transformer(cfg)
         self.transformer = self.transformer.to_empty(device=self.device).to(self.dtype).eval()
