@@ -136,3 +136,33 @@ def test_dapo_trains_only_on_informative_groups_and_counts_extra_batches():
     controller.more_prompts = lambda: [prompt["A"], prompt["A"]]
     m = controller.step([prompt["A"], prompt["A"]])  # never informative: stops at max_gen_batches
     assert m["rollout/gen_batches"] == 3 and m["rollout/groups_kept"] == 0
+
+
+def test_critic_starts_from_critic_model_path(tmp_path):
+    """`critic.model_path`: a value model folder of the policy's shape (decoder + `score`) is where the critic
+    starts, head included; preflight refuses a folder of another shape before anything runs."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from twinplane.cluster.planes import build_critic, critic_weights
+    from twinplane.config import load_config
+    from twinplane.errors import InputError
+    from twinplane.preflight import check_critic
+
+    policy = tiny_model()
+    value = build_value_model(policy.config, export_weights(policy), torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        value.score.weight.normal_()
+        value.score.bias.fill_(0.25)
+        for p in value.model.parameters():
+            p.add_(0.01)  # not the policy's decoder either
+    save_file({n: t.contiguous() for n, t in value.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(policy.config.to_hf()))
+    check_critic(str(tmp_path), policy.config)
+    cfg = load_config(None, ["algo.name=ppo", f"critic.model_path={tmp_path}"])
+    critic = build_critic(cfg, policy.config, critic_weights(cfg, policy), torch.device("cpu"))
+    for (name, got), (_, want) in zip(critic.model.state_dict().items(), value.state_dict().items(), strict=True):
+        assert torch.equal(got, want), name
+    with pytest.raises(InputError, match="hidden_size 64 differs from the policy's 32"):
+        check_critic(str(tmp_path), ModelConfig(**{**policy.config.__dict__, "hidden_size": 32, "head_dim": 8}))

@@ -137,6 +137,25 @@ def check_vocab(tokenizer: Tokenizer, mc: ModelConfig, path: str) -> None:
         raise InputError(f"model.path {path}: {why}")
 
 
+# What makes two decoders' weights interchangeable: the critic is built with the policy's config.
+ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "num_experts",
+                "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def check_critic(path: str, mc: ModelConfig) -> None:
+    """`critic.model_path` (PPO's value model's starting weights): a readable model folder whose decoder has the
+    policy's shape, since the critic is the policy's architecture with a value head."""
+    if not Path(path).is_dir():
+        raise InputError(f"critic.model_path {path}: no such folder")
+    critic = model_config(path)
+    check_weight_files(path)
+    for name in ARCHITECTURE:
+        if getattr(critic, name) != getattr(mc, name):
+            raise InputError(f"critic.model_path {path}: {name} {getattr(critic, name)!r} differs from the policy's "
+                             f"{getattr(mc, name)!r} (the critic is the policy's architecture with a value head)")
+
+
 def check_tools(tools: list[str], tokenizer: Tokenizer, path: str) -> None:
     """Tool calls must survive the tokenizer: the markup the engine looks for has to come back out of decode."""
     sample = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>' \

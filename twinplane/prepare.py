@@ -207,6 +207,8 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     else:
         tokenizer = build_char_tokenizer(ALPHABET)
         mc = demo_model_config(cfg, tokenizer)
+    if cfg.critic.model_path:
+        preflight.check_critic(cfg.critic.model_path, mc)
     prompt_tokens = preflight.prompt_tokens(cfg)
     for key, on in (("rollout.record_routing", cfg.rollout.record_routing),
                     ("train.router_aux_loss_coef", cfg.train.router_aux_loss_coef > 0)):
