@@ -292,7 +292,7 @@ def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
 
     from twinplane.devices import BY_KEY
     from twinplane.model import ModelConfig
-    from twinplane.plan import Cluster, Workload, layouts, lora_params, main, recommend, training_memory
+    from twinplane.plan import Cluster, Workload, layouts, lora_params, recommend, training_memory
 
     small = tiny_model()
     assert lora_params(small.config, 4) == adapter_numel(lora_model(rank=4))  # against the real adapters
@@ -307,7 +307,7 @@ def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
         one = Cluster(BY_KEY[gpu], 1, 1, 2.0)
         best, _ = recommend(cfg, one, w)
         assert best is not None and best.colocated and best.resharding_bytes == lp * 4
-    assert main(["--model", "x", "--gpu", "h100", "--lora", "-1"]) == 2
+    assert main(["plan", "--model", "x", "--gpu", "h100", "--lora", "-1"]) == 2  # (twinplane.cli's main)
 
 
 def test_lora_on_ray_disaggregated_equals_local(tmp_path):

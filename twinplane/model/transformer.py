@@ -44,6 +44,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, heads, T, hd] (cos/sin [B, 1, T, hd]), HF's rotate-half layout."""
+    return x * cos + rotate_half(x) * sin
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -63,16 +68,18 @@ class Attention(nn.Module):
         hd = self.cfg.head_dim
         return tuple(p(x).unflatten(-1, (-1, hd)) for p in (self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
-        B, T, _ = x.shape
+    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> q [B, H, T, hd] and k [B, H_kv, T, hd] with rope applied, v [B, H_kv, T, hd]. (The
+        engine's CPU copy ropes q and k in one pass: twinplane.model.packed.PackedAttention.)"""
         q, k, v = self.project(x)
-        v = v.transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        y = attention(q, k, v, meta, self.layer)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
+        B, T, _ = x.shape
+        y = attention(*self.qkv(x, cos, sin), meta, self.layer)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
