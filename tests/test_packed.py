@@ -17,6 +17,7 @@ from twinplane.model.packed import (
     PackedMLP,
     PackedWeight,
     pack_linears,
+    repack,
 )
 from twinplane.rollout import RolloutEngine, SamplingParams
 
@@ -68,9 +69,9 @@ def test_pack_linears_keeps_parameters():
 
 @packed_only
 def test_fused_projections_follow_in_place_changes_and_biases():
-    """One GEMM over stacked q/k/v (with Qwen2's biases) and gate/up equals the separate linears, and re-packs when
-    any one of the stacked weights or biases changes in place (a weight sync's copy_). (1e-4: the GEMMs sum in
-    different orders; a stale packing would be off by the changes, ~0.1 and more.)"""
+    """One GEMM over stacked q/k/v (with Qwen2's biases) and gate/up equals the separate linears, and `repack`
+    re-packs when any one of the stacked weights or biases changed in place (a weight sync's copy_). (1e-4: the
+    GEMMs sum in different orders; a stale packing would be off by the changes, ~0.1 and more.)"""
     model = tiny_model(**{**WIDE, "num_kv_heads": 2}, qkv_bias=True)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -84,7 +85,26 @@ def test_fused_projections_follow_in_place_changes_and_biases():
         for m in (model, packed):
             m.model.layers[1].self_attn.k_proj.bias.add_(0.1)
             m.model.layers[0].mlp.up_proj.weight.mul_(-1)
+        assert (packed(ids) - model(ids)).abs().max() > 0.01  # GEMMs read the packing unchecked until a repack
+        repack(packed)
         torch.testing.assert_close(packed(ids), model(ids), atol=1e-4, rtol=1e-4)
+
+
+@packed_only
+def test_engine_follows_weights_changed_in_place_between_calls():
+    """Weights changed in place outside `load_weights` (a user's or test's copy_) are re-packed by the next
+    generate call: its samples are those of a fresh engine with those weights."""
+    model = tiny_model(**WIDE)
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=3)
+    engine.generate(PROMPTS, sp)
+    with torch.no_grad():
+        for m in (model, engine.model):
+            m.model.layers[0].self_attn.q_proj.weight.mul_(-1)
+            m.model.layers[1].mlp.down_proj.weight.add_(0.05)
+    got, want = engine.generate(PROMPTS, sp), RolloutEngine(model, eos_token_id=EOS).generate(PROMPTS, sp)
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
 
 
 @packed_only

@@ -8,9 +8,11 @@ decides where it applies (`platform.packed_linear_ok`: CPU fp32), and everywhere
 Attention's q/k/v and an MLP's gate/up are stacked into one packed GEMM each (`PackedAttention`, `PackedMLP`): at
 decode batch sizes a per-call cost dominates small GEMMs, and one wide GEMM runs closer to the machine's rate.
 
-The packed copy follows the weight: the engine re-packs right after loading weights (`repack`; vLLM likewise
-processes weights when they are loaded), and a forward re-packs any weight changed in place since (a `copy_` bumps
-the tensor's version counter). It costs one more copy of the weights in host memory.
+The packed copy follows the weight through `repack`, which re-packs what changed since (a `copy_` bumps a tensor's
+version counter): the engine calls it right after loading weights (vLLM likewise processes weights when they are
+loaded) and at the start of every generate call, so a weight changed in place between calls is followed too. The
+GEMMs in between read the packed copy unchecked: a check per GEMM (reading each linear's parameters back) cost ~4%
+of a small model's rollout. It costs one more copy of the weights in host memory.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class PackedWeight:
 
     def refresh(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = ()) -> None:
         """Re-pack if a weight or bias changed since the last packing (~0.1-0.2 ms a weight, mostly fixed cost)."""
-        key = tuple((t.data_ptr(), t._version) for t in (*weights, *biases))
+        key = [(t.data_ptr(), t._version) for t in weights] + [(t.data_ptr(), t._version) for t in biases]
         if key != self.key:
             self.packed = None  # free the old copy first: the new one can take its memory
             self.packed = torch.ops.mkldnn._reorder_linear_weight(_stack(weights))
@@ -46,6 +48,10 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, weights: Sequence[torch.Tensor],
                  biases: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         self.refresh(weights, biases)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM from the packed copy as of the last `refresh`."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __deepcopy__(self, memo) -> PackedWeight:
@@ -65,8 +71,8 @@ class Packed:
         raise NotImplementedError
 
     def _packing(self) -> tuple[PackedWeight, list[torch.Tensor], list[torch.Tensor]]:
-        """The packing and the linears' current weights and biases (read each call: a parameter may be replaced).
-        The linears themselves are looked up once: this runs before every packed GEMM of the decode loop."""
+        """The packing and the linears' current weights and biases (read each time: a parameter may be replaced).
+        The linears themselves are looked up once."""
         state = self.__dict__.get("_pack")
         if state is None:
             state = self.__dict__["_pack"] = PackedWeight(), self.packed_linears()
@@ -74,17 +80,23 @@ class Packed:
         return pack, [m.weight for m in linears], [m.bias for m in linears if m.bias is not None]
 
     def refresh(self) -> None:
-        """Bring the packed copy up to date (after a weight sync: now rather than in the next forward)."""
+        """Re-pack if a weight or bias changed (in place or replaced) since the last packing."""
         pack, weights, biases = self._packing()
         pack.refresh(weights, biases)
 
     def packed_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The linears' outputs side by side [..., sum of out_features]; None with autograd on (the packed ops have
-        no backward: the caller takes the plain path)."""
-        pack, weights, biases = self._packing()
-        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-            return None
-        return pack(x, weights, biases)
+        """The linears' outputs side by side [..., sum of out_features], from the packing as of the last `refresh`
+        (packed on first use); None with autograd on (the packed ops have no backward: the caller takes the plain
+        path)."""
+        state = self.__dict__.get("_pack")
+        if state is None or state[0].packed is None or torch.is_grad_enabled():  # (a deep copy packs its own)
+            pack, weights, biases = self._packing()
+            if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+                return None
+            pack.refresh(weights, biases)
+        else:
+            pack = state[0]
+        return pack.run(x)
 
 
 class PackedLinear(Packed, nn.Linear):
@@ -178,12 +190,13 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def repack(model: nn.Module) -> None:
-    """Bring every packed copy up to date now (after a weight sync), instead of in the next forward."""
+    """Bring every packed copy up to date: after a weight sync, and before a rollout (a weight changed in place)."""
     for m in model.modules():
         if isinstance(m, Packed):
             m.refresh()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, pack: PackedWeight | None) -> torch.Tensor:
-    """`F.linear(x, weight)`, through `pack` when given (the engine's LM head, whose weight may be the embedding)."""
-    return F.linear(x, weight) if pack is None else pack(x, (weight,))
+    """`F.linear(x, weight)`, through `pack` when given (the engine's LM head, whose weight may be the embedding;
+    refreshed with the rest of the engine's packing)."""
+    return F.linear(x, weight) if pack is None else pack.run(x)

@@ -137,11 +137,15 @@ class RolloutEngine:
     def weights_loaded(self, version: int) -> None:
         """New weights are in the model (copied in place, here or by a bucketed broadcast): what derives from them
         follows now, as part of the sync rather than of the next rollout (the packed GEMMs' copies)."""
+        self._repack()
+        self.weight_version = version
+
+    def _repack(self) -> None:
+        """The packed GEMMs' copies (twinplane.model.packed) re-packed where a weight changed since."""
         if self.packed:
             repack(self.model)
         if self.head is not None:
             self.head.refresh((self.model.output_weight(),))  # (a sequence of weights: one)
-        self.weight_version = version
 
     def checksum(self) -> int:
         return weights_checksum(self.model.named_parameters())
@@ -182,6 +186,7 @@ class RolloutEngine:
         if not seqs:
             return []
         sampling = seqs[0].sampling
+        self._repack()  # a weight changed in place since the last call (not through load_weights) is followed
         self._allocate(seqs)
         sched = Scheduler(self.blocks, self.max_num_seqs, self.max_num_batched_tokens)
         for s in seqs:
