@@ -11,7 +11,7 @@ decode batch sizes a per-call cost dominates small GEMMs, and one wide GEMM runs
 The packed copy follows the weight through `repack`, which re-packs what changed since (a `copy_` bumps a tensor's
 version counter): the engine calls it right after loading weights (vLLM likewise processes weights when they are
 loaded) and at the start of every generate call, so a weight changed in place between calls is followed too. The
-GEMMs in between read the packed copy unchecked: a check per GEMM (reading each linear's parameters back) cost ~4%
+GEMMs in between read the packed copy unchecked: a check per GEMM (reading each linear's parameters back) cost ~2%
 of a small model's rollout. It costs one more copy of the weights in host memory.
 """
 
