@@ -89,13 +89,12 @@ class Packed:
         (packed on first use); None with autograd on (the packed ops have no backward: the caller takes the plain
         path)."""
         state = self.__dict__.get("_pack")
-        if state is None or state[0].packed is None or torch.is_grad_enabled():  # (a deep copy packs its own)
-            pack, weights, biases = self._packing()
-            if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-                return None
-            pack.refresh(weights, biases)
-        else:
-            pack = state[0]
+        if state is not None and state[0].packed is not None and not torch.is_grad_enabled():
+            return state[0].run(x)  # the decode loop
+        pack, weights, biases = self._packing()  # first use (a deep copy packs its own), or autograd on
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            return None
+        pack.refresh(weights, biases)
         return pack.run(x)
 
 

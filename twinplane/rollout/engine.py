@@ -309,7 +309,7 @@ class RolloutEngine:
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:
         """Sample the next token of each of `ready` from its logits row; returns the sequences that finished."""
-        widths = [len(s.rngs) for s in ready]  # (`width`, without a property call per row)
+        widths = [s.width for s in ready]
         forks = max(widths) > 1
         if forks:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)

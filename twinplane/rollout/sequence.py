@@ -96,7 +96,7 @@ class Sequence:
         """Add a sampled token; set `finish_reason` when it ends the sample."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
-        sp, n = self.sampling, len(self.tokens) - self.prompt_len
+        sp, n = self.sampling, self.num_generated
         if n > sp.min_new_tokens and self._stopped(token):  # a stop counts at index >= min_new_tokens
             self.finish_reason = "stop"
         elif n >= self.max_new_tokens:
