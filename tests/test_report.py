@@ -243,3 +243,15 @@ def test_mfu_has_its_own_panel():
     speed, mfu = fig.axes
     assert "train tokens/s (smoothed)" in labeled_lines(speed) and mfu.get_ylabel() == "MFU (%)"
     assert list(labeled_lines(mfu)) == ["MFU train (smoothed)"]
+
+
+def test_step_time_stacks_every_logged_phase():
+    """PPO's critic phases are stacked under their own names, so 'other' is only the step time outside phases."""
+    rows = [{"step": s, "time/rollout": 1.0, "time/train": 2.0, "time/critic_train": 3.0, "time/values": 0.5,
+             "time/step": 7.0} for s in range(1, 5)]
+    fig = figure()
+    assert report.plot_step_time(rows, fig, {})
+    [ax] = fig.axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["other", "values", "critic_train", "train",
+                                                                    "rollout"]
+    assert ax.collections[-1].get_paths()[0].vertices[:, 1].max() == pytest.approx(7.0)  # the stack's top: the step

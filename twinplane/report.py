@@ -163,7 +163,11 @@ class Panel:
             ax.text(0.5, 0.5, "\n".join(notes), transform=ax.transAxes, ha="center", va="center", fontsize=9,
                     color="0.3")
             return
-        ax.set_ylim(*self.spec.ylim)
+        lo, hi = self.spec.ylim
+        top = max(v for s, _ in self.drawn for v in s.finite())
+        if lo is not None and hi is None and top > lo:  # headroom, so a line at its maximum is not on the frame
+            hi = lo + 1.08 * (top - lo)
+        ax.set_ylim(lo, hi)
         handles, labels = ax.get_legend_handles_labels()
         if notes:  # as legend rows without a marker, under the series they explain
             import matplotlib.lines
@@ -181,7 +185,7 @@ class Spec:
     ylabel: str
     unit: str
     fill: Callable[[Panel], None]
-    ylim: tuple[float | None, float | None] = (0, None)
+    ylim: tuple[float | None, float | None] = (0, None)  # from 0 to where the data ends (1% accuracy stays readable)
 
 
 def _stacked(fig, specs: list[Spec], title: str) -> bool:
@@ -223,9 +227,6 @@ def _cfg(config: dict, dotted: str, default=None):
     return node
 
 
-PCT = (-2, 102)  # a 0-100% axis with room for the line at either end
-
-
 def plot_reward(rows: list[dict], fig, config: dict) -> bool:
     """Reward mean over the step's samples, and accuracy (%). With a 0/1 reward they are the same curve: drawn
     once, and the std (then sqrt(p(1-p)), set by the mean) is left out; otherwise reward (± std) and accuracy get
@@ -238,7 +239,7 @@ def plot_reward(rows: list[dict], fig, config: dict) -> bool:
         def one(p: Panel) -> None:
             p.add(acc, "accuracy = reward mean (0/1 reward)", "C1")
             p.notes.append("reward std not drawn: for a 0/1 reward it is sqrt(p(1-p)), set by the mean")
-        return _stacked(fig, [Spec("accuracy (%)", "%", one, PCT)], "Training rollouts: accuracy")
+        return _stacked(fig, [Spec("accuracy (%)", "%", one)], "Training rollouts: accuracy")
 
     def reward(p: Panel) -> None:
         p.add(mean, "reward mean", "C0")
@@ -250,7 +251,7 @@ def plot_reward(rows: list[dict], fig, config: dict) -> bool:
                               [min(a + b, ceil) for a, b in zip(m, sd, strict=True)], color="C0", alpha=0.1,
                               linewidth=0, label="± std over the step's samples")
     specs = [Spec("reward", "", reward, (None, None)),
-             Spec("accuracy (%)", "%", lambda p: p.add(acc, "accuracy", "C1"), PCT)]
+             Spec("accuracy (%)", "%", lambda p: p.add(acc, "accuracy", "C1"))]
     return _stacked(fig, specs, "Training rollouts: reward and accuracy")
 
 
@@ -269,7 +270,7 @@ def plot_validation(rows: list[dict], fig, config: dict) -> bool:
                 if pred(k):
                     p.add(s, k[4:], colors[k], marker="o")
         return fill
-    specs = [Spec("accuracy (%)", "%", group(lambda k: not ("length" in k or "truncated" in k)), PCT),
+    specs = [Spec("accuracy (%)", "%", group(lambda k: not ("length" in k or "truncated" in k))),
              Spec("response length (tokens)", " tokens", group(lambda k: "length" in k)),
              Spec("truncated (% of responses)", "%", group(lambda k: "truncated" in k))]
     return _stacked(fig, specs, "Validation (held-out prompts; step 0 = before RL)")
@@ -277,7 +278,9 @@ def plot_validation(rows: list[dict], fig, config: dict) -> bool:
 
 def plot_step_time(rows: list[dict], fig, config: dict) -> bool:
     rows = [r for r in _train_rows(rows) if any(k.startswith("time/") for k in r)]
-    phases = [p for p in PHASES if Series(rows, f"time/{p}")]
+    logged = sorted({k[5:] for r in rows for k in r if k.startswith("time/") and k != "time/step"})
+    phases = [p for p in [*PHASES, *(k for k in logged if k not in PHASES)]  # (algorithms add phases: PPO's critic)
+              if Series(rows, f"time/{p}")]
     total = Series(rows, "time/step")
     if not (phases or total):
         return False
@@ -371,7 +374,9 @@ def plot_weight_sync(rows: list[dict], fig, config: dict) -> bool:
     gbps, secs = Series(rows, "sync/gb_per_s"), Series(rows, "time/weight_sync")
     if not gbps:
         return False
-    specs = [Spec("GB/s (engine-dtype weights)", " GB/s", lambda p: p.add(gbps, "bandwidth", "C0")),
+    adapters = _cfg(config, "train.lora.rank", 0) and not _cfg(config, "rollout.lora_merge", False)
+    what = "fp32 LoRA adapters" if adapters else "engine-dtype weights"
+    specs = [Spec(f"GB/s ({what})", " GB/s", lambda p: p.add(gbps, "bandwidth", "C0")),
              Spec("seconds per sync", " s", lambda p: p.add(secs, "duration", "C1"))]
     return _stacked(fig, specs, "Weight sync trainer → engines")
 
