@@ -87,9 +87,9 @@ class Series:
         return finite[-1] if finite else None
 
     def constant(self) -> float | None:
-        """The value when it is the same at every logged step, else None."""
+        """The value when it is the same at every logged step (two or more), else None."""
         v = self.finite()
-        return v[0] if v and all(abs(a - v[0]) <= 1e-12 * max(1.0, abs(v[0])) for a in v) else None
+        return v[0] if len(v) > 1 and all(abs(a - v[0]) <= 1e-12 * max(1.0, abs(v[0])) for a in v) else None
 
 
 def shown(rows: list[dict], key: str) -> Series:
@@ -146,8 +146,8 @@ class Panel:
         if twin is not None:
             self.notes.append(f"{label} = {twin} at every step (drawn once)")
             return
-        if marker:
-            self.ax.plot(s.x, s.y, color=color, marker=marker, linewidth=1.5, label=label)
+        if marker or len(s.finite()) == 1:  # (one point drawn as a line is invisible)
+            self.ax.plot(s.x, s.y, color=color, marker=marker or "o", linewidth=1.5, label=label)
         elif smoothed and len(s.x) >= 10:
             self.ax.plot(s.x, s.y, color=color, alpha=0.25, linewidth=1)
             self.ax.plot(s.x, smooth(s.y, _window(len(s.x))), color=color, linewidth=2, label=f"{label} (smoothed)")
@@ -192,6 +192,7 @@ def _stacked(fig, specs: list[Spec], title: str) -> bool:
     """Panels from top to bottom sharing the step axis. A panel left with nothing drawn (every series constant)
     gives its notes to the first panel that has a line instead of taking a row of its own."""
     import matplotlib.figure
+    import matplotlib.ticker
 
     trial = []
     for spec in specs:  # (on a scratch figure, to know which panels will have a line)
@@ -210,6 +211,7 @@ def _stacked(fig, specs: list[Spec], title: str) -> bool:
     for p in panels:
         p.finish()
     axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True, min_n_ticks=1))  # (steps)
     axes[0].set_title(title)
     return True
 
