@@ -348,8 +348,8 @@ def _zero_because(config: dict) -> dict[str, str]:
     out = {}
     if _cfg(config, "algo.kl_coef") == 0 and not _cfg(config, "algo.kl_in_reward", False):
         out["actor/kl"] = "off: algo.kl_coef=0"
-    if _cfg(config, "train.mini_batches") == 1 and not _cfg(config, "cluster.async", False):
-        out["actor/clip_frac"] = "one update per batch on its own samples, so the ratio is 1: train.mini_batches=1"
+    if _cfg(config, "train.mini_batches") == 1:
+        out["actor/clip_frac"] = "one update per batch, so the ratio to the old policy is 1: train.mini_batches=1"
     return out
 
 
@@ -364,11 +364,13 @@ def plot_kl_entropy(rows: list[dict], fig, config: dict) -> bool:
             ("actor/kl", "KL to reference", "KL (nats / token)", " nats"),
             ("actor/entropy", "entropy", "entropy (nats / token)", " nats"),
             ("actor/clip_frac", "clip fraction", "clipped (% of tokens)", "%"),
-            ("actor/logprob_gap", "log-prob gap (rollout vs train)", "mean |Δ log p| / token", ""))):
+            ("actor/logprob_gap", "log-prob gap (rollout vs train)", "mean |Δ log p| / token", ""),
+            ("actor/tis_weight_mean", "TIS weight (mean)", "π_old / π_rollout", ""),  # cluster.async's correction
+            ("actor/tis_clip_frac", "TIS weights capped", "capped (% of tokens)", "%"))):
         s = shown(rows, k)
         if s:
             specs.append(Spec(ylabel, u, fill(s, label, f"C{i}", because.get(k, ""))))
-    return bool(specs) and _stacked(fig, specs, "Policy: KL, entropy, clipping, log-prob gap")
+    return bool(specs) and _stacked(fig, specs, "Policy: KL, entropy, clipping, log-prob gap (and TIS when async)")
 
 
 def plot_weight_sync(rows: list[dict], fig, config: dict) -> bool:
@@ -412,7 +414,8 @@ CHARTS = [
     Chart("throughput.png", plot_throughput, "rollout and train tokens/s (and the engine's prefill/decode tokens/s); "
           "MFU (%) below when the device's peak is known"),
     Chart("response_length.png", plot_response_length, "mean and max response length, and the truncation rate (%)"),
-    Chart("kl_entropy.png", plot_kl_entropy, "KL to the reference, policy entropy, clip fraction, log-prob gap"),
+    Chart("kl_entropy.png", plot_kl_entropy, "KL to the reference, policy entropy, clip fraction, log-prob gap, and "
+          "the truncated importance weights of an async run"),
     Chart("weight_sync.png", plot_weight_sync, "weight-sync bandwidth (GB/s) and seconds per sync"),
     Chart("engine.png", plot_engine, "rollout engine: mean running sequences, preemptions, KV pool peak usage (%)"),
 ]
