@@ -140,11 +140,11 @@ class Panel:
         value = s.constant()
         if value is not None:
             why = f" ({zero_because})" if zero_because and value == 0 else ""
-            self.notes.append(f"{label}: {_g(value)}{self.spec.unit} at every step{why}")
+            self.notes.append(f"{label}: {_g(value)}{self.spec.unit} at every {self.spec.every}{why}")
             return
         twin = next((lab for other, lab in self.drawn if same(s, other)), None)
         if twin is not None:
-            self.notes.append(f"{label} = {twin} at every step (drawn once)")
+            self.notes.append(f"{label} = {twin} at every {self.spec.every} (drawn once)")
             return
         if marker or len(s.finite()) == 1:  # (one point drawn as a line is invisible)
             self.ax.plot(s.x, s.y, color=color, marker=marker or "o", linewidth=1.5, label=label)
@@ -180,12 +180,14 @@ class Panel:
 
 @dataclass
 class Spec:
-    """A panel: its axis label, the unit its notes give values in, what it draws, and its y range."""
+    """A panel: its axis label, the unit its notes give values in, what it draws, its y range, and what a logged
+    point is (a step, a validation)."""
 
     ylabel: str
     unit: str
     fill: Callable[[Panel], None]
     ylim: tuple[float | None, float | None] = (0, None)  # from 0 to where the data ends (1% accuracy stays readable)
+    every: str = "step"
 
 
 def _stacked(fig, specs: list[Spec], title: str) -> bool:
@@ -270,11 +272,11 @@ def plot_validation(rows: list[dict], fig, config: dict) -> bool:
         def fill(p: Panel) -> None:
             for k, s in series:
                 if pred(k):
-                    p.add(s, k[4:], colors[k], marker="o")
+                    p.add(s, k[4:].replace("_", " "), colors[k], marker="o")
         return fill
-    specs = [Spec("accuracy (%)", "%", group(lambda k: not ("length" in k or "truncated" in k))),
-             Spec("response length (tokens)", " tokens", group(lambda k: "length" in k)),
-             Spec("truncated (% of responses)", "%", group(lambda k: "truncated" in k))]
+    specs = [Spec("accuracy (%)", "%", group(lambda k: not ("length" in k or "truncated" in k)), every="validation"),
+             Spec("response length (tokens)", " tokens", group(lambda k: "length" in k), every="validation"),
+             Spec("truncated (% of responses)", "%", group(lambda k: "truncated" in k), every="validation")]
     return _stacked(fig, specs, "Validation (held-out prompts; step 0 = before RL)")
 
 
@@ -370,7 +372,9 @@ def plot_kl_entropy(rows: list[dict], fig, config: dict) -> bool:
         s = shown(rows, k)
         if s:
             specs.append(Spec(ylabel, u, fill(s, label, f"C{i}", because.get(k, ""))))
-    return bool(specs) and _stacked(fig, specs, "Policy: KL, entropy, clipping, log-prob gap (and TIS when async)")
+    tis = ", truncated importance weights" if Series(rows, "actor/tis_weight_mean") else ""
+    title = f"Policy: KL, entropy, clipping, log-prob gap{tis}"
+    return bool(specs) and _stacked(fig, specs, title)
 
 
 def plot_weight_sync(rows: list[dict], fig, config: dict) -> bool:
