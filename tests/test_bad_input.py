@@ -1,7 +1,7 @@
 """Bad input, one row per case: exit code 2 (or as stated), no traceback, a message naming the culprit, and the
 run dir that the command points at is byte for byte as it was (an earlier run in it is never touched).
 
-`python tests/test_bad_input.py` prints the table (case, exit code, first line of stderr) for the README/notes.
+`python tests/test_bad_input.py` prints the table (case, exit code, first line of stderr).
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ def test_enough_cases():
     assert len(CASES) >= 60 and areas == {"config", "data", "model", "reward", "checkpoint", "cli"}
 
 
-if __name__ == "__main__":  # the table for the README / closing note, generated from the rows above
+if __name__ == "__main__":  # the table of cases, generated from the rows above
     import contextlib
     import io
     import tempfile
