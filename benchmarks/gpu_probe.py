@@ -325,12 +325,17 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 512
         args.prompts, args.samples, args.new_tokens, args.stops, args.prompt_len = 4, 2, 16, 8, 8
     args.dtype = str(dtype).removeprefix("torch.")
-    captures = {"n": 0}
+    captures = {"n": 0, "seconds": 0.0}
     capture = DecodeGraphs._capture
 
     def counted(self, size):
+        sync(device)
+        t = time.perf_counter()
+        ok = capture(self, size)
+        sync(device)
         captures["n"] += 1
-        return capture(self, size)
+        captures["seconds"] += time.perf_counter() - t
+        return ok
 
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
@@ -344,7 +349,7 @@ def engine_section(a, device, dtype, bw: float) -> dict:
     DecodeGraphs._capture = counted
     try:
         run_twinplane(engine, prompts[:8], args, seed=0, new_tokens=32)  # warm-up: compiles, cuBLAS, allocator
-        warm_captures, frames = captures["n"], dict(counters["frames"])
+        warm_captures, warm_seconds, frames = captures["n"], captures["seconds"], dict(counters["frames"])
         roof.reset()
         n, s, samples, m = run_twinplane(engine, prompts, args, seed=1)
     finally:
@@ -352,6 +357,7 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         Roofline.active = []
     out = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "captures_warmup": warm_captures,
            "captures_timed_call": captures["n"] - warm_captures,
+           "capture_seconds_timed_call": captures["seconds"] - warm_seconds,
            "dynamo_frames_timed_call": {k: v - frames.get(k, 0) for k, v in counters["frames"].items()},
            "metrics": m, "roofline": roof.summary(bw)}
     if a.hf and (a.smoke or time.perf_counter() < a.hf_until):

@@ -2,6 +2,7 @@
 equals the eager engine, before and after a weight sync; padding rows never touch a sequence's blocks; options
 and fallbacks. The capture itself (CUDA/HIP graphs) is tested at the end, on GPUs only."""
 
+import contextlib
 import copy
 
 import pytest
@@ -130,12 +131,13 @@ def test_options_platform_choice_and_fallbacks(monkeypatch):
         assert e.graph_backend == "eager"
         e.generate(PROMPTS, SamplingParams(max_new_tokens=24))
         assert e.blocks.num_blocks == 3
-    for bad, msg in ((["rollout.graph_max_batch=0"], "rollout.graph_max_batch: must be in 1..1024"),
+    for bad, msg in ((["rollout.graph_max_batch=-1"], r"rollout.graph_max_batch: must be in 0..1024 \(0 = "),
                      (["rollout.graphs=maybe"], "rollout.graphs: expected true/false")):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, bad)
     with pytest.raises(ValueError, match="graph_max_batch"):
-        RolloutEngine(model, EOS, graph_max_batch=0)
+        RolloutEngine(model, EOS, graph_max_batch=-1)
+    assert RolloutEngine(model, EOS, max_num_seqs=48).graph_max_batch == 48  # the default follows max_num_seqs
     moe = tiny_moe()
     assert decode_graphs.decode_mode("static", moe, record_routing=False) == "static"
     assert decode_graphs.decode_mode("static", moe, record_routing=True) == "eager"  # the record is host-side
@@ -164,6 +166,62 @@ def test_record_routing_stays_eager_and_keeps_its_record():
     got = e.generate(PROMPTS, sp)
     assert e.pop_metrics()["rollout/engine_steps_graphed"] == 0
     assert all(s.routing is not None and (s.routing[:-1] >= 0).all() for s in got)
+
+
+class FakeStream:
+    def __init__(self, device=None):
+        self.waits = 0
+
+    def wait_stream(self, other):
+        self.waits += 1
+
+
+class FakeGraph:
+    """A stand-in for torch.cuda.CUDAGraph on CPU: `replay` re-runs the forward that was captured (set below)."""
+
+    capturing = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        FakeGraph.capturing = self
+
+    def capture_end(self):
+        FakeGraph.capturing = None
+
+
+def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(monkeypatch):
+    """The cuda_graph mode's bookkeeping on CPU: each bucket captured once per call on the engine's one side stream;
+    warm-up forwards only for shapes the engine has not decoded before (none in a second call of the same shapes);
+    replays give the eager engine's outputs."""
+    main = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    forward, calls = DecodeGraphs.forward, {"warmup": 0, "capture": 0}
+
+    def recorded(self, size):
+        graph = FakeGraph.capturing
+        out = forward(self, size)
+        calls["capture" if graph else "warmup"] += 1
+        if graph is not None:
+            graph.replay = lambda: out.copy_(forward(self, size))
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "forward", recorded)
+    captures, capture = [], DecodeGraphs._capture
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, size: captures.append(size) or capture(self, size))
+    model, sp = tiny_model(), SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5)
+    graphed, eager = engine(model, "cuda_graph"), engine(model, "eager")
+    want = eager.generate(PROMPTS, sp)
+    for call in range(2):
+        captures.clear()
+        calls.update(warmup=0, capture=0)
+        assert_same(graphed.generate(PROMPTS, sp), want)
+        assert captures and len(set(captures)) == len(captures) == calls["capture"]
+        assert calls["warmup"] == (decode_graphs.WARMUP_RUNS * len(captures) if call == 0 else 0)
+        assert graphed.pop_metrics()["rollout/engine_steps_graphed"] > 5
+    assert isinstance(graphed.warmth.stream, FakeStream) and graphed.warmth.stream is not main
 
 
 # --- GPUs: the captured graphs ----------------------------------------------------------------------------------

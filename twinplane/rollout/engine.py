@@ -97,12 +97,13 @@ class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
                  max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
-                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 256):
+                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 0):
         """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
         `record_routing`: MoE, keep each token's experts per sparse layer in its sample; `graphs`: decode steps of
-        up to `graph_max_batch` sequences as captured graphs where the platform can (twinplane.rollout.graphs)."""
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and graph_max_batch must be >= 1")
+        up to `graph_max_batch` sequences (0 = max_num_seqs) as captured graphs where the platform can
+        (twinplane.rollout.graphs)."""
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, graph_max_batch >= 0")
         self.model = model.eval().requires_grad_(False)
         self.device = model.output_weight().device
         # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
@@ -118,7 +119,9 @@ class RolloutEngine:
         # paged attention kernel and the pool's block size (twinplane.model.paged_attention), passed to every forward
         self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim)
         # "cuda_graph" | "eager" from the platform; tests set "static" (the graph path's buffers, not captured)
-        self.graph_backend, self.graph_max_batch = platform.decode_graph_backend(self.device, graphs), graph_max_batch
+        self.graph_backend = platform.decode_graph_backend(self.device, graphs)
+        self.graph_max_batch = graph_max_batch or max_num_seqs
+        self.warmth = decode_graphs.Warmth()  # what later captures need not redo (decode_graphs.Warmth)
         self.kv: KVCache | None = None
         self.blocks: BlockManager | None = None
         self.decoder: decode_graphs.DecodeGraphs | None = None  # this call's static decode (None = all eager)
@@ -250,7 +253,8 @@ class RolloutEngine:
             self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, bs)  # the reserved block (the pool's last) is never handed out
         self.decoder = decode_graphs.DecodeGraphs(self.model, self.kv, mode, self.backend, need_one,
-                                                  self.graph_max_batch, sum(s.width for s in seqs), self.head) \
+                                                  self.graph_max_batch, sum(s.width for s in seqs), self.head,
+                                                  self.warmth) \
             if reserved else None
 
     def _step(self, batch: ScheduledBatch, sched: Scheduler, sp: SamplingParams) -> list[Seq]:
