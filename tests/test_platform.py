@@ -261,3 +261,15 @@ def test_paged_backend_environment_override(monkeypatch, probes):
     with pytest.raises(ValueError, match="TWINPLANE_PAGED_BACKEND"):
         platform.paged_attention_backend(torch.device("cpu"))
     assert probes == []
+
+
+def test_rollout_dtype_is_bf16_on_gpus_unless_set():
+    from types import SimpleNamespace as NS
+
+    from twinplane.platform import rollout_dtype
+
+    assert rollout_dtype(NS(dtype="float32", rollout_dtype=None), "cuda") == torch.bfloat16
+    assert rollout_dtype(NS(dtype="float32", rollout_dtype=None), "cpu") == torch.float32
+    assert rollout_dtype(NS(dtype="float16", rollout_dtype=None), "cuda") == torch.float16
+    assert rollout_dtype(NS(dtype="float32", rollout_dtype="float32"), "cuda") == torch.float32
+    assert rollout_dtype(NS(dtype="bfloat16", rollout_dtype="float16"), "cpu") == torch.float16

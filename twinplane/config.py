@@ -39,7 +39,7 @@ class ModelSection:
     num_experts_per_tok: int = 2  # demo MoE only: experts each token runs (top-k)
     moe_intermediate_size: int = 128  # demo MoE only: each expert's hidden size
     dtype: str = "float32"  # training-plane dtype (master weights)
-    rollout_dtype: str | None = None  # engine dtype; unset = same as dtype
+    rollout_dtype: str | None = None  # engine dtype; unset = bfloat16 on GPUs when dtype is float32, else dtype
 
 
 @dataclass
@@ -316,7 +316,8 @@ class Config:
              "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
             (self.rollout.kv_cache_gb >= 0, "rollout.kv_cache_gb", "must be >= 0 (0 = automatic)"),
             (0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]"),
-            (0 <= self.rollout.graph_max_batch <= 1024, "rollout.graph_max_batch", "must be in 0..1024 (0 = max_num_seqs)"),
+            (0 <= self.rollout.graph_max_batch <= 1024, "rollout.graph_max_batch",
+             "must be in 0..1024 (0 = max_num_seqs)"),
             (self.eval.n >= 1 and self.eval.every >= 0, "eval", "needs eval.n >= 1 and eval.every >= 0"),
             (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),
             (0 <= self.task.teacher_carry_error <= 1, "task.teacher_carry_error", "must be in [0, 1]"),

@@ -57,6 +57,16 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def rollout_dtype(model, device: torch.device | str) -> torch.dtype:
+    """The rollout engine's dtype for a config's `model` section: `model.rollout_dtype` when set; else bf16 on GPUs
+    when the weights are fp32 (decoding is bound by memory traffic, and bf16 halves it; the trainer then recomputes
+    the old log-probs itself, since the engine's differ from its own); else the weights' dtype."""
+    if model.rollout_dtype:
+        return resolve_dtype(model.rollout_dtype)
+    dtype = resolve_dtype(model.dtype)
+    return torch.bfloat16 if torch.device(device).type == "cuda" and dtype == torch.float32 else dtype
+
+
 def worker_device(name: str | None, assigned_gpus: list[int] | None = None) -> torch.device:
     """The device of a Ray worker that was given `assigned_gpus` (Ray's ids). Ray normally restricts each actor's
     visible devices (CUDA_VISIBLE_DEVICES; ROCR/HIP_VISIBLE_DEVICES on AMD) to its own, which torch then calls

@@ -85,12 +85,13 @@ def prompt_tokens(cfg: Config) -> int:
     return cfg.data.max_prompt_tokens if cfg.model.path else 2 * cfg.task.digits + 2
 
 
-def estimate_bytes(cfg: Config, mc: ModelConfig, prompt_tokens: int) -> dict[str, float]:
+def estimate_bytes(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: torch.device | str = "cpu"
+                   ) -> dict[str, float]:
     """What the run must hold at once, by part: the training plane's weights, gradients and AdamW moments, the
     engine's copy when its dtype differs, the reference model, and the KV cache of the sequences in flight.
     Activations and logits are left out: micro-batching, chunking and checkpointing can shrink them."""
     p, b = mc.num_params, DTYPE_BYTES[cfg.model.dtype]
-    rb = DTYPE_BYTES[cfg.model.rollout_dtype or cfg.model.dtype]
+    rb = platform.rollout_dtype(cfg.model, device).itemsize
     r = cfg.rollout
     seqs = min(r.max_num_seqs, r.prompts_per_step * r.n)
     context = prompt_tokens + r.max_new_tokens  # (a multi-turn response, tool tokens too, fits max_new_tokens)
@@ -103,9 +104,10 @@ def estimate_bytes(cfg: Config, mc: ModelConfig, prompt_tokens: int) -> dict[str
     return parts
 
 
-def check_memory(cfg: Config, mc: ModelConfig, prompt_tokens: int, memory_bytes: int, where: str) -> None:
-    """Refuse a run whose model and KV cache alone exceed the memory of the device it runs on."""
-    parts = estimate_bytes(cfg, mc, prompt_tokens)
+def check_memory(cfg: Config, mc: ModelConfig, prompt_tokens: int, memory_bytes: int, where: str,
+                 device: torch.device | str = "cpu") -> None:
+    """Refuse a run whose model and KV cache alone exceed the memory of `device`, which it runs on."""
+    parts = estimate_bytes(cfg, mc, prompt_tokens, device)
     total = sum(parts.values())
     if memory_bytes and total > memory_bytes:
         detail = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in parts.items())
@@ -123,7 +125,7 @@ def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: to
     sequences again); on GPUs with an automatic budget the memory free now is more than the engine will find, so
     this only refuses what can never fit."""
     r = cfg.rollout
-    dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+    dtype = platform.rollout_dtype(cfg.model, device)
     _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim)
     reserved = int(platform.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
     pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,

@@ -84,7 +84,6 @@ def train(s: Setup, console: Console | None = None) -> dict:
     live = LiveLine(console, cfg.log.progress and "console" in cfg.log.backends, cfg.log.every)
     t_start = time.perf_counter()
     dtype = platform.resolve_dtype(cfg.model.dtype)
-    rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
     if s.resume_from is None:  # on resume, written once the checkpoint has loaded (a bad one changes nothing)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -136,7 +135,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
     controller = Controller(planes.engine, planes.trainer, planes.reference, s.scorer, tokenizer, sampling,
-                            cfg.train.mini_batches, cfg.algo.recompute_old_logprobs or rollout_dtype != dtype,
+                            cfg.train.mini_batches, cfg.algo.recompute_old_logprobs or planes.engine.dtype != dtype,
                             algo=algo, critic=planes.critic, critic_warmup=cfg.critic.warmup_steps,
                             more_prompts=lambda: stream.next_batch(r.prompts_per_step), rollout=planes.rollout,
                             on_phase=faults,

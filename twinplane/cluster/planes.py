@@ -75,7 +75,7 @@ def reference_is_base(cfg: Config) -> bool:
 def engine_model(cfg: Config, model: Transformer) -> Transformer:
     """The engine's copy of the policy in the rollout dtype (LoRA adapters stay fp32): the same adapted model, or
     with `rollout.lora_merge` a plain model with the adapters folded in."""
-    rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+    rollout_dtype = platform.rollout_dtype(cfg.model, model.output_weight().device)
     model = copy.deepcopy(model)
     if cfg.rollout.lora_merge:
         merge_lora(model)

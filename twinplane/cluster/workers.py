@@ -103,7 +103,7 @@ class _Worker:
 
     def _build_engine(self, policy: dict[str, torch.Tensor], index: int) -> None:
         s = self.spec
-        dtype = platform.resolve_dtype(s.cfg.model.rollout_dtype or s.cfg.model.dtype)
+        dtype = platform.rollout_dtype(s.cfg.model, self.device)
         model = build_model(s.model_config, policy, self.device, dtype, s.cfg.train.lora, s.cfg.rollout.lora_merge)
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
         self.engine = build_engine(s.cfg, model, s.tokenizer, seed_offset=1_000_003 * index)
@@ -219,7 +219,7 @@ class TrainWorker(_CriticCalls, _Worker):
         loads its own engine. Returns the sender's checksum of what it sent, bytes and seconds."""
         cfg = self.spec.cfg
         cluster, lora = cfg.cluster, cfg.train.lora
-        dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+        dtype = platform.rollout_dtype(cfg.model, self.device)
         # LoRA: only the adapters (fp32) when the engines hold them; merged weights when `rollout.lora_merge`
         adapters, merged = lora.rank > 0 and not cfg.rollout.lora_merge, lora.rank > 0 and cfg.rollout.lora_merge
         shapes = export_shapes(self.trainer.model, adapters, merged)  # a DTensor's shape is the full one
