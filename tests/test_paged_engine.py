@@ -121,8 +121,10 @@ def test_preemption_and_batching_do_not_change_outputs(temperature):
 def test_random_budgets_caps_and_chunks_give_the_unconstrained_outputs():
     """Seeded random mixes of prompt lengths (around block edges), n, stops, sampling, KV budgets from one sequence
     up, running-set caps and token budgets (below the number of decodes too): the outputs, log-probs and finish
-    reasons of the unconstrained engine, and an empty pool afterwards. (It catches the negative prefill chunk above.)"""
+    reasons of the unconstrained engine, bitwise (the batch-invariant engine), and an empty pool afterwards. (It
+    catches the negative prefill chunk above.)"""
     model, rng = tiny_model(), random.Random(0)
+    invariant = {"batch_invariant": True}  # (MKL's small GEMMs round a row by the batch's size on some CPUs)
     bs = RolloutEngine(copy.deepcopy(model), None).block_size
     per_block = bytes_per_block(model.config, bs, torch.float32)
     for _ in range(40):
@@ -133,14 +135,14 @@ def test_random_budgets_caps_and_chunks_give_the_unconstrained_outputs():
                             stop_token_ids=rng.choice([[], [7, 9]]), top_p=rng.choice([1.0, 0.8]),
                             stop_sequences=rng.choice([[], [[8], [9, 10]]]))
         eos = rng.choice([None, EOS])
-        want = RolloutEngine(copy.deepcopy(model), eos).generate(prompts, sp)
+        want = RolloutEngine(copy.deepcopy(model), eos, **invariant).generate(prompts, sp)
         need = -(-(max(map(len, prompts)) + sp.max_new_tokens) // bs)
         tight = RolloutEngine(copy.deepcopy(model), eos, kv_cache_bytes=(need + rng.choice([0, 1, 4])) * per_block,
-                              max_num_seqs=rng.choice([1, 3, 8, 64]), max_num_batched_tokens=rng.choice([1, 2, 3, 64]))
+                              max_num_seqs=rng.choice([1, 3, 8, 64]), max_num_batched_tokens=rng.choice([1, 2, 3, 64]),
+                              **invariant)
         got = tight.generate(prompts, sp)
         assert [(s.token_ids, s.finish_reason) for s in got] == [(s.token_ids, s.finish_reason) for s in want]
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(got, want, strict=True))  # bitwise
         assert_pool_empty(tight)
 
 
@@ -239,3 +241,8 @@ def test_flash_paged_backend_equals_portable():
     portable = RolloutEngine(copy.deepcopy(model), eos_token_id=None)
     portable.backend, portable.block_size = "sdpa", 16
     assert [s.token_ids for s in fused] == [s.token_ids for s in portable.generate(PROMPTS, sp)]
+
+
+def test_batch_invariant_needs_the_cpu_float32_engine():
+    with pytest.raises(InputError, match="rollout.batch_invariant: needs the CPU float32 engine"):
+        RolloutEngine(tiny_model().to(torch.bfloat16), None, batch_invariant=True)

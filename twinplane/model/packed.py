@@ -158,18 +158,19 @@ class PackedMLP(Packed, MLP):
 MIN_PACKED_DIM = 256
 
 
-def worth_packing(shape: Sequence[int]) -> bool:
-    return min(shape) >= MIN_PACKED_DIM
+def worth_packing(shape: Sequence[int], min_dim: int = MIN_PACKED_DIM) -> bool:
+    return min(shape) >= min_dim
 
 
 FUSED = {Attention: PackedAttention, MLP: PackedMLP}
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, min_dim: int = MIN_PACKED_DIM) -> int:
     """Make an inference-only `model` packed, in place; returns how many GEMMs run packed. Attention's q/k/v and an
     MLP's gate/up become one GEMM each where they are plain linears (LoRA adapters keep them apart: the adapters
     add per projection); every other plain or LoRA linear that is `worth_packing` is packed on its own. Weights,
-    names and state dict are unchanged."""
+    names and state dict are unchanged. `min_dim=1` packs every linear: oneDNN's rows do not depend on how many
+    rows share the call, MKL's (behind `F.linear`) do on some CPUs, so that is the batch-invariant engine."""
     count, fused = 0, set()
     for m in model.modules():
         cls = FUSED.get(type(m))
@@ -177,12 +178,12 @@ def pack_linears(model: nn.Module) -> int:
             continue
         linears = cls.packed_linears(m)
         if all(type(x) is nn.Linear for x in linears) \
-                and worth_packing((sum(x.out_features for x in linears), linears[0].in_features)):
+                and worth_packing((sum(x.out_features for x in linears), linears[0].in_features), min_dim):
             m.__class__ = cls
             fused.update(id(x) for x in linears)
             count += 1
     for m in model.modules():
-        if id(m) not in fused and type(m) in (nn.Linear, LoraLinear) and worth_packing(m.weight.shape):
+        if id(m) not in fused and type(m) in (nn.Linear, LoraLinear) and worth_packing(m.weight.shape, min_dim):
             m.__class__ = PackedLinear if type(m) is nn.Linear else PackedLoraLinear
             count += 1
     return count

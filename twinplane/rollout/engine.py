@@ -36,7 +36,7 @@ from twinplane import platform
 from twinplane.errors import InputError
 from twinplane.model import AttentionMetadata, ModelConfig, PagedKV, Transformer, load_weights
 from twinplane.model.moe import RoutingState
-from twinplane.model.packed import PackedWeight, linear, pack_linears, repack, worth_packing
+from twinplane.model.packed import MIN_PACKED_DIM, PackedWeight, linear, pack_linears, repack, worth_packing
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
@@ -97,18 +97,28 @@ class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
                  max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
-                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 0):
+                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 0,
+                 batch_invariant: bool = False):
         """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
         `record_routing`: MoE, keep each token's experts per sparse layer in its sample; `graphs`: decode steps of
         up to `graph_max_batch` sequences (0 = max_num_seqs) as captured graphs where the platform can
-        (twinplane.rollout.graphs)."""
+        (twinplane.rollout.graphs); `batch_invariant`: every GEMM through oneDNN's packed kernels (CPU fp32), so a
+        sample's bits do not depend on what else shares its steps (`F.linear`'s MKL kernels change a row's
+        rounding with the number of rows on some CPUs): the same samples however requests are batched, chunked or
+        preempted. Dense models without separate LoRA adapters (experts and rank-r adapters run `F.linear`)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, graph_max_batch >= 0")
         self.model = model.eval().requires_grad_(False)
         self.device = model.output_weight().device
         # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
-        self.packed = platform.packed_linear_ok(self.device, self.dtype) and pack_linears(self.model) > 0
-        self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight().shape) else None
+        packable = platform.packed_linear_ok(self.device, self.dtype)
+        if batch_invariant and not packable:
+            raise InputError(f"rollout.batch_invariant: needs the CPU float32 engine (oneDNN's packed GEMMs), not "
+                             f"{self.device.type} {str(self.dtype).removeprefix('torch.')}")
+        min_dim = 1 if batch_invariant else MIN_PACKED_DIM
+        self.packed = packable and pack_linears(self.model, min_dim) > 0
+        self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight().shape, min_dim) \
+            else None
         self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -388,4 +398,5 @@ def engine_options(rollout) -> dict:
     return {"max_num_seqs": rollout.max_num_seqs, "max_num_batched_tokens": rollout.max_num_batched_tokens,
             "kv_cache_bytes": int(rollout.kv_cache_gb * 2**30),
             "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing,
-            "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch}
+            "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch,
+            "batch_invariant": rollout.batch_invariant}
