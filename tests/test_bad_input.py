@@ -374,9 +374,9 @@ def test_good_inputs_still_work(finished_run, tmp_path, capsys):
 
 
 def test_a_bug_prints_its_traceback_and_says_so(monkeypatch, tmp_path, capsys):
-    from twinplane import run
+    from twinplane.run import loop
 
-    monkeypatch.setattr(run, "train", lambda setup: 1 / 0)
+    monkeypatch.setattr(loop, "train", lambda setup: 1 / 0)
     assert main(["train", "--run-dir", str(tmp_path / "r"), *TINY]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "ZeroDivisionError" in err and "this is a bug in twinplane" in err

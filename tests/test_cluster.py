@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from twinplane.cli import main
+from twinplane.cluster.sync import SyncReport, bucket_plan
 from twinplane.config import ConfigError, load_config
-from twinplane.sync import SyncReport, bucket_plan, weights_checksum
+from twinplane.model.checksum import weights_checksum
 from twinplane.train.balance import assign_rows
 
 ray = pytest.importorskip("ray")
@@ -86,8 +87,8 @@ def test_fsdp2_ranks_on_ray_train_like_one_process_and_engines_follow(tmp_path):
     import copy
 
     from twinplane.cluster import build_planes
-    from twinplane.prepare import prepare
     from twinplane.rollout import SamplingParams
+    from twinplane.run.prepare import prepare
     from twinplane.train import Batch, Trainer
 
     cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
@@ -259,10 +260,10 @@ def test_unplaceable_cluster_is_a_clear_error_and_releases_resources(tmp_path, c
 def test_checkpoint_loads_on_another_rank_count(disaggregated_run):
     """A 1-rank checkpoint (named full-tensor optimizer state) loads into 2 FSDP2 ranks, which shard it; gathered
     back it is the same state, and the weights are the checkpoint's."""
-    from twinplane import run_state
     from twinplane.cluster import build_planes
     from twinplane.data import PromptStream
-    from twinplane.prepare import prepare
+    from twinplane.run import run_state
+    from twinplane.run.prepare import prepare
 
     ckpt = sorted((disaggregated_run / "checkpoints").iterdir())[-1]
     cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
@@ -289,7 +290,7 @@ def test_tool_rollouts_on_ray_equal_local(tmp_path):
     import string
 
     from twinplane.model import ModelConfig, Transformer
-    from twinplane.prepare import save_hf_folder
+    from twinplane.run.prepare import save_hf_folder
     from twinplane.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(string.printable[:95])  # covers the tool-call markup

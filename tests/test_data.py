@@ -209,7 +209,7 @@ def test_stream_rejects_mismatched_state():
 
 
 def test_tasks_package_still_exports_prompt_stream():
-    from twinplane.tasks import PromptStream as FromTasks
+    from twinplane.data.tasks import PromptStream as FromTasks
 
     assert FromTasks is PromptStream
 

@@ -90,7 +90,7 @@ def test_weight_sync_and_checksum():
     before = engine.checksum()
     engine.load_weights(b.named_parameters(), version=5)
     assert engine.checksum() != before and engine.weight_version == 5
-    from twinplane.sync import weights_checksum
+    from twinplane.model.checksum import weights_checksum
 
     assert engine.checksum() == weights_checksum(b.named_parameters())
     s = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=3))[0]
@@ -98,8 +98,8 @@ def test_weight_sync_and_checksum():
 
 
 def test_in_process_sync_compares_bitwise_and_catches_a_bad_copy(monkeypatch):
+    from twinplane.cluster.sync import bitwise_equal, sync_in_process
     from twinplane.controller import Controller, WeightSyncError
-    from twinplane.sync import bitwise_equal, sync_in_process
 
     policy = tiny_model(seed=1)
     trainer = Trainer(policy, TrainSection(), AlgoSection(), temperature=1.0, total_steps=1)
@@ -125,7 +125,7 @@ def test_in_process_sync_compares_bitwise_and_catches_a_bad_copy(monkeypatch):
 
 
 def test_checksum_detects_small_changes():
-    from twinplane.sync import tensor_checksum, weights_checksum
+    from twinplane.model.checksum import tensor_checksum, weights_checksum
 
     t = torch.randn(3_000_000)  # spans several chunks
     base = tensor_checksum(t)

@@ -4,9 +4,9 @@ from itertools import combinations
 
 import pytest
 
-from twinplane.evaluation import evaluate, k_values, pass_at_k
-from twinplane.prompts import Prompt
+from twinplane.data.prompts import Prompt
 from twinplane.rollout import Sample
+from twinplane.run.evaluation import evaluate, k_values, pass_at_k
 
 
 @pytest.mark.parametrize("n, c", [(5, 0), (5, 1), (6, 3), (8, 8), (10, 2)])

@@ -17,8 +17,8 @@ from test_fsdp import spawn  # noqa: E402
 from test_resume import train as run_train  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
 
-from twinplane import checkpoint  # noqa: E402
 from twinplane.cli import main  # noqa: E402
+from twinplane.cluster.sync import sync_in_process  # noqa: E402
 from twinplane.config import AlgoSection, ConfigError, TrainSection, load_config  # noqa: E402
 from twinplane.model import save_pretrained  # noqa: E402
 from twinplane.model.lora import (  # noqa: E402
@@ -32,7 +32,7 @@ from twinplane.model.lora import (  # noqa: E402
 )
 from twinplane.model.lora_io import apply_adapter, save_adapter  # noqa: E402
 from twinplane.rollout import RolloutEngine  # noqa: E402
-from twinplane.sync import sync_in_process  # noqa: E402
+from twinplane.run import checkpoint  # noqa: E402
 from twinplane.train import Reference, Trainer  # noqa: E402
 from twinplane.train.fsdp import full_state_dict, shard_model, split_for_rank  # noqa: E402
 
@@ -290,9 +290,9 @@ def test_bad_lora_config_names_the_key(override, key):
 def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
     from test_plan import QWEN25_7B
 
-    from twinplane.devices import BY_KEY
     from twinplane.model import ModelConfig
-    from twinplane.plan import Cluster, Workload, layouts, lora_params, recommend, training_memory
+    from twinplane.platform.devices import BY_KEY
+    from twinplane.tools.plan import Cluster, Workload, layouts, lora_params, recommend, training_memory
 
     small = tiny_model()
     assert lora_params(small.config, 4) == adapter_numel(lora_model(rank=4))  # against the real adapters

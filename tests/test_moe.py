@@ -6,9 +6,9 @@ import torch
 from conftest import saved_and_reloaded, tiny_moe
 
 import twinplane
-from twinplane import platform
 from twinplane.model import Transformer
 from twinplane.model.moe import RoutingState, load_balancing_loss, routing_agreement
+from twinplane.platform import platform
 
 transformers = pytest.importorskip("transformers")
 

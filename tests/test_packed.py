@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from twinplane import platform
 from twinplane.model.lora import apply_lora
-from twinplane.model.packed import (
+from twinplane.platform import platform
+from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.rollout.packed import (
     PackedAttention,
     PackedLinear,
     PackedLoraLinear,
@@ -19,7 +20,6 @@ from twinplane.model.packed import (
     pack_linears,
     repack,
 )
-from twinplane.rollout import RolloutEngine, SamplingParams
 
 EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]

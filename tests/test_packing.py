@@ -297,8 +297,8 @@ def test_one_precision_policy_for_1_and_n_ranks(monkeypatch, gpu, hip):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import twinplane.train.fsdp as fsdp_module
-    from twinplane import platform
     from twinplane.model import Transformer
+    from twinplane.platform import platform
 
     model = tiny_model()
     assert platform.train_precision(torch.device("cpu"), torch.float32) == platform.Precision(torch.float32,

@@ -9,13 +9,13 @@ import torch
 from conftest import tiny_model
 from test_engine import EOS, PROMPTS, greedy_no_cache
 
-from twinplane import platform
 from twinplane.errors import InputError
-from twinplane.model import AttentionMetadata, PagedKV
-from twinplane.model.paged_attention import paged_attention
+from twinplane.model import AttentionMetadata
+from twinplane.platform import platform
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.kv_cache import bytes_per_block
+from twinplane.rollout.paged_attention import PagedKV, paged_attention
 
 
 def assert_pool_empty(engine):

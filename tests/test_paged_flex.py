@@ -13,10 +13,10 @@ from test_decode_graphs import assert_same
 from test_engine import EOS, PROMPTS
 from test_paged_engine import paged_case
 
-from twinplane.model import AttentionMetadata, PagedKV
+from twinplane.model import AttentionMetadata
 from twinplane.model.attention import _FLEX
-from twinplane.model.paged_attention import paged_attention
 from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.rollout.paged_attention import PagedKV, paged_attention
 
 
 def run(case, backend):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from twinplane.devices import BY_KEY
 from twinplane.model import ModelConfig
-from twinplane.plan import (
+from twinplane.platform.devices import BY_KEY
+from twinplane.tools.plan import (
     CPU,
     Cluster,
     Workload,
@@ -136,7 +136,7 @@ def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
     import yaml
 
     from twinplane.config import load_config
-    from twinplane.plan import main as plan_main
+    from twinplane.tools.plan import main as plan_main
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(load_config().to_dict(), sort_keys=False))
     assert plan_main(["--run-dir", str(tmp_path), "--gpu", "cpu"]) == 0
@@ -150,8 +150,8 @@ def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
 def test_moe_planner_counts_total_for_memory_and_active_for_flops():
     from pathlib import Path
 
-    from twinplane.flops import decode_read_params, matmul_params
-    from twinplane.plan import load_model_config
+    from twinplane.model.flops import decode_read_params, matmul_params
+    from twinplane.tools.plan import load_model_config
 
     cfg = load_model_config(str(Path(__file__).resolve().parent.parent / "examples/models/qwen3_30b_a3b"))
     assert 30.4e9 < cfg.num_params < 30.6e9 and 3.3e9 < cfg.active_params < 3.4e9  # published: 30.5B / 3.3B

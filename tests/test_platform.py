@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from twinplane import doctor, platform
+from twinplane.platform import platform
+from twinplane.tools import doctor
 
 
 @pytest.fixture(autouse=True)
@@ -190,57 +191,63 @@ def test_decode_graphs_on_cpu(monkeypatch):
 # --- the rollout engine's paged attention backend ------------------------------------------------------------------
 
 @pytest.fixture
-def probes(monkeypatch):
+def probe(monkeypatch):
     """The flex self-check, recorded and passing (its real run needs the GPU these tests simulate)."""
-    calls = []
     monkeypatch.delenv("TWINPLANE_PAGED_BACKEND", raising=False)
-    monkeypatch.setattr(platform, "_probe_flex_paged", lambda dev, dtype: calls.append((dev, dtype)) or True)
-    return calls
+
+    def check(dev, dtype, block_size):
+        check.calls.append((dev, dtype, block_size))
+        return True
+
+    check.calls = []
+    return check
 
 
 @pytest.mark.parametrize("hip", [None, "6.2.41133"])
-def test_paged_backend_is_flex_on_a_gpu_without_flash_attn(monkeypatch, probes, hip):
+def test_paged_backend_is_flex_on_a_gpu_without_flash_attn(monkeypatch, probe, hip):
     simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H100 80GB HBM3", hip=hip,
                  arch="gfx942:sramecc+:xnack-" if hip else None)  # flash_attn not installed
     gpu = torch.device("cuda")
-    assert platform.paged_attention_backend(gpu, torch.bfloat16) == ("flex", platform.FLEX_PAGE_SIZE) == ("flex", 128)
-    assert platform.paged_attention_backend(gpu, torch.bfloat16) == ("flex", 128)
-    assert probes == [(gpu, torch.bfloat16)]  # checked once per device and dtype
-    assert platform.paged_attention_backend(torch.device("cpu")) == ("sdpa", 16)
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)
+    assert platform.FLEX_PAGE_SIZE == 128
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)
+    assert probe.calls == [(gpu, torch.bfloat16, 128)]  # checked once per device and dtype, at flex's block size
+    assert platform.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("sdpa", 16)
     # compiled flex refuses head dims below 16 (seen on an H200): the portable path serves them, unchecked
-    assert platform.paged_attention_backend(gpu, torch.bfloat16, head_dim=8) == ("sdpa", 16)
-    assert probes == [(gpu, torch.bfloat16)]
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, head_dim=8, flex_check=probe) == ("sdpa", 16)
+    assert probe.calls == [(gpu, torch.bfloat16, 128)]
 
 
-def test_paged_backend_is_flash_where_flash_attn_is_eligible(monkeypatch, probes):
+def test_paged_backend_is_flash_where_flash_attn_is_eligible(monkeypatch, probe):
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
-    assert platform.paged_attention_backend(torch.device("cuda"), torch.bfloat16) == ("flash", 256)
-    assert probes == []
+    assert platform.paged_attention_backend(torch.device("cuda"), torch.bfloat16, flex_check=probe) == ("flash", 256)
+    assert probe.calls == []
     # flash-attn runs 16-bit only: an fp32 engine takes flex (after its check)
-    assert platform.paged_attention_backend(torch.device("cuda"), torch.float32) == ("flex", 128)
+    assert platform.paged_attention_backend(torch.device("cuda"), torch.float32, flex_check=probe) == ("flex", 128)
+    assert len(probe.calls) == 1
 
 
 @pytest.mark.parametrize("failure", ["raises", "disagrees"])
-def test_paged_backend_falls_back_to_sdpa_when_flex_fails_its_self_check(monkeypatch, probes, failure):
+def test_paged_backend_falls_back_to_sdpa_when_flex_fails_its_self_check(monkeypatch, probe, failure):
     simulate_gpu(monkeypatch, "NVIDIA L40S", cc=(8, 9))
 
-    def probe(dev, dtype):
+    def failing(dev, dtype, block_size):
         if failure == "raises":
             raise RuntimeError("no valid triton config for this GPU\n(the rest of inductor's message)")
         return False
 
-    monkeypatch.setattr(platform, "_probe_flex_paged", probe)
     why = "no valid triton config for this GPU" if failure == "raises" else "it disagreed with the portable path"
     with pytest.warns(UserWarning, match=f"FlexAttention failed its self-check on cuda \\({why}\\)"):
-        assert platform.paged_attention_backend(torch.device("cuda"), torch.float16) == ("sdpa", 16)
+        assert platform.paged_attention_backend(torch.device("cuda"), torch.float16, flex_check=failing) == ("sdpa", 16)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert platform.paged_attention_backend(torch.device("cuda"), torch.float16) == ("sdpa", 16)  # warned once
+        warnings.simplefilter("error")  # warned once; the answer is kept per device and dtype
+        assert platform.paged_attention_backend(torch.device("cuda"), torch.float16, flex_check=probe) == ("sdpa", 16)
+    assert probe.calls == []
 
 
 def test_flex_self_check_runs_here_and_catches_a_wrong_kernel(monkeypatch):
     """The real self-check, on CPU (eager flex): it passes, and fails when flex's output is off."""
-    from twinplane.model import paged_attention
+    from twinplane.rollout import paged_attention
 
     cpu = torch.device("cpu")
     assert paged_attention.flex_decode_agrees(cpu, torch.float32, 16)
@@ -248,25 +255,25 @@ def test_flex_self_check_runs_here_and_catches_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(paged_attention, "_flex_decodes", lambda *a: real(*a) + 1e-2)
     assert not paged_attention.flex_decode_agrees(cpu, torch.float32, 16)
     with pytest.warns(UserWarning, match="disagreed"):
-        assert not platform.flex_paged_ok(cpu, torch.float32)
+        assert not platform.flex_paged_ok(cpu, torch.float32, paged_attention.flex_decode_agrees)
 
 
-def test_paged_backend_environment_override(monkeypatch, probes):
+def test_paged_backend_environment_override(monkeypatch, probe):
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "flex")
-    assert platform.paged_attention_backend(torch.device("cpu")) == ("flex", 128)  # forced: eager flex, unchecked
+    assert platform.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("flex", 128)
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "sdpa")
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
-    assert platform.paged_attention_backend(torch.device("cuda")) == ("sdpa", 16)
+    assert platform.paged_attention_backend(torch.device("cuda"), flex_check=probe) == ("sdpa", 16)
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "fast")
     with pytest.raises(ValueError, match="TWINPLANE_PAGED_BACKEND"):
-        platform.paged_attention_backend(torch.device("cpu"))
-    assert probes == []
+        platform.paged_attention_backend(torch.device("cpu"), flex_check=probe)
+    assert probe.calls == []  # forced: unchecked (flex on CPU runs torch's eager reference)
 
 
 def test_rollout_dtype_is_bf16_on_gpus_unless_set():
     from types import SimpleNamespace as NS
 
-    from twinplane.platform import rollout_dtype
+    from twinplane.platform.platform import rollout_dtype
 
     assert rollout_dtype(NS(dtype="float32", rollout_dtype=None), "cuda") == torch.bfloat16
     assert rollout_dtype(NS(dtype="float32", rollout_dtype=None), "cpu") == torch.float32

@@ -12,14 +12,14 @@ from twinplane.algos import Algorithm
 from twinplane.cli import main
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.controller import Controller
+from twinplane.data.prompts import Prompt
+from twinplane.data.tasks import ALPHABET
 from twinplane.model import ModelConfig
-from twinplane.prompts import Prompt
+from twinplane.model.export import export_weights
 from twinplane.rollout import RolloutEngine, SamplingParams
-from twinplane.tasks import ALPHABET
 from twinplane.tokenizer import build_char_tokenizer
 from twinplane.train import Trainer
 from twinplane.train.critic import Critic, build_value_model, response_values
-from twinplane.train.export import export_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,7 +148,7 @@ def test_critic_starts_from_critic_model_path(tmp_path):
     from twinplane.cluster.planes import build_critic, critic_weights
     from twinplane.config import load_config
     from twinplane.errors import InputError
-    from twinplane.preflight import check_critic
+    from twinplane.run.preflight import check_critic
 
     policy = tiny_model()
     value = build_value_model(policy.config, export_weights(policy), torch.device("cpu"), torch.float32)

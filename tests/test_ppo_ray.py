@@ -89,8 +89,8 @@ def test_sharded_critic_equals_one_process_and_loads_any_layout(layout, tmp_path
     state equals its state, and a full state loads into the shards exactly."""
     from twinplane.cluster import build_planes
     from twinplane.cluster.planes import build_critic, critic_weights
-    from twinplane.prepare import prepare
     from twinplane.rollout import SamplingParams
+    from twinplane.run.prepare import prepare
     from twinplane.train import Batch
 
     cfg = load_config(None, [*ARGS, *PPO, *RAY, *layout, f"run_dir={tmp_path}", "algo.kl_coef=0"])

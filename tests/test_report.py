@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("matplotlib")
 import matplotlib.image  # noqa: E402
 
-from twinplane.report import load_metrics, main, make_report, smooth  # noqa: E402
+from twinplane.tools.report import load_metrics, main, make_report, smooth  # noqa: E402
 
 ALL_CHARTS = ["reward.png", "validation.png", "step_time.png", "throughput.png", "response_length.png",
               "kl_entropy.png", "weight_sync.png", "engine.png"]

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from twinplane import checkpoint
 from twinplane.cli import main
+from twinplane.run import checkpoint
 
 ARGS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
         "train.steps=6", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=12", "train.mini_batches=2",

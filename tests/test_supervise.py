@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from twinplane import supervise as sv
+from twinplane.tools import supervise as sv
 
 # Exits with the code planned for this launch (the last entry repeats); "kill" dies by SIGKILL.
 PLANNED = """

@@ -8,7 +8,7 @@ import torch
 
 from twinplane.cli import main
 from twinplane.model import ModelConfig, Transformer
-from twinplane.prepare import save_hf_folder
+from twinplane.run.prepare import save_hf_folder
 from twinplane.tokenizer import build_char_tokenizer
 
 COMMON = ["train.steps=1", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=6",

@@ -10,7 +10,7 @@ memory (`ModelConfig.num_params`) counts every expert.
 
 from __future__ import annotations
 
-from twinplane.model import ModelConfig
+from twinplane.model.config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig) -> int:

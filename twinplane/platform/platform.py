@@ -16,12 +16,13 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from twinplane import devices as device_specs
+from twinplane.platform import devices as device_specs
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -239,7 +240,7 @@ _PACKED_LINEAR: list[bool] = []  # the probe's answer, once per process
 
 
 def packed_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether inference-only linears may run through oneDNN with pre-packed weights (twinplane.model.packed).
+    """Whether inference-only linears may run through oneDNN with pre-packed weights (twinplane.rollout.packed).
 
     CPU fp32 only: there oneDNN's blocked-weight GEMM is 1.3-1.9x MKL's `F.linear` at decode batch sizes (8-100
     rows) and 1.1x at 1,500 rows on this project's 2-core machine, and its rows do not depend on how many rows
@@ -389,8 +390,8 @@ def _detect() -> PlatformInfo:
         arch = getattr(props[0], "gcnArchName", None) if vend == "amd" else None
         spec = device_specs.lookup(names[0])
         if spec is None:
-            warnings.warn(f"unknown {vend} device {names[0]!r}: no peak FLOP/s in twinplane.devices, MFU will be null",
-                          stacklevel=2)
+            warnings.warn(f"unknown {vend} device {names[0]!r}: no peak FLOP/s in twinplane.platform.devices, MFU will "
+                          "be null", stacklevel=2)
         peak = spec.bf16_tflops * 1e12 if spec else None
         source = f"spec:{spec.key}" if spec else "unknown"
         return PlatformInfo(vend, torch.__version__, cuda_ver, hip_ver, "cuda", names, memory, count, cc, arch,
@@ -458,17 +459,18 @@ FLASH_PAGE_SIZE = 256  # flash-attn's paged KV needs page_block_size % 256 == 0
 FLEX_PAGE_SIZE = 128
 PAGED_BLOCK_SIZES = {"sdpa": 16, "flex": FLEX_PAGE_SIZE, "flash": FLASH_PAGE_SIZE}
 _FLEX_PAGED: dict[tuple[str, torch.dtype], bool] = {}  # the flex self-check's answer per (device, dtype)
+FlexCheck = Callable[[torch.device, torch.dtype, int], bool]  # (device, dtype, block size) -> flex agrees
 
 
-def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32,
-                            head_dim: int = 64) -> tuple[str, int]:
-    """(backend, block size) for the rollout engine's paged KV cache (twinplane.model.paged_attention):
+def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32, head_dim: int = 64, *,
+                            flex_check: FlexCheck) -> tuple[str, int]:
+    """(backend, block size) for the rollout engine's paged KV cache (twinplane.rollout.paged_attention):
     flash-attn's paged varlen kernel where it is installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350) and
     the engine runs in 16 bits;
-    else on GPUs FlexAttention reading the pool in place for the decodes, once its self-check passed here
-    (`flex_paged_ok`); else the portable gather + SDPA with 16-token blocks (small blocks waste less of the pool
-    on partly filled last blocks). TWINPLANE_PAGED_BACKEND=sdpa|flex|flash forces one, unchecked (flex on CPU runs
-    torch's eager reference: slow, for debugging)."""
+    else on GPUs FlexAttention reading the pool in place for the decodes, once `flex_check` (the engine's
+    self-check, `flex_decode_agrees`) passed here (`flex_paged_ok`); else the portable gather + SDPA with 16-token
+    blocks (small blocks waste less of the pool on partly filled last blocks). TWINPLANE_PAGED_BACKEND=sdpa|flex|flash
+    forces one, unchecked (flex on CPU runs torch's eager reference: slow, for debugging)."""
     forced = os.environ.get("TWINPLANE_PAGED_BACKEND")
     if forced:
         if forced not in PAGED_BLOCK_SIZES:
@@ -477,7 +479,7 @@ def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.flo
     device = torch.device(device)
     if device.type == "cuda" and detect().attention.flash_attn_eligible and dtype in (torch.bfloat16, torch.float16):
         return "flash", FLASH_PAGE_SIZE  # (flash-attn runs 16-bit only)
-    if device.type == "cuda" and flex_ok(head_dim) and flex_paged_ok(device, dtype):
+    if device.type == "cuda" and flex_ok(head_dim) and flex_paged_ok(device, dtype, flex_check):
         return "flex", FLEX_PAGE_SIZE
     return "sdpa", 16
 
@@ -496,15 +498,15 @@ def flex_ok(head_dim: int) -> bool:
     return head_dim >= FLEX_MIN_HEAD_DIM and has_flex_attention()
 
 
-def flex_paged_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the "flex" paged backend may serve on `device`: once per (device, dtype), a tiny paged decode runs
-    through flex and through the portable path (twinplane.model.paged_attention.flex_decode_agrees). Flex's
+def flex_paged_ok(device: torch.device, dtype: torch.dtype, check: FlexCheck) -> bool:
+    """Whether the "flex" paged backend may serve on `device`: once per (device, dtype), `check` runs a tiny paged
+    decode through flex and through the portable path (twinplane.rollout.paged_attention.flex_decode_agrees). Flex's
     kernels are generated and compiled for each GPU, and this path is not tested on every one; if the check
     raises or the two disagree, one warning, and the engine uses the portable path."""
     key = (str(device), dtype)
     if key not in _FLEX_PAGED:
         try:
-            ok, why = _probe_flex_paged(device, dtype), "it disagreed with the portable path"
+            ok, why = check(device, dtype, FLEX_PAGE_SIZE), "it disagreed with the portable path"
         except Exception as e:  # a failed compile raises many types (inductor's, triton's, ValueError, ...)
             ok, why = False, (str(e).strip().splitlines() or [type(e).__name__])[0]
         if not ok:
@@ -512,12 +514,6 @@ def flex_paged_ok(device: torch.device, dtype: torch.dtype) -> bool:
                           "engine uses the portable gather + SDPA path", stacklevel=3)
         _FLEX_PAGED[key] = ok
     return _FLEX_PAGED[key]
-
-
-def _probe_flex_paged(device: torch.device, dtype: torch.dtype) -> bool:
-    from twinplane.model.paged_attention import flex_decode_agrees
-
-    return flex_decode_agrees(device, dtype, FLEX_PAGE_SIZE)
 
 
 def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float) -> int:

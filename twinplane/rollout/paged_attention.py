@@ -13,7 +13,7 @@ sequence's blocks with the backend in `meta.backend` (chosen by `platform.paged_
   Prefill chunks keep the portable gather + SDPA: their cost is compute, not the gather.
 - "flash" (GPUs with flash-attn): `flash_attn_varlen_func(..., block_table=...)` reads the pool in place.
 Every fast path is tested against the portable one, and that against dense SDPA per sequence
-(tests/test_paged_engine.py).
+(tests/rollout/test_paged_engine.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from twinplane.model.attention import AttentionMetadata, flex_attention_for, sdpa_varlen
+
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
-
-    from twinplane.model.attention import AttentionMetadata
 
 # The flex BlockMask's query tile. A decode's queries are the query heads sharing one KV head (`_flex_decodes`), at
 # most a few dozen, but flex's kernels need the tile to be a multiple of their BLOCK_M (16 to 128 in torch 2.13);
@@ -72,6 +72,11 @@ class PagedKV:
     def block_size(self) -> int:
         return self.k_cache.shape[2]
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               layer: int) -> torch.Tensor:
+        """What every layer's `model.attention.attention` calls for this layout (`PagedLayout`)."""
+        return paged_attention(q, k, v, meta, layer)
+
     def plan(self, window: int | None, decodes: bool = True) -> list[Group]:
         """(first query, last query + 1, key slots [G, S_k], mask [G, 1, Q, S_k] or None = causal, for the decode
         group all keys) per group: all decodes as one group (first; left out with `decodes=False`, for a path that
@@ -105,8 +110,6 @@ class PagedKV:
         if first == len(self.query_lens):
             return None
         if self._fresh is None:
-            from twinplane.model.attention import AttentionMetadata  # (attention.py imports this module)
-
             lens = self.query_lens[first:]
             self._fresh = sum(self.query_lens[:first]), AttentionMetadata.packed(lens, self.block_tables.device,
                                                                                  window)
@@ -236,8 +239,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
                                                enable_gqa=gqa)
             outs.append(y[0])  # [H, q_len, D]
     if fresh is not None:
-        from twinplane.model.attention import sdpa_varlen
-
         a, packed = fresh
         outs.append(sdpa_varlen(q[:, :, a:], k[:, :, a:], v[:, :, a:], packed)[0])  # [H, T - a, D]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))[None]
@@ -251,22 +252,21 @@ def _flex_decodes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     index K/V with batch 0; eager flex expands them).
 
     The G = H / H_kv query heads of a KV head go in as G query rows of one head, [d, H_kv, G, D], not as GQA
-    heads [d, H, 1, D]. Why: compiled on GPUs with dynamic shapes (`attention._flex`: d, table widths and pool
-    sizes change every step), torch 2.13 lowers a symbolic batch to its main flex kernel (its short-query kernel,
-    flex_decoding, wants a static batch and, with GQA, a power-of-two G; Qwen2.5 has G = 7): one program per
+    heads [d, H, 1, D]. Why: compiled on GPUs with dynamic shapes (`attention.flex_attention_for`: d, table widths
+    and pool sizes change every step), torch 2.13 lowers a symbolic batch to its main flex kernel (its short-query
+    kernel, flex_decoding, wants a static batch and, with GQA, a power-of-two G; Qwen2.5 has G = 7): one program per
     (sequence, head) over a query tile of up to 128 rows. As GQA heads, each tile holds one real row and each KV
     block is read once per query head; packed, G rows and once per KV head. The G rows share the decode's
     position, so the mask_mod ignores q_idx. d == 1 is specialized and gets flex_decoding, whose KV splits are
     sized by the whole pool when full blocks are listed (a lone long sequence: one program per KV head). Not yet
     measured on a GPU: tune (BLOCK_M, all blocks as partial, ...) only against numbers."""
-    from twinplane.model.attention import _flex  # (attention.py imports this module)
-
     p, d = meta.paged, meta.paged.num_decodes
     H, H_kv, D = q.shape[1], k_pool.shape[1], q.shape[-1]
     G = H // H_kv
     keys, vals = (x.permute(1, 0, 2)[None] for x in (k_pool, v_pool))  # [1, H_kv, N * bs, D]
     qd = q[0, :, :d].transpose(0, 1).reshape(d, H_kv, G, D)  # [d, H_kv, G, D]: head h uses KV head h // G
-    y = _flex(q.device.type)(qd, keys, vals, block_mask=p.flex_block_mask(meta.window, G))  # [d, H_kv, G, D]
+    flex = flex_attention_for(q.device.type)
+    y = flex(qd, keys, vals, block_mask=p.flex_block_mask(meta.window, G))  # [d, H_kv, G, D]
     return y.reshape(d, H, D).transpose(0, 1)
 
 
@@ -291,8 +291,6 @@ def flex_decode_agrees(device: torch.device, dtype: torch.dtype, block_size: int
     sequence; three, with full, partly filled and windowed blocks; the static decode's fixed-width tables), with
     2 and 3 query heads per KV head (the packed query rows of `_flex_decodes`, a power of two and not).
     True when they agree within the dtype's tolerance; raises what flex raises (no kernel, a failed compile)."""
-    from twinplane.model.attention import AttentionMetadata
-
     g = torch.Generator().manual_seed(0)
     L, N, bs, H_kv, D = 1, 8, block_size, 2, 64
     pool = [torch.randn(L, N, bs, H_kv, D, generator=g).to(device, dtype) for _ in range(2)]

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from math import comb
-from typing import Protocol
 
-from twinplane.prompts import Prompt
+from twinplane.data.prompts import Prompt
+from twinplane.rewards import Scorer
 from twinplane.rollout import SamplingParams
 from twinplane.tokenizer import Tokenizer
-
-
-class Scorer(Protocol):
-    """What `twinplane.rewards.runner.RewardRunner` provides: (completions, answers, prompts) -> (rewards, metrics),
-    and the verifier's own scores of that call (no format or reward-model bonus), which decide correctness."""
-
-    last_verifier: list[float]
-
-    def __call__(self, completions: Sequence[str], answers: Sequence[str],
-                 prompts: Sequence[str] | None = None) -> tuple[list[float], dict[str, float]]: ...
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -1,4 +1,4 @@
-"""`twinplane train` and `twinplane eval` once `twinplane.prepare` has checked the input: warm-start, run RL through
+"""`twinplane train` and `twinplane eval` once `twinplane.run.prepare` has checked the input: warm-start, run RL through
 the controller, validate, checkpoint, save; evaluate.
 """
 
@@ -13,21 +13,22 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from twinplane import checkpoint, platform, run_state
 from twinplane.cluster import WorkerError, build_algorithm, build_planes
 from twinplane.config import ConfigError
 from twinplane.controller import Controller
 from twinplane.data import PromptStream
 from twinplane.errors import Preempted
-from twinplane.evaluation import evaluate
-from twinplane.loggers import build_loggers
-from twinplane.metrics import LiveLine, MetricsLog, progress_line, summary_table
 from twinplane.model import iter_safetensors, load_weights
 from twinplane.model.lora import adapter_numel, apply_lora, merge_lora
 from twinplane.model.lora_io import base_sha256, save_adapter
-from twinplane.prepare import Setup, save_hf_folder
+from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
-from twinplane.signals import Faults, StopRequests
+from twinplane.run import checkpoint, run_state
+from twinplane.run.evaluation import evaluate
+from twinplane.run.loggers import build_loggers
+from twinplane.run.metrics import LiveLine, MetricsLog, progress_line, summary_table
+from twinplane.run.prepare import Setup, save_hf_folder
+from twinplane.run.signals import Faults, StopRequests
 from twinplane.train.sft import warm_start
 
 

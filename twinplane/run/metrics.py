@@ -1,38 +1,10 @@
-"""Phase timers, the per-step metrics file and the live console line."""
+"""The per-step metrics file and the live console line."""
 
 from __future__ import annotations
 
 import json
 import math
-import time
-from contextlib import contextmanager
 from pathlib import Path
-
-import torch
-
-from twinplane.platform import peak_memory_bytes, reset_peak_memory, synchronize
-
-
-class PhaseTimer:
-    """`with timer("rollout"): ...` records seconds under `time/rollout` (device work included)."""
-
-    def __init__(self, device: torch.device, on_enter=None):
-        self.device, self.on_enter = device, on_enter  # on_enter(phase): a hook (fault injection in tests)
-        self.times: dict[str, float] = {}
-        self.memory: dict[str, float] = {}  # peak memory per phase (device memory on GPU, process RSS on CPU)
-
-    @contextmanager
-    def __call__(self, phase: str):
-        if self.on_enter is not None:
-            self.on_enter(phase)
-        synchronize(self.device)
-        reset_peak_memory(self.device)
-        t0 = time.perf_counter()
-        yield
-        synchronize(self.device)
-        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
-        if phase != "step":  # the step's peak is the max of its phases
-            self.memory[f"mem/peak_gb_{phase}"] = peak_memory_bytes(self.device) / 1e9
 
 
 class MetricsLog:

@@ -2,7 +2,7 @@
 tokenizer, data and reward spec, checks device memory and templates, claims the run dir, and returns a `Setup`.
 
 Each check that bad input can fail runs here, in order of cost, so it surfaces as a one-line error (exit 2) before
-a model is loaded or a step taken; `twinplane.run.train` then runs the job on the `Setup`.
+a model is loaded or a step taken; `twinplane.run.loop.train` then runs the job on the `Setup`.
 """
 
 from __future__ import annotations
@@ -18,18 +18,19 @@ from pathlib import Path
 import torch
 import yaml
 
-from twinplane import checkpoint, platform, preflight, run_state
-from twinplane import run_dir as rundir
 from twinplane.config import Config, ConfigError, DataSection
 from twinplane.data import DataError, PromptFormatter, Record, load_code_records, load_records
+from twinplane.data.prompts import Prompt, encode_prompts
+from twinplane.data.tasks import ALPHABET, ArithmeticTask
 from twinplane.errors import InputError
-from twinplane.loggers import check_backends
 from twinplane.model import ModelConfig, Transformer, save_pretrained
-from twinplane.prompts import Prompt, encode_prompts
+from twinplane.platform import platform
 from twinplane.rewards.runner import RewardRunner
+from twinplane.run import checkpoint, preflight, run_state
+from twinplane.run import run_dir as rundir
+from twinplane.run.loggers import check_backends
+from twinplane.run.signals import Faults, StopRequests
 from twinplane.sandbox import SandboxUnavailable, get_sandbox
-from twinplane.signals import Faults, StopRequests
-from twinplane.tasks import ALPHABET, ArithmeticTask
 from twinplane.tokenizer import Tokenizer, build_char_tokenizer
 
 

@@ -11,11 +11,11 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from twinplane.checkpoint import CheckpointError
 from twinplane.model import Transformer, iter_safetensors, load_weights
+from twinplane.model.export import export_weights
 from twinplane.model.lora_io import load_adapter, save_adapter
-from twinplane.run_dir import respect_umask
-from twinplane.train.export import export_weights
+from twinplane.run.checkpoint import CheckpointError
+from twinplane.run.run_dir import respect_umask
 
 # Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
 # Where the planes run and how memory is traded for compute are mutable too: checkpoints hold full tensors by name.
@@ -74,7 +74,7 @@ def _set_rng_state(tensors: dict, plain: dict) -> None:
 
 def write(out: Path, *, config: dict, policy: Transformer, save_policy_extras, reference: Transformer | None,
           planes_state: dict, stream, step: int, extra: dict, lora_base: dict | None = None) -> None:
-    """Fill a checkpoint folder (see `twinplane.checkpoint` for the layout). `planes_state` is `Planes.state()`:
+    """Fill a checkpoint folder (see `twinplane.run.checkpoint` for the layout). `planes_state` is `Planes.state()`:
     optimizer state by parameter name with full tensors (loadable on any rank count), scheduler, engine RNGs.
     `lora_base` ({path, sha256}): the policy is LoRA on that base; only its adapters are written."""
     if lora_base is not None:  # LoRA: the adapters only (PEFT folder); the base is referred to by path + sha256

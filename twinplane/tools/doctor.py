@@ -16,7 +16,7 @@ import time
 import torch
 
 import twinplane
-from twinplane import platform
+from twinplane.platform import platform
 
 
 def measure_bandwidth(device: torch.device, mbytes: int = 64, runs: int = 5) -> float:

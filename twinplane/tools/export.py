@@ -6,8 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
-from twinplane import checkpoint
 from twinplane.errors import InputError
+from twinplane.run import checkpoint
 
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json")
 
@@ -94,11 +94,11 @@ def _umask() -> int:
 def _merge(ckpt: Path, adapter: Path, out: Path) -> Path:
     """A LoRA checkpoint's base (checked against its sha256) with the adapters folded in, as an HF folder; the
     tokenizer and generation config come from the base folder."""
-    from twinplane import platform
     from twinplane.model import load_model, save_pretrained
     from twinplane.model.lora import merge_lora
     from twinplane.model.lora_io import apply_adapter, base_sha256
-    from twinplane.run_state import read_config, read_lora_base
+    from twinplane.platform import platform
+    from twinplane.run.run_state import read_config, read_lora_base
 
     base = read_lora_base(ckpt)
     base_dir = Path(base["path"])

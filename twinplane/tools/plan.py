@@ -1,8 +1,8 @@
 """Capacity planner: memory per device for both planes, feasible layouts, a recommendation, and its cost.
 
-`python -m twinplane.plan --model DIR_or_config.json --gpu mi300x --gpus 8 [--nodes K] [--price-per-gpu-hour P]`
+`twinplane plan --model DIR_or_config.json --gpu mi300x --gpus 8 [--nodes K] [--price-per-gpu-hour P]`
 
-Everything here is an estimate from the model's shape and the datasheet numbers in `twinplane.devices`:
+Everything here is an estimate from the model's shape and the datasheet numbers in `twinplane.platform.devices`:
 - dtypes: on a GPU, bf16 params/grads/compute with fp32 master weights and fp32 AdamW moments (16 bytes per
   parameter before sharding); on the CPU, fp32 everything and no master copy (16 bytes per parameter too:
   weights 4 + grads 4 + two moments 8);
@@ -29,14 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from twinplane.devices import BY_KEY, DeviceSpec
 from twinplane.errors import InputError
-from twinplane.flops import decode_read_params, forward_flops_per_token, matmul_params, mlp_width, train_flops_per_token
 from twinplane.model import ModelConfig
+from twinplane.model.flops import (
+    decode_read_params,
+    forward_flops_per_token,
+    matmul_params,
+    mlp_width,
+    train_flops_per_token,
+)
+from twinplane.platform.devices import BY_KEY, DeviceSpec
 
 GB = 1e9
 HEADROOM = 0.10  # fraction of device memory left free by every layout
@@ -576,12 +581,12 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
     if cfg.model.path:
         mc = load_model_config(cfg.model.path)
     else:
-        from twinplane.prepare import demo_model_config
-        from twinplane.tasks import ALPHABET
+        from twinplane.data.tasks import ALPHABET
+        from twinplane.run.prepare import demo_model_config
         from twinplane.tokenizer import build_char_tokenizer
 
         mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
-    from twinplane.preflight import prompt_tokens
+    from twinplane.run.preflight import prompt_tokens
 
     r = cfg.rollout
     return mc, Workload(r.prompts_per_step, r.n, prompt_tokens(cfg), r.max_new_tokens,  # (a response's every turn)
@@ -640,8 +645,3 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = ["CPU", "Cluster", "Dtypes", "Layout", "RolloutMemory", "TrainMemory", "Workload", "format_plan", "layouts",
            "lora_params", "main", "plan", "recommend", "rollout_memory", "training_memory"]
-
-if __name__ == "__main__":  # (through the CLI's handler: bad input is one line and exit 2)
-    from twinplane.cli import main as cli
-
-    sys.exit(cli(["plan", *sys.argv[1:]]))

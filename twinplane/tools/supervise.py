@@ -1,4 +1,4 @@
-"""Restart loop for preemptible runs: `python -m twinplane.supervise [--max-restarts K] -- twinplane train ...`.
+"""Restart loop for preemptible runs: `python -m twinplane.tools.supervise [--max-restarts K] -- twinplane train ...`.
 
 Spot instances, preemptible Slurm partitions and flaky nodes kill long runs; rather than each launcher script
 growing its own retry loop, this runs the training command as a child and relaunches it with `--resume auto`
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(
-        prog="python -m twinplane.supervise", usage="%(prog)s [options] -- COMMAND ...",
+        prog="python -m twinplane.tools.supervise", usage="%(prog)s [options] -- COMMAND ...",
         description="Run a training command, restarting it with --resume auto after preemptions and crashes "
                     "(exit 75 or any failure other than 2), with exponential backoff.")
     parser.add_argument("--max-restarts", type=int, default=10, help="restarts allowed in all (default 10)")
