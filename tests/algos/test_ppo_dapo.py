@@ -4,9 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_resume import ARGS, outcome
-from test_trainer import make_batch
+from conftest import TINY_RUN, make_batch, outcome, tiny_model
 
 from twinplane.algos import Algorithm
 from twinplane.cli import main
@@ -68,6 +66,7 @@ PPO = ["algo.name=ppo", "critic.warmup_steps=2", "algo.kl_in_reward=true", "algo
        "critic.lr=1e-3"]
 
 
+@pytest.mark.slow
 def test_ppo_interrupted_then_resumed_is_bitwise(tmp_path):
     """Critic weights and AdamW state, the adaptive KL coefficient and the warmup all come back exactly."""
     def train(run_dir, *extra, fault=None):
@@ -77,7 +76,7 @@ def test_ppo_interrupted_then_resumed_is_bitwise(tmp_path):
         if fault:
             os.environ["TWINPLANE_FAULT"] = fault
         try:
-            return main(["train", "--run-dir", str(run_dir), *ARGS, *PPO, *extra])
+            return main(["train", "--run-dir", str(run_dir), *TINY_RUN, *PPO, *extra])
         finally:
             os.environ.pop("TWINPLANE_FAULT", None)
 

@@ -3,8 +3,7 @@
 import math
 
 import torch
-from conftest import tiny_model
-from test_trainer import make_batch
+from conftest import make_batch, tiny_model
 
 from twinplane.algos import truncated_is_weights
 from twinplane.config import AlgoSection, TrainSection

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from conftest import CLUSTER_RUN, RAY, cluster_train, computed, rows, weights
 
 from twinplane.cli import main
 from twinplane.cluster.sync import SyncReport, bucket_plan
@@ -14,12 +14,7 @@ from twinplane.model.checksum import weights_checksum
 from twinplane.train.balance import assign_rows
 
 ray = pytest.importorskip("ray")
-
-ARGS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
-        "train.steps=2", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=8", "eval.before=false",
-        "log.progress=false", "checkpoint.every=1", "threads=1", "train.micro_batch_size=6", "algo.kl_coef=0.05",
-        "cluster.sync_bucket_mb=1", "cluster.timeout_s=60"]
-RAY = ["cluster.backend=ray"]
+pytestmark = pytest.mark.slow  # a local Ray cluster, whole runs on it
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,36 +26,17 @@ def ray_cluster():
     torch.set_num_threads(threads)
 
 
-def run(run_dir, *extra, fault=None, monkeypatch=None):
-    if fault:
-        monkeypatch.setenv("TWINPLANE_FAULT", fault)
-    return main(["train", "--run-dir", str(run_dir), *ARGS, *extra])
-
-
-def rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir):
-    return load_file(run_dir / "final" / "model.safetensors")
-
-
-def measured(row):  # timings, throughput and memory are measurements; the rest is the computation
-    return {k: v for k, v in row.items()
-            if not k.startswith(("time/", "perf/", "mem/", "sync/gb_per_s", "rollout/engine_busy_s"))}
-
-
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("local")
-    assert run(d) == 0
+    assert cluster_train(d) == 0
     return d
 
 
 @pytest.fixture(scope="module")
 def disaggregated_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("ray")
-    assert run(d, *RAY) == 0
+    assert cluster_train(d, *RAY) == 0
     return d
 
 
@@ -74,7 +50,7 @@ def test_disaggregated_run_equals_local(local_run, disaggregated_run):
         assert 0 < g["rollout/engine_busy_s_min"] <= g["rollout/engine_busy_s_max"]
         assert g["rollout/running_seqs_mean"] > 0 and g["perf/decode_tokens_per_s"] > 0  # merged engine counters
         assert g["sync/bytes"] == w["sync/bytes"] > 0 and g["sync/gb_per_s"] > 0
-        for k, v in measured(w).items():
+        for k, v in computed(w).items():
             assert g[k] == pytest.approx(v, abs=1e-5), k
     a, b = weights(disaggregated_run), weights(local_run)
     assert max(float((a[n] - b[n]).abs().max()) for n in b) < 1e-5
@@ -91,7 +67,7 @@ def test_fsdp2_ranks_on_ray_train_like_one_process_and_engines_follow(tmp_path):
     from twinplane.run.prepare import prepare
     from twinplane.train import Batch, Trainer
 
-    cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
+    cfg = load_config(None, [*CLUSTER_RUN, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
                              "cluster.rollout_devices=2", f"run_dir={tmp_path}", "train.lr=1e-2"])
     setup = prepare(cfg)
     planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
@@ -128,7 +104,8 @@ def test_fsdp2_ranks_on_ray_train_like_one_process_and_engines_follow(tmp_path):
 
 def test_colocated_fsdp2_run(tmp_path):
     """2 training ranks (FSDP2 over gloo), each hosting an engine: a 2-step run with checkpoints."""
-    assert run(tmp_path, *RAY, "cluster.colocate=true", "cluster.train_devices=2", "cluster.rollout_devices=2") == 0
+    assert cluster_train(tmp_path, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
+                         "cluster.rollout_devices=2") == 0
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2]
     assert all(r["sync/bytes"] > 0 and r["rollout/weight_version"] == r["step"] - 1 for r in got)
@@ -138,7 +115,7 @@ def test_colocated_fsdp2_run(tmp_path):
 def test_killed_engine_names_worker_and_checkpoint_then_resumes(tmp_path, monkeypatch, capsys,
                                                               disaggregated_run):
     t0 = time.monotonic()
-    assert run(tmp_path, *RAY, fault="kill:rollout engine 0@rollout@2", monkeypatch=monkeypatch) == 1
+    assert cluster_train(tmp_path, *RAY, fault="kill:rollout engine 0@rollout@2", monkeypatch=monkeypatch) == 1
     assert time.monotonic() - t0 < 60 + 30  # within cluster.timeout_s (and nothing hangs)
     err = capsys.readouterr().err
     assert "rollout engine 0 (pid" in err and "died during rollout" in err, err
@@ -146,7 +123,7 @@ def test_killed_engine_names_worker_and_checkpoint_then_resumes(tmp_path, monkey
     time.sleep(1)  # resource accounting is asynchronous
     assert ray.available_resources().get("CPU") == 2  # the surviving actor and the placement group were released
     monkeypatch.delenv("TWINPLANE_FAULT")
-    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *RAY, "--resume", "auto"]) == 0
+    assert main(["train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *RAY, "--resume", "auto"]) == 0
     assert [r["step"] for r in rows(tmp_path)] == [1, 2]
     a, b = weights(tmp_path), weights(disaggregated_run)
     assert all(torch.equal(a[n], b[n]) for n in b)  # resumed exactly: same weights as the uninterrupted run
@@ -194,31 +171,31 @@ ASYNC = ["cluster.async=true", "train.steps=3", "algo.entropy_coef=0.01", "train
 @pytest.fixture(scope="module")
 def async_local_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("async_local")
-    assert run(d, *ASYNC) == 0
+    assert cluster_train(d, *ASYNC) == 0
     return d
 
 
 def test_async_one_step_off_policy_ray_equals_local(async_local_run, tmp_path):
     """Ray overlaps step k+1's rollout with step k's update; in one process it runs first. Same samples (from
     the pre-update weights), same truncated-IS-corrected updates."""
-    assert run(tmp_path, *RAY, *ASYNC) == 0
+    assert cluster_train(tmp_path, *RAY, *ASYNC) == 0
     got, want = rows(tmp_path), rows(async_local_run)
     assert [r["rollout/staleness"] for r in got] == [0, 1, 1]  # bounded at one version
     assert [r["rollout/weight_version"] for r in got] == [0, 0, 1]
     assert got[1]["actor/tis_weight_mean"] != pytest.approx(1.0, abs=1e-6)  # the lag is real and corrected
     for g, w in zip(got, want, strict=True):
-        for k, v in measured(w).items():
+        for k, v in computed(w).items():
             assert g[k] == pytest.approx(v, abs=1e-5), k
 
 
 def test_async_resume_is_exact(async_local_run, tmp_path, monkeypatch):
     """The rollout in flight at a checkpoint came from weights that no longer exist: it is saved with it."""
-    assert run(tmp_path, *ASYNC, fault="train@2", monkeypatch=monkeypatch) == 75
+    assert cluster_train(tmp_path, *ASYNC, fault="train@2", monkeypatch=monkeypatch) == 75
     monkeypatch.delenv("TWINPLANE_FAULT")
-    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *ASYNC, "--resume", "auto"]) == 0
+    assert main(["train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *ASYNC, "--resume", "auto"]) == 0
     a, b = weights(tmp_path), weights(async_local_run)
     assert all(torch.equal(a[n], b[n]) for n in b)
-    assert [measured(r) for r in rows(tmp_path)] == [measured(r) for r in rows(async_local_run)]
+    assert [computed(r) for r in rows(tmp_path)] == [computed(r) for r in rows(async_local_run)]
 
 
 def test_silent_worker_times_out_with_its_name():
@@ -244,13 +221,14 @@ def test_silent_worker_times_out_with_its_name():
 def test_unplaceable_cluster_is_a_clear_error_and_releases_resources(tmp_path, capsys):
     before = ray.available_resources().get("CPU")
     t0 = time.monotonic()
-    assert run(tmp_path / "too_big", *RAY, "cluster.train_devices=2", "cluster.rollout_devices=2") == 1
+    assert cluster_train(tmp_path / "too_big", *RAY, "cluster.train_devices=2", "cluster.rollout_devices=2") == 1
     assert "4 workers of {'CPU': 1} need {'CPU': 4}, the Ray cluster has {'CPU': 2.0}" in capsys.readouterr().err
     assert time.monotonic() - t0 < 30  # at once, not after cluster.timeout_s
     # resources exist but are taken: wait up to cluster.timeout_s, then say so
     blocker = ray.util.placement_group([{"CPU": 1}])
     ray.get(blocker.ready())
-    assert run(tmp_path / "taken", *RAY, "cluster.timeout_s=2") == 1  # a fresh run dir: the first one is claimed
+    # a fresh run dir: the first one is claimed
+    assert cluster_train(tmp_path / "taken", *RAY, "cluster.timeout_s=2") == 1
     assert "could not place 2 workers of {'CPU': 1} within 2 s" in capsys.readouterr().err
     ray.util.remove_placement_group(blocker)
     time.sleep(1)  # resource accounting is asynchronous
@@ -266,7 +244,7 @@ def test_checkpoint_loads_on_another_rank_count(disaggregated_run):
     from twinplane.run.prepare import prepare
 
     ckpt = sorted((disaggregated_run / "checkpoints").iterdir())[-1]
-    cfg = load_config(None, [*ARGS, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
+    cfg = load_config(None, [*CLUSTER_RUN, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
                              "cluster.rollout_devices=2"])
     setup = prepare(cfg)
     saved = run_state.restore(ckpt, policy=setup.model, reference=None, stream=PromptStream(setup.train_prompts, 0))
@@ -310,17 +288,18 @@ def test_tool_rollouts_on_ray_equal_local(tmp_path):
         assert main(["train", "--run-dir", str(tmp_path / name), *args, *extra]) == 0
     got, want = rows(tmp_path / "ray"), rows(tmp_path / "local")
     assert "rollout/turns_mean" in got[0]
-    assert [measured(r) for r in got] == [measured(r) for r in want]
+    assert [computed(r) for r in got] == [computed(r) for r in want]
 
 
 def test_sigterm_on_ray_checkpoints_and_resumes_exactly(tmp_path, monkeypatch, disaggregated_run):
     """Preemption of the driver: the step finishes, the checkpoint gathers state from the actors, exit 75."""
-    assert run(tmp_path, *RAY, "checkpoint.every=0", fault="weight_sync@1", monkeypatch=monkeypatch) == 75
+    assert cluster_train(tmp_path, *RAY, "checkpoint.every=0", fault="weight_sync@1", monkeypatch=monkeypatch) == 75
     monkeypatch.delenv("TWINPLANE_FAULT")
-    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *RAY, "checkpoint.every=0", "--resume", "auto"]) == 0
+    assert main(["train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *RAY, "checkpoint.every=0", "--resume",
+                 "auto"]) == 0
     a, b = weights(tmp_path), weights(disaggregated_run)
     assert all(torch.equal(a[n], b[n]) for n in b)
-    assert [measured(r) for r in rows(tmp_path)] == [measured(r) for r in rows(disaggregated_run)]
+    assert [computed(r) for r in rows(tmp_path)] == [computed(r) for r in rows(disaggregated_run)]
 
 
 def test_ray_backend_without_ray_is_a_config_error(monkeypatch, tmp_path, capsys):
@@ -328,5 +307,5 @@ def test_ray_backend_without_ray_is_a_config_error(monkeypatch, tmp_path, capsys
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
-    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *RAY]) == 2
+    assert main(["train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *RAY]) == 2
     assert "cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'" in capsys.readouterr().err

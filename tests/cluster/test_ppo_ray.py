@@ -3,13 +3,14 @@ one process; sharded critics equal an unsharded one; preemption and resume (onto
 
 import pytest
 import torch
+from conftest import CLUSTER_RUN, RAY, cluster_train, computed, rows, weights
 from safetensors.torch import load_file
-from test_cluster import ARGS, RAY, measured, rows, run, weights
 
 from twinplane.cli import main
 from twinplane.config import ConfigError, load_config
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a local Ray cluster, whole runs on it
 
 PPO = ["algo.name=ppo", "critic.warmup_steps=1", "critic.lr=1e-3", "algo.kl_in_reward=true", "algo.kl_ctrl=adaptive"]
 
@@ -31,14 +32,14 @@ def critic(run_dir, step=2):
 @pytest.fixture(scope="module")
 def local_ppo(tmp_path_factory):
     d = tmp_path_factory.mktemp("ppo_local")
-    assert run(d, *PPO) == 0
+    assert cluster_train(d, *PPO) == 0
     return d
 
 
 @pytest.fixture(scope="module")
 def ray_ppo(tmp_path_factory):
     d = tmp_path_factory.mktemp("ppo_ray")
-    assert run(d, *PPO, *RAY) == 0
+    assert cluster_train(d, *PPO, *RAY) == 0
     return d
 
 
@@ -48,7 +49,7 @@ def assert_same_run(got_dir, want_dir, exact=False):
     assert "actor/pg_loss" not in got[0] and "actor/pg_loss" in got[1]  # critic warmup: the actor waited
     for g, w in zip(got, want, strict=True):
         assert "critic/vf_loss" in g and "critic/values_mean" in g
-        for k, v in measured(w).items():
+        for k, v in computed(w).items():
             assert g[k] == (v if exact else pytest.approx(v, abs=1e-5, nan_ok=True)), k
     for a, b in ((weights(got_dir), weights(want_dir)), (critic(got_dir), critic(want_dir))):
         assert a.keys() == b.keys()
@@ -62,7 +63,7 @@ def test_critic_on_the_training_rank_equals_local(local_ppo, ray_ppo):
 
 def test_critic_on_its_own_rank_equals_local(local_ppo, tmp_path):
     """critic_devices=1: a critic actor of its own (trainer + engine + critic = 3 workers)."""
-    assert run(tmp_path, *PPO, *RAY, "cluster.critic_devices=1") == 0
+    assert cluster_train(tmp_path, *PPO, *RAY, "cluster.critic_devices=1") == 0
     assert_same_run(tmp_path, local_ppo)
 
 
@@ -70,13 +71,14 @@ def test_preempted_then_resumed_on_another_critic_layout_is_bitwise(ray_ppo, tmp
     """SIGTERM with a critic rank of its own; the checkpoint holds the critic's full state by name, so the resumed
     run puts it on the training rank instead and continues exactly as the uninterrupted run."""
     common = [*PPO, *RAY]
-    assert run(tmp_path, *common, "cluster.critic_devices=1", fault="weight_sync@1", monkeypatch=monkeypatch) == 75
+    assert cluster_train(tmp_path, *common, "cluster.critic_devices=1", fault="weight_sync@1",
+                         monkeypatch=monkeypatch) == 75
     assert (tmp_path / "checkpoints" / "step_00000001" / "critic_optimizer.pt").exists()
     monkeypatch.delenv("TWINPLANE_FAULT")
-    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *common, "--resume", "auto"]) == 0
+    assert main(["train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *common, "--resume", "auto"]) == 0
     a, b = weights(tmp_path), weights(ray_ppo)
     assert all(torch.equal(a[n], b[n]) for n in b)
-    assert [measured(r) for r in rows(tmp_path)] == [measured(r) for r in rows(ray_ppo)]
+    assert [computed(r) for r in rows(tmp_path)] == [computed(r) for r in rows(ray_ppo)]
     assert all(torch.equal(x, critic(ray_ppo)[n]) for n, x in critic(tmp_path).items())
 
 
@@ -93,7 +95,7 @@ def test_sharded_critic_equals_one_process_and_loads_any_layout(layout, tmp_path
     from twinplane.run.prepare import prepare
     from twinplane.train import Batch
 
-    cfg = load_config(None, [*ARGS, *PPO, *RAY, *layout, f"run_dir={tmp_path}", "algo.kl_coef=0"])
+    cfg = load_config(None, [*CLUSTER_RUN, *PPO, *RAY, *layout, f"run_dir={tmp_path}", "algo.kl_coef=0"])
     setup = prepare(cfg)
     planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
     local = build_critic(cfg, setup.model.config, critic_weights(cfg, setup.model), torch.device("cpu"))
@@ -129,13 +131,13 @@ def test_sharded_critic_equals_one_process_and_loads_any_layout(layout, tmp_path
 ])
 def test_bad_critic_devices_is_a_one_line_config_error(override, message, tmp_path, capsys):
     with pytest.raises(ConfigError, match=f"^{message}"):
-        load_config(None, [*ARGS, *override])
-    assert main(["train", "--run-dir", str(tmp_path), *ARGS, *override]) == 2
+        load_config(None, [*CLUSTER_RUN, *override])
+    assert main(["train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *override]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
 
 
 def test_unplaceable_critic_ranks_are_counted(tmp_path, capsys):
     """The placement check counts critic ranks with the trainers and engines (3 + 2 workers > 3 CPUs)."""
-    assert run(tmp_path, *PPO, *RAY, "cluster.critic_devices=3") == 1
+    assert cluster_train(tmp_path, *PPO, *RAY, "cluster.critic_devices=3") == 1
     assert "5 workers of {'CPU': 1} need {'CPU': 5}" in capsys.readouterr().err

@@ -17,7 +17,7 @@ GSM8K_ROWS = [  # GSM8K's original format: the answer is a worked solution endin
      "answer": "Tuesday: 12 / 2 = <<12/2=6>>6.\nIn all 12 + 6 = <<12+6=18>>18.\n#### 18", "level": 2,
      "source": "fixture"},
 ]
-SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
+SHARED_GSM8K = Path(__file__).resolve().parents[3] / "shared/data/gsm8k"
 
 
 def write_jsonl(path: Path, rows, raw_lines=()) -> Path:

@@ -23,6 +23,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
         "algo.entropy_coef=0.01"]  # a gradient even when the tiny warm start leaves every reward at 0
 
 
+@pytest.mark.slow
 def test_train_end_to_end(tmp_path):
     assert main(["train", "--run-dir", str(tmp_path), *TINY]) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -49,6 +50,7 @@ def test_train_end_to_end(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(final.parameters(), untrained.parameters(), strict=False))
 
 
+@pytest.mark.slow
 def test_seeded_run_is_bitwise_reproducible(tmp_path):
     for d in ("a", "b"):
         assert main(["train", "--run-dir", str(tmp_path / d), *TINY]) == 0

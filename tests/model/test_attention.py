@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from tests.conftest import tiny_model
 from twinplane.model.attention import AttentionMetadata
 
 

@@ -4,24 +4,19 @@ PEFT export, DP=2 with adapters, and bitwise kill/resume."""
 import copy
 import json
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import QWEN25_7B, make_batch, spawn, tiny_model
+from conftest import train as run_train
 from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import these modules by name
-from conftest import tiny_model  # noqa: E402
-from test_fsdp import spawn  # noqa: E402
-from test_resume import train as run_train  # noqa: E402
-from test_trainer import make_batch  # noqa: E402
-
-from twinplane.cli import main  # noqa: E402
-from twinplane.cluster.sync import sync_in_process  # noqa: E402
-from twinplane.config import AlgoSection, ConfigError, TrainSection, load_config  # noqa: E402
-from twinplane.model import save_pretrained  # noqa: E402
-from twinplane.model.lora import (  # noqa: E402
+from twinplane.cli import main
+from twinplane.cluster.sync import sync_in_process
+from twinplane.config import AlgoSection, ConfigError, TrainSection, load_config
+from twinplane.model import save_pretrained
+from twinplane.model.lora import (
     LoraLinear,
     adapter_numel,
     adapters_disabled,
@@ -30,11 +25,11 @@ from twinplane.model.lora import (  # noqa: E402
     is_adapter,
     merge_lora,
 )
-from twinplane.model.lora_io import apply_adapter, save_adapter  # noqa: E402
-from twinplane.rollout import RolloutEngine  # noqa: E402
-from twinplane.run import checkpoint  # noqa: E402
-from twinplane.train import Reference, Trainer  # noqa: E402
-from twinplane.train.fsdp import full_state_dict, shard_model, split_for_rank  # noqa: E402
+from twinplane.model.lora_io import apply_adapter, save_adapter
+from twinplane.rollout import RolloutEngine
+from twinplane.run import checkpoint
+from twinplane.train import Reference, Trainer
+from twinplane.train.fsdp import full_state_dict, shard_model, split_for_rank
 
 ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
 
@@ -207,6 +202,7 @@ def lora_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_lora_run_checkpoints_adapters_only_and_syncs_adapter_bytes(lora_run):
     rows = outcome(lora_run)[1]
     adapters = load_file(lora_run / "final_adapter" / "adapter_model.safetensors")
@@ -221,6 +217,7 @@ def test_lora_run_checkpoints_adapters_only_and_syncs_adapter_bytes(lora_run):
     assert all(is_adapter(n) for n in opt["state"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["weight_sync@3"])
 def test_lora_kill_resume_is_bitwise(fault, tmp_path, lora_run):
     assert train(tmp_path, fault=fault) == 75
@@ -233,6 +230,7 @@ def test_lora_kill_resume_is_bitwise(fault, tmp_path, lora_run):
         (lora_run / "final" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_base(tmp_path, lora_run, capsys):
     import shutil
 
@@ -254,6 +252,7 @@ def test_resume_refuses_a_changed_base(tmp_path, lora_run, capsys):
     assert "changed since the checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_peft_and_merged(lora_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
@@ -288,7 +287,6 @@ def test_bad_lora_config_names_the_key(override, key):
 
 
 def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
-    from test_plan import QWEN25_7B
 
     from twinplane.model import ModelConfig
     from twinplane.platform.devices import BY_KEY
@@ -310,6 +308,7 @@ def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
     assert main(["plan", "--model", "x", "--gpu", "h100", "--lora", "-1"]) == 2  # (twinplane.cli's main)
 
 
+@pytest.mark.slow
 def test_lora_on_ray_disaggregated_equals_local(tmp_path):
     """The adapters cross processes by the bucketed broadcast (1 trainer actor + 1 engine actor): the same run as
     one process, every engine checksum matching, sync bytes = the adapters'."""

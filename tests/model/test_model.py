@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import saved_and_reloaded
 
 import twinplane
-from tests.conftest import saved_and_reloaded
 
 transformers = pytest.importorskip("transformers")
 

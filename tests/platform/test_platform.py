@@ -3,10 +3,10 @@ real CPU path and `twinplane doctor`."""
 
 import json
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import simulate_gpu
 
 from twinplane.platform import platform
 from twinplane.tools import doctor
@@ -17,20 +17,6 @@ def fresh():
     platform.reset()
     yield
     platform.reset()
-
-
-def simulate_gpu(monkeypatch, name, *, hip=None, count=2, memory=80 * 2**30, cc=(9, 0), arch=None, installed=()):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
-    props = SimpleNamespace(total_memory=memory, major=cc[0], minor=cc[1], name=name)
-    if arch:
-        props.gcnArchName = arch
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(torch.version, "hip", hip)
-    monkeypatch.setattr(torch.version, "cuda", None if hip else "12.4")
-    monkeypatch.setattr(platform, "_has_module", lambda m: m in installed)
 
 
 def test_rocm_build_mi300x(monkeypatch):

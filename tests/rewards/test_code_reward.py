@@ -21,7 +21,7 @@ from twinplane.rewards import RewardRunner, score
 from twinplane.rewards.code import CodeScorer, extract_program, parse_tests
 from twinplane.rollout.tools import PythonTool
 
-HUMANEVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
+HUMANEVAL = Path(__file__).resolve().parents[3] / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
 needs_humaneval = pytest.mark.skipif(not HUMANEVAL.is_file(), reason="shared HumanEval copy not present")
 
 

@@ -13,7 +13,7 @@ import torch
 from twinplane.rewards import RewardRunner, exact_int, format_ok, get_reward, last_boxed, score
 from twinplane.tokenizer import build_char_tokenizer
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 @pytest.mark.parametrize("completion,answer,mode,expected", [

@@ -7,8 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_moe
-from test_engine import EOS, PROMPTS, greedy_no_cache
+from conftest import EOS, PROMPTS, assert_same, greedy_no_cache, tiny_model, tiny_moe
 
 from twinplane.config import ConfigError, load_config
 from twinplane.rollout import RolloutEngine, SamplingParams, engine_options
@@ -21,13 +20,6 @@ def engine(model, mode="static", **kw):
     e = RolloutEngine(copy.deepcopy(model), **{"eos_token_id": EOS, **kw})
     e.graph_backend = mode  # "static": the graph path's buffers and buckets, run without capture
     return e
-
-
-def assert_same(got, want, atol=1e-5):
-    assert [s.token_ids for s in got] == [s.token_ids for s in want]
-    assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a.logprobs, b.logprobs, atol=atol, rtol=0)
 
 
 def test_buckets():
@@ -226,10 +218,7 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(monkeypatch):
 
 # --- GPUs: the captured graphs ----------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA/HIP graphs need a GPU")
-
-
-@gpu
+@pytest.mark.gpu
 def test_captured_graphs_equal_eager_before_and_after_weight_sync(monkeypatch):
     a, b = tiny_model(seed=0).cuda(), tiny_model(seed=1).cuda()
     graphed = RolloutEngine(copy.deepcopy(a), eos_token_id=EOS)
@@ -252,7 +241,7 @@ def test_captured_graphs_equal_eager_before_and_after_weight_sync(monkeypatch):
         assert s.token_ids == greedy_no_cache(b, PROMPTS[s.request_index], 16)
 
 
-@gpu
+@pytest.mark.gpu
 def test_a_captured_graph_reads_weights_loaded_in_place():
     from twinplane.rollout.kv_cache import KVCache
 

@@ -4,28 +4,11 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import EOS, PROMPTS, greedy_no_cache, tiny_model
 
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.train import Batch, Trainer
-
-EOS = 3
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]  # mixed lengths
-
-
-def greedy_no_cache(model, prompt, max_new):
-    """Reference decoding: recompute the whole sequence every token, no KV cache, no padding."""
-    ids = list(prompt)
-    out = []
-    with torch.no_grad():
-        for _ in range(max_new):
-            tok = int(model(torch.tensor([ids]))[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-            if tok == EOS:
-                break
-    return out
 
 
 @pytest.mark.parametrize("over", [{}, {"tie_word_embeddings": True, "num_kv_heads": 4},

@@ -1,13 +1,11 @@
 """The paged, continuously batched engine: outputs independent of batching, sharing and preemption; blocks."""
 
 import copy
-import itertools
 import random
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_engine import EOS, PROMPTS, greedy_no_cache
+from conftest import EOS, PROMPTS, greedy_no_cache, paged_case, tiny_model
 
 from twinplane.errors import InputError
 from twinplane.model import AttentionMetadata
@@ -15,7 +13,7 @@ from twinplane.platform import platform
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.kv_cache import bytes_per_block
-from twinplane.rollout.paged_attention import PagedKV, paged_attention
+from twinplane.rollout.paged_attention import paged_attention
 
 
 def assert_pool_empty(engine):
@@ -183,29 +181,6 @@ def test_budget_too_small_for_one_sequence_is_a_clear_error():
     assert len(engine.generate(PROMPTS, sp)) == len(PROMPTS)
 
 
-def paged_case(window=None, bs=8, lockstep=False):
-    """Six sequences in a pool of `bs`-token blocks: two decodes (contexts bs - 3 and 2 bs + 3, or both 2 bs + 3
-    with `lockstep`), a later prefill chunk of 4 tokens (context bs + 1), then three prompts prefilled whole (3, 3
-    and bs + 2 tokens: the fresh run, which attends within the row)."""
-    g = torch.Generator().manual_seed(0)
-    L, N, Hkv, H, D = 1, 12, 2, 4, 16
-    kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
-    tables = [[3, 0, 11] if lockstep else [3, 0], [5, 1, 7], [2, 9], [4], [6], [8, 10]]
-    ctx, qlens = [2 * bs + 3 if lockstep else bs - 3, 2 * bs + 3, bs + 1, 3, 3, bs + 2], [1, 1, 4, 3, 3, bs + 2]
-    slots = []
-    for t, c, q in zip(tables, ctx, qlens, strict=True):
-        slots += [t[p // bs] * bs + p % bs for p in range(c - q, c)]
-    T = sum(qlens)
-    q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D,
-                                                                                                      generator=g)
-    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
-    paged = PagedKV(kc, vc, torch.tensor(slots), torch.tensor([t + [0] * (3 - len(t)) for t in tables],
-                                                                dtype=torch.int32),
-                    torch.tensor(ctx, dtype=torch.int32), cu, qlens, 2, max(ctx))
-    assert paged.fresh_start == 3
-    return q, k, v, paged, tables, ctx, qlens, window
-
-
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_paged_attention_equals_dense_per_sequence(window, lockstep):
@@ -230,9 +205,10 @@ def test_paged_attention_equals_dense_per_sequence(window, lockstep):
         start += n
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not platform.detect().attention.flash_attn_eligible,
-                    reason="the fused paged backend needs a GPU with flash-attn")
+@pytest.mark.gpu
 def test_flash_paged_backend_equals_portable():
+    if not platform.detect().attention.flash_attn_eligible:
+        pytest.skip("the fused paged backend needs flash-attn")
     model = tiny_model().cuda()
     sp = SamplingParams(temperature=0, max_new_tokens=16, n=2)
     fused = RolloutEngine(copy.deepcopy(model), eos_token_id=None).generate(PROMPTS, sp)

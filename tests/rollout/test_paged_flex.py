@@ -8,10 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_decode_graphs import assert_same
-from test_engine import EOS, PROMPTS
-from test_paged_engine import paged_case
+from conftest import EOS, PROMPTS, assert_same, paged_case, tiny_model
 
 from twinplane.model import AttentionMetadata
 from twinplane.model.attention import _FLEX
@@ -173,7 +170,7 @@ def test_flex_engine_equals_portable_engine(graphs, over):
     assert len({tuple(s.token_ids) for s in got}) > 4  # sampled, not one sequence repeated
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex and CUDA/HIP graphs need a GPU")
+@pytest.mark.gpu  # compiled flex and CUDA/HIP graphs
 def test_flex_engine_on_gpu_equals_portable_with_captured_graphs():
     model = tiny_model().cuda()
     for sp in (SamplingParams(temperature=0, max_new_tokens=16, n=3),

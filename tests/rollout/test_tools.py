@@ -134,7 +134,7 @@ def test_python_tool_runs_in_a_fresh_work_dir_with_a_clean_env(monkeypatch, sand
     cwd, proxies = r.output.splitlines()
     assert not r.error and proxies == "[]"
     assert not tool("import os\nprint(os.listdir('.'))").output.count(marker)  # each call starts empty
-    assert not Path(marker).exists() and not (Path(__file__).parents[1] / marker).exists()
+    assert not Path(marker).exists() and not (Path(__file__).parents[2] / marker).exists()
 
 
 def test_python_tool_has_no_network(sandbox):

@@ -10,6 +10,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
         "train.steps=2", "rollout.prompts_per_step=2", "rollout.n=2", "task.heldout_size=8", "log.progress=false"]
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")

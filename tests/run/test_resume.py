@@ -7,33 +7,10 @@ import sys
 
 import pytest
 import torch
+from conftest import TINY_RUN, outcome, train
 
 from twinplane.cli import main
 from twinplane.run import checkpoint
-
-ARGS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
-        "train.steps=6", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=12", "train.mini_batches=2",
-        "train.micro_batch_size=6", "algo.kl_coef=0.05", "log.progress=false", "checkpoint.every=2",
-        "checkpoint.keep=2", "eval.every=3", "eval.n=2"]
-
-
-def train(run_dir, *extra, fault=None, args=ARGS):
-    """`twinplane train` on `run_dir` with `args` then `extra`, optionally with a TWINPLANE_FAULT spec."""
-    os.environ.pop("TWINPLANE_FAULT", None)
-    if fault:
-        os.environ["TWINPLANE_FAULT"] = fault
-    try:
-        return main(["train", "--run-dir", str(run_dir), *args, *extra])
-    finally:
-        os.environ.pop("TWINPLANE_FAULT", None)
-
-
-def outcome(run_dir):
-    weights = (run_dir / "final" / "model.safetensors").read_bytes()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # timings, throughput and memory are measurements; everything else must match exactly
-    rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "mem/", "sync/gb_per_s"))} for r in rows]
-    return weights, rows
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +20,7 @@ def reference_run(tmp_path_factory):
     return outcome(run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["rollout@2", "train@3", "checkpoint@4", "weight_sync@5", "reward@1"])
 def test_sigterm_then_resume_is_bitwise_identical(fault, tmp_path, reference_run):
     assert train(tmp_path, fault=fault) == 75  # preempted: emergency checkpoint written
@@ -54,6 +32,7 @@ def test_sigterm_then_resume_is_bitwise_identical(fault, tmp_path, reference_run
     assert rows == reference_run[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, sig, code", [
     ("load@0", "TERM", 75), ("warmstart@3", "INT", 75), ("eval@0", "TERM", 75), ("eval@3", "INT", 75),
     ("final@6", "TERM", 0)])
@@ -71,16 +50,18 @@ def test_signal_in_every_phase_then_resume_is_bitwise_identical(fault, sig, code
     assert weights == reference_run[0] and rows == reference_run[1]
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_exits_at_once_without_traceback(tmp_path):
     env = {**os.environ, "TWINPLANE_FAULT": "warmstart@2x2", "TWINPLANE_FAULT_SIGNAL": "INT"}
-    out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *ARGS],
+    out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *TINY_RUN],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 130 and "Traceback" not in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_second_signal_mid_checkpoint_exits_at_once_and_resume_skips_it(tmp_path, reference_run):
     env = {**os.environ, "TWINPLANE_FAULT": "checkpoint@4x2"}
-    out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *ARGS],
+    out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *TINY_RUN],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 128 + 15
     assert [c.name for c in checkpoint.list_checkpoints(tmp_path)] == ["step_00000002"]
@@ -123,6 +104,7 @@ def test_pruning_keeps_newest_complete(tmp_path):
     assert checkpoint.resolve(tmp_path, "auto").name == "step_00000003"
 
 
+@pytest.mark.slow
 def test_resume_config_changes(tmp_path, capsys):
     assert train(tmp_path, "train.steps=2") == 0
     capsys.readouterr()
@@ -132,9 +114,10 @@ def test_resume_config_changes(tmp_path, capsys):
     assert train(tmp_path, "train.steps=4", "--resume", "auto") == 0  # more steps: allowed, reported
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
-    assert main(["train", *ARGS, "--resume", "auto"]) == 2  # auto needs the run dir
+    assert main(["train", *TINY_RUN, "--resume", "auto"]) == 2  # auto needs the run dir
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     assert train(tmp_path / "run", "train.steps=2") == 0
@@ -152,11 +135,12 @@ def test_export_loads_in_transformers(tmp_path):
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
 
 
+@pytest.mark.slow
 def test_restart_loop_resumes_after_crash_and_stops_on_config_error(tmp_path, reference_run):
     """A second SIGTERM mid-checkpoint kills the child at once (exit 143, a crash to the supervisor), which
     relaunches it with --resume auto; the run then ends exactly like the uninterrupted one."""
     env = {**os.environ, "TWINPLANE_FAULT": "checkpoint@4x2", "TWINPLANE_FAULT_ONCE": str(tmp_path / "fired")}
-    cmd = [sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *ARGS]
+    cmd = [sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *TINY_RUN]
     supervise = [sys.executable, "-m", "twinplane.cli", "supervise", "--max-restarts", "2", "--backoff", "0.1", "--"]
     out = subprocess.run([*supervise, *cmd], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -166,6 +150,7 @@ def test_restart_loop_resumes_after_crash_and_stops_on_config_error(tmp_path, re
     assert bad.returncode == 2 and bad.stderr.count("unknown key train.lrr") == 1
 
 
+@pytest.mark.slow
 def test_moe_run_with_routing_replay_resumes_bitwise(tmp_path):
     """A tiny MoE policy with recorded/replayed routing and the aux loss, killed mid-train and resumed."""
     moe = ["model.num_experts=4", "model.moe_intermediate_size=32", "rollout.record_routing=true",

@@ -4,8 +4,12 @@ damaged checkpoints are quarantined (never overwritten), files follow the umask.
 import json
 import stat
 
+import pytest
+
 from twinplane.cli import main
 from twinplane.run import checkpoint
+
+pytestmark = pytest.mark.slow  # whole runs
 
 ARGS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=2",
         "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=8", "log.progress=false",

@@ -2,7 +2,7 @@
 its attack worked; the host checks what the program cannot report itself (files it wrote, signals it sent,
 processes it left). Run as root by pytest (CI), and as a table, by any user:
 
-    python tests/test_sandbox_attacks.py        # prints class | attempt | result, exits 1 on any escape
+    python tests/sandbox/test_sandbox_attacks.py        # prints class | attempt | result, exits 1 on any escape
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from twinplane.sandbox import Limits, SandboxUnavailable, get_sandbox
 
-PACKAGE = Path(__file__).resolve().parents[1] / "twinplane"
+PACKAGE = Path(__file__).resolve().parents[2] / "twinplane"
 TOKEN = "twinplane-attack-secret-7f3a"  # planted in this process's environment and in a host file
 
 

@@ -3,23 +3,17 @@
 import dataclasses
 import datetime
 import os
-import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import make_batch, spawn, tiny_model, tiny_moe
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import conftest and test_trainer by name
-from conftest import tiny_model, tiny_moe  # noqa: E402
-from test_trainer import make_batch  # noqa: E402
-
-from twinplane.config import AlgoSection, TrainSection  # noqa: E402
-from twinplane.model.moe import RoutingState  # noqa: E402
-from twinplane.train import Trainer  # noqa: E402
-from twinplane.train.fsdp import full_state_dict, shard_model, split_for_rank  # noqa: E402
+from twinplane.config import AlgoSection, TrainSection
+from twinplane.model.moe import RoutingState
+from twinplane.train import Trainer
+from twinplane.train.fsdp import full_state_dict, shard_model, split_for_rank
 
 ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
 METRICS = ("pg_loss", "kl", "entropy", "clip_frac", "ratio", "logprob_gap", "grad_norm")
@@ -68,17 +62,6 @@ def _worker(rank, world, tmp, n, clip, tool_masks, name="grpo", moe=False):
         raise
     dist.barrier()  # every rank is done with the others
     os._exit(0)  # skip interpreter teardown: gloo's threads there intermittently abort ("terminate called ...")
-
-
-def spawn(fn, args, nprocs, timeout=90.0):
-    """Run fn(rank, *args) on nprocs spawned processes; kill them and fail past `timeout` seconds."""
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"workers still running after {timeout} s")
 
 
 # 5 rows: the ranks hold 3 and 2 and differ in micro-batch count; no clipping there, so the grads' scale shows.

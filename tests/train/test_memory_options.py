@@ -3,24 +3,19 @@ micro-batches, optimizer-state offload; and scoring that stays in lockstep acros
 
 import datetime
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from conftest import make_batch, spawn, tiny_model
 
-sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import conftest and test_trainer by name
-from conftest import tiny_model  # noqa: E402
-from test_fsdp import spawn  # noqa: E402
-from test_trainer import make_batch  # noqa: E402
-
-import twinplane.train.trainer as trainer_module  # noqa: E402
-from twinplane.config import AlgoSection, TrainSection  # noqa: E402
-from twinplane.train import Reference, Trainer  # noqa: E402
-from twinplane.train.fsdp import full_state_dict, micro_batches, row_groups, shard_model, split_for_rank  # noqa: E402
-from twinplane.train.logprobs import response_logprobs, score  # noqa: E402
-from twinplane.train.offload import move_optimizer_state  # noqa: E402
+import twinplane.train.trainer as trainer_module
+from twinplane.config import AlgoSection, TrainSection
+from twinplane.train import Reference, Trainer
+from twinplane.train.fsdp import full_state_dict, micro_batches, row_groups, shard_model, split_for_rank
+from twinplane.train.logprobs import response_logprobs, score
+from twinplane.train.offload import move_optimizer_state
 
 ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
 
@@ -150,7 +145,7 @@ def test_move_optimizer_state_moves_moments_not_step():
     assert st["step"] is before["step"] and st["step"].device.type == "cpu"  # AdamW's scalar stays on the host
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_move_optimizer_state_round_trip_gpu():
     opt, st = adam_with_state("cuda")
     before = {k: v.clone() for k, v in st.items()}

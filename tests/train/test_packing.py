@@ -6,8 +6,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_trainer import make_batch
+from conftest import make_batch, simulate_gpu, tiny_model
 
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import AttentionMetadata
@@ -273,7 +272,7 @@ def test_bad_prefix_is_refused(prefix):
         AttentionMetadata.packed([2, 3, 4][:max(len(prefix), 2)], prefix=prefix)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flex", "flash_attn"])
 def test_fused_varlen_forward_backward_agree_on_gpu(backend):
     if backend == "flash_attn":
@@ -293,7 +292,6 @@ def test_fused_varlen_forward_backward_agree_on_gpu(backend):
 def test_one_precision_policy_for_1_and_n_ranks(monkeypatch, gpu, hip):
     """On a simulated GPU, the single-rank Trainer and the FSDP2 shards of 2 ranks pick one policy: fp32 master
     weights, bf16 compute, fp32 reductions; `train.compute_dtype` overrides both; CPU stays fp32."""
-    from test_platform import simulate_gpu
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import twinplane.train.fsdp as fsdp_module

@@ -4,33 +4,12 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import make_batch, tiny_model
 
 from twinplane.algos import PRESETS, aggregate, kl_penalty, token_policy_loss
 from twinplane.config import AlgoSection, TrainSection
-from twinplane.train import Batch, Reference, Trainer
+from twinplane.train import Reference, Trainer
 from twinplane.train.logprobs import response_logprobs
-
-
-def make_batch(model, seed=0, n=6, tool_masks=False):
-    """Random prompts and responses; `tool_masks`: responses are longer and have a middle stretch excluded from
-    the loss (a multi-turn tool output the model attends to but is not trained on)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 50, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    hi = 12 if tool_masks else 6
-    responses = [torch.randint(4, 50, (int(torch.randint(1, hi, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(n)]
-    loss_masks = None
-    if tool_masks:
-        loss_masks = [[0 if len(r) > 4 and 2 <= j < len(r) - 2 else 1 for j in range(len(r))] for r in responses]
-    batch = Batch.collate(prompts, responses, 0, loss_masks=loss_masks)
-    with torch.no_grad():
-        lp, _ = response_logprobs(model, batch, 1.0)
-    batch.rollout_logprobs = (lp + 0.1 * torch.randn(lp.shape, generator=g)) * batch.response_mask
-    batch.advantages = torch.randn(n, 1, generator=g) * batch.response_mask
-    batch.ref_logprobs = (lp - 0.2 * torch.rand(lp.shape, generator=g)) * batch.response_mask
-    return batch
 
 
 def step(micro, algo=None):
