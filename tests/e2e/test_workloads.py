@@ -1,6 +1,7 @@
 """Issue-3 flows end to end: a model folder + a data file through `twinplane train` and `twinplane eval`."""
 
 import json
+import re
 import string
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from twinplane.cli import main
 from twinplane.model import ModelConfig, Transformer
+from twinplane.rollout import RolloutEngine, Sample
 from twinplane.run.prepare import save_hf_folder
 from twinplane.tokenizer import build_char_tokenizer
 
@@ -59,6 +61,7 @@ def test_bad_data_is_one_line_exit_2(model_dir, tmp_path, capsys):
     assert "question" in capsys.readouterr().err  # the error lists the fields that exist
 
 
+@pytest.mark.slow
 def test_training_survives_bad_reward_functions(model_dir, gsm8k_file, tmp_path):
     """Answers 2, 4, 6, 8: the function raises, returns NaN, never returns, or scores normally."""
     fn = tmp_path / "bad_reward.py"
@@ -77,11 +80,33 @@ def test_training_survives_bad_reward_functions(model_dir, gsm8k_file, tmp_path)
     assert row["reward/mean"] == pytest.approx(0.25)  # only the well-behaved prompt's 2 samples score 1
 
 
-def test_tool_rollouts_in_training(model_dir, gsm8k_file, tmp_path):
+@pytest.mark.slow
+def test_tool_rollouts_in_training(model_dir, gsm8k_file, tmp_path, monkeypatch):
+    """A scripted policy (the engine's `generate` replaced) asks the calculator for i+i, then answers with what it
+    returned. The step's turn and tool counts, the share of tool tokens, the reward and the held-out accuracy are
+    then known by hand (every i and 2i here is one digit, so every sample has the same length)."""
+    tok = build_char_tokenizer(string.printable[:95])
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s+%s"}}</tool_call>'
+
+    def scripted(engine, prompts, sampling, max_new_tokens=None):
+        out = []
+        for r, ids in enumerate(prompts):
+            text = tok.decode(ids, skip_special_tokens=False)
+            i = re.search(r"What is (\d+) plus", text).group(1)
+            result = re.search(r"<tool_response>(.*)</tool_response>", text)
+            reply = tok.encode(f"#### {result.group(1)}") + [tok.eos_token_id] if result else tok.encode(call % (i, i))
+            out += [Sample(r, list(ids), list(reply), [-1.0] * len(reply), "stop", engine.weight_version)
+                    for _ in range(sampling.n)]
+        return out
+
+    monkeypatch.setattr(RolloutEngine, "generate", scripted)
     run = tmp_path / "run"
     assert main(["train", "--run-dir", str(run), f"model.path={model_dir}", f"data.train_file={gsm8k_file}",
                  f"data.val_file={gsm8k_file}", "reward.name=gsm8k", "rollout.tools=[calculator]",
-                 "rollout.max_turns=2", "eval.every=1", *COMMON]) == 0
+                 "rollout.max_turns=2", "eval.every=1", *COMMON, "rollout.max_new_tokens=160"]) == 0
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    for key in ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors_mean", "val/accuracy"):
-        assert key in row
+    tool, model = len("<tool_response>2</tool_response>"), len(call % (1, 1)) + len("#### 2") + 1  # + <eos>
+    assert (row["rollout/turns_mean"], row["rollout/tool_calls_mean"], row["rollout/tool_errors_mean"]) == (2, 1, 0)
+    assert row["rollout/max_turns_reached"] == 0
+    assert row["rollout/tool_token_frac"] == pytest.approx(tool / (tool + model))
+    assert row["reward/mean"] == 1 and row["val/accuracy"] == 1

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import QWEN25_7B
 
 from twinplane.model import ModelConfig
 from twinplane.platform.devices import BY_KEY
@@ -23,11 +24,6 @@ from twinplane.tools.plan import (
     training_memory,
 )
 
-QWEN25_7B = {  # published Qwen/Qwen2.5-7B config.json shape
-    "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
-    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-}
 W = Workload(prompts_per_step=32, n=8, prompt_len=512, response_len=1024, micro_batch_size=4)
 
 
@@ -109,11 +105,45 @@ def test_cli_errors_and_json(qwen, capsys):
     assert data["recommended"]["tp"] == 1 and data["layouts"]
 
 
+def printed(text: str, title: str) -> dict[str, float]:
+    """The `name value` rows printed under the line `title`."""
+    lines = text.splitlines()
+    rows = {}
+    for line in lines[lines.index(title) + 1:]:
+        if not line.startswith("  "):
+            return rows
+        name, value = line.split()
+        rows[name] = float(value)
+    return rows
+
+
 def test_format_plan_cpu_demo():
+    """The report's figures against hand counts (the demo model, fp32 on the CPU, no sharding): its parameters,
+    4 + 4 + 8 bytes of them for weights, grads and AdamW moments, the same weights and the KV cache of every
+    sequence in the engine; each total is the sum of its rows, and the overrides carry the step's shape."""
     cfg = ModelConfig(vocab_size=15, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
     text = format_plan(cfg, Cluster(CPU, 1), Workload(8, 8, 64, 64, 32))
-    assert "training memory" in text and "rollout memory" in text and "recommendation" in text
+    # per layer: q and o 128x128, k and v 128x64, the MLP 3x128x512, two norms; a tied 15x128 embedding, a norm
+    params = 4 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 512 + 2 * 128) + 15 * 128 + 128
+    assert text.startswith(f"model: {params / 1e6:.2f}M params (4 layers, hidden 128, 4/2 heads, vocab 15)\n")
+
+    def mb(n: int) -> float:
+        return round(n / 1e6, 2)
+
+    train = printed(text, "training memory per device (MB, FSDP=1):")
+    assert [train[k] for k in ("params", "grads", "master", "moments")] == [mb(4 * params), mb(4 * params), 0,
+                                                                            mb(8 * params)]
+    assert train["total"] == pytest.approx(sum(v for k, v in train.items() if k != "total"), abs=0.02)
+    rollout = printed(text, "rollout memory per device (MB, TP=1):")
+    kv = 2 * 4 * 2 * 32 * 4 * (8 * 8) * (64 + 64)  # k and v x layers x KV heads x head dim x fp32, 64 x 128 tokens
+    assert (rollout["weights"], rollout["kv_cache"]) == (mb(4 * params), mb(kv))
+    assert rollout["total"] == pytest.approx(sum(v for k, v in rollout.items() if k != "total"), abs=0.02)
+    layouts = text.split("feasible layouts: ")[1].split("\n\n")[0].splitlines()
+    assert int(layouts[0].split(",")[0]) == len(layouts) - 2  # the count, the header, then one row per layout
+    assert "\nrecommendation: colocated, train on 1 (FSDP=1), rollout on 1 (TP=1 x DP=1)\n" in text
+    assert ("rollout.prompts_per_step=8 rollout.n=8 rollout.max_new_tokens=64 train.micro_batch_size=32"
+            in text.split("  overrides: ")[1])
 
 
 # Peak-RSS measurements depend on what else the machine and allocator are doing (a ratio of 1.28 was seen after
@@ -122,7 +152,7 @@ def test_format_plan_cpu_demo():
 @pytest.mark.skipif(os.environ.get("TWINPLANE_MEMCHECK") != "1", reason="measurement; set TWINPLANE_MEMCHECK=1")
 def test_cpu_estimate_within_25_percent_of_measured_peak():
     """The demo model's training step and generation, each in a fresh subprocess (peak RSS increase)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.plan_memory_check import check
 
     for plane in ("train", "rollout"):
@@ -153,7 +183,7 @@ def test_moe_planner_counts_total_for_memory_and_active_for_flops():
     from twinplane.model.flops import decode_read_params, matmul_params
     from twinplane.tools.plan import load_model_config
 
-    cfg = load_model_config(str(Path(__file__).resolve().parent.parent / "examples/models/qwen3_30b_a3b"))
+    cfg = load_model_config(str(Path(__file__).resolve().parents[2] / "examples/models/qwen3_30b_a3b"))
     assert 30.4e9 < cfg.num_params < 30.6e9 and 3.3e9 < cfg.active_params < 3.4e9  # published: 30.5B / 3.3B
     embed = cfg.vocab_size * cfg.hidden_size
     assert matmul_params(cfg) == cfg.active_params - embed - cfg.hidden_size * (2 * 48 + 1)  # no embedding, norms
