@@ -5,10 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("env", "copy", "decode", "profile", "sampling", "decode_sdpa", "engine", "train")
 
 
+@pytest.mark.slow
 def test_gpu_probe_smoke_writes_every_section(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_probe.py"), str(tmp_path), "--smoke",
            "--sections", ",".join(SECTIONS), "--commit", "abc"]
