@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from twinplane import platform  # noqa: E402
+from twinplane.platform import platform  # noqa: E402
 
 # Qwen2.5-0.5B and -1.5B's published shapes; "tiny" for --smoke
 SHAPES = {
@@ -179,7 +179,10 @@ def env(device: torch.device, dtype: torch.dtype) -> dict:
         p = torch.cuda.get_device_properties(device)
         out |= {"sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
                 "cudnn": torch.backends.cudnn.version()}
-    backend, block = platform.paged_attention_backend(device, dtype, SHAPES["qwen2.5-0.5b"]["head_dim"])
+    from twinplane.rollout.paged_attention import flex_decode_agrees
+
+    backend, block = platform.paged_attention_backend(device, dtype, SHAPES["qwen2.5-0.5b"]["head_dim"],
+                                                      flex_check=flex_decode_agrees)
     prec = platform.train_precision(device, torch.float32)
     return out | {"paged_attention_backend": backend, "kv_block_size": block,
                   "decode_graph_backend": platform.decode_graph_backend(device),
@@ -380,8 +383,8 @@ def train_section(a, device, compiled: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from twinplane.config import AlgoSection, TrainSection
-    from twinplane.flops import train_flops_per_token
     from twinplane.model import ModelConfig, Transformer
+    from twinplane.model.flops import train_flops_per_token
     from twinplane.train import Batch, Trainer
 
     torch.manual_seed(0)

@@ -18,14 +18,14 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from twinplane import platform
 from twinplane.cluster.planes import WorkerError, critic_state, load_critic_state, reference_is_base
+from twinplane.cluster.sync import SyncReport
 from twinplane.cluster.workers import CriticWorker, RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config, ConfigError
 from twinplane.model import ModelConfig
+from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
-from twinplane.sync import SyncReport
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch
 from twinplane.train.balance import assign_rows

@@ -21,18 +21,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from twinplane import platform
 from twinplane.cluster.planes import build_critic, build_engine, build_rollout, reference_is_base, restore_generator
+from twinplane.cluster.sync import broadcast_bucket, bucket_plan
 from twinplane.config import Config, LoraSection
 from twinplane.model import ModelConfig, Transformer, load_weights
+from twinplane.model.checksum import combine_checksums, tensor_checksum
+from twinplane.model.export import export_shapes, exported
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
+from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
-from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
 from twinplane.train.critic import Critic
-from twinplane.train.export import export_shapes, exported
 from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 

@@ -32,19 +32,20 @@ from dataclasses import dataclass
 
 import torch
 
-from twinplane import platform
 from twinplane.errors import InputError
-from twinplane.model import AttentionMetadata, ModelConfig, PagedKV, Transformer, load_weights
+from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_weights
+from twinplane.model.checksum import weights_checksum
 from twinplane.model.moe import RoutingState
-from twinplane.model.packed import MIN_PACKED_DIM, PackedWeight, linear, pack_linears, repack, worth_packing
+from twinplane.platform import platform
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
+from twinplane.rollout.packed import MIN_PACKED_DIM, PackedWeight, linear, pack_linears, repack, worth_packing
+from twinplane.rollout.paged_attention import PagedKV, flex_decode_agrees
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.rollout.scheduler import ScheduledBatch, Scheduler
 from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.rollout.sequence import Sequence as Seq
-from twinplane.sync import weights_checksum
 
 __all__ = ["Done", "RolloutEngine", "Sample"]
 
@@ -110,7 +111,7 @@ class RolloutEngine:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, graph_max_batch >= 0")
         self.model = model.eval().requires_grad_(False)
         self.device = model.output_weight().device
-        # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
+        # CPU fp32: the GEMMs from pre-packed weights (twinplane.rollout.packed); `head` is the LM head's packing
         packable = platform.packed_linear_ok(self.device, self.dtype)
         if batch_invariant and not packable:
             raise InputError(f"rollout.batch_invariant: needs the CPU float32 engine (oneDNN's packed GEMMs), not "
@@ -126,8 +127,9 @@ class RolloutEngine:
         self.kv_cache_bytes, self.gpu_memory_utilization = kv_cache_bytes, gpu_memory_utilization
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
-        # paged attention kernel and the pool's block size (twinplane.model.paged_attention), passed to every forward
-        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim)
+        # paged attention kernel and the pool's block size (twinplane.rollout.paged_attention), passed to every forward
+        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim,
+                                                                         flex_check=flex_decode_agrees)
         # "cuda_graph" | "eager" from the platform; tests set "static" (the graph path's buffers, not captured)
         self.graph_backend = platform.decode_graph_backend(self.device, graphs)
         self.graph_max_batch = graph_max_batch or max_num_seqs
@@ -154,7 +156,7 @@ class RolloutEngine:
         self.weight_version = version
 
     def _repack(self) -> None:
-        """The packed GEMMs' copies (twinplane.model.packed) re-packed where a weight changed since."""
+        """The packed GEMMs' copies (twinplane.rollout.packed) re-packed where a weight changed since."""
         if self.packed:
             repack(self.model)
         if self.head is not None:

@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twinplane import platform
-from twinplane.model import AttentionMetadata, PagedKV, Transformer
+from twinplane.model import AttentionMetadata, Transformer
 from twinplane.model.moe import Experts
-from twinplane.model.packed import PackedWeight, linear
+from twinplane.platform import platform
 from twinplane.rollout.kv_cache import KVCache
+from twinplane.rollout.packed import PackedWeight, linear
+from twinplane.rollout.paged_attention import PagedKV
 from twinplane.rollout.scheduler import ScheduledBatch
 from twinplane.rollout.sequence import Sequence
 

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from twinplane import platform
 from twinplane.model import Transformer
+from twinplane.model.export import export_weights
+from twinplane.platform import platform
 from twinplane.train.balance import assign_rows
 from twinplane.train.batch import Batch
-from twinplane.train.export import export_weights
 
 
 def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
