@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from conftest import ray_init
 from safetensors.torch import load_file
 
 from twinplane.cli import main
@@ -24,7 +25,7 @@ RAY = ["cluster.backend=ray"]
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     threads = torch.get_num_threads()  # threads=1 (as in the 1-CPU actors) must not leak into later tests
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray_init(num_cpus=2)
     yield
     ray.shutdown()
     torch.set_num_threads(threads)

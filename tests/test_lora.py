@@ -12,7 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import these modules by name
-from conftest import tiny_model  # noqa: E402
+from conftest import ray_init, tiny_model  # noqa: E402
 from test_fsdp import spawn  # noqa: E402
 from test_resume import train as run_train  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
@@ -319,7 +319,7 @@ def test_lora_on_ray_disaggregated_equals_local(tmp_path):
             "algo.kl_coef=0.05", "cluster.sync_bucket_mb=1", "cluster.timeout_s=120", "train.lora.rank=4"]
     threads = torch.get_num_threads()
     assert main(["train", "--run-dir", str(tmp_path / "local"), *args]) == 0
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray_init(num_cpus=2)
     try:
         assert main(["train", "--run-dir", str(tmp_path / "ray"), *args, "cluster.backend=ray"]) == 0
     finally:

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import torch
 
+from twinplane import platform
 from twinplane.model.lora import has_lora
 
 _MOD = 2**61 - 1
@@ -79,6 +80,7 @@ def broadcast_bucket(tensors: list[torch.Tensor] | None, bucket: Shapes, dtype: 
         flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
     else:
         flat = torch.empty(sum(s.numel() for _, s in bucket), dtype=dtype, device=device)
+    flat = platform.collective_tensor(flat, group)
     dist.broadcast(flat, src=src, group=group)
     out, offset = [], 0
     for name, shape in bucket:
