@@ -78,7 +78,8 @@ def dist_backend(device: torch.device) -> str:
 
 def collective_device(group=None) -> torch.device:
     """The device whose tensors the collectives of `group` (None: the default group) take: NCCL (and RCCL, under
-    the same name) moves device tensors only, on the current device; gloo, host tensors."""
+    the same name) takes device tensors only, on the current device (the worker's, `worker_device`); gloo, host
+    tensors."""
     import torch.distributed as dist
 
     if dist.get_backend(group) == dist.Backend.NCCL:
