@@ -8,6 +8,7 @@ import os
 import time
 from types import SimpleNamespace
 
+import device_only
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -19,6 +20,19 @@ from twinplane.platform import platform
 from twinplane.rollout.paged_attention import PagedKV
 from twinplane.train import Batch
 from twinplane.train.logprobs import response_logprobs
+
+# Collectives here, in the spawned multi-rank workers (they import this module by name) and in Ray's workers
+# (`ray_init`) refuse host tensors where NCCL/RCCL would.
+device_only.install()
+
+
+def ray_init(num_cpus: int) -> None:
+    """A local Ray cluster whose workers' collectives are device-only too."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(device_only)  # Ray's workers do not see tests/
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": device_only.install})
 
 
 def pytest_collection_modifyitems(config, items):

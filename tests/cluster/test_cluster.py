@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import CLUSTER_RUN, RAY, cluster_train, computed, rows, weights
+from conftest import CLUSTER_RUN, RAY, cluster_train, computed, ray_init, rows, weights
 
 from twinplane.cli import main
 from twinplane.cluster.sync import SyncReport, bucket_plan
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # a local Ray cluster, whole runs on it
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     threads = torch.get_num_threads()  # threads=1 (as in the 1-CPU actors) must not leak into later tests
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray_init(num_cpus=2)
     yield
     ray.shutdown()
     torch.set_num_threads(threads)

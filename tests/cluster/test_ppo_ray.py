@@ -3,7 +3,7 @@ one process; sharded critics equal an unsharded one; preemption and resume (onto
 
 import pytest
 import torch
-from conftest import CLUSTER_RUN, RAY, cluster_train, computed, rows, weights
+from conftest import CLUSTER_RUN, RAY, cluster_train, computed, ray_init, rows, weights
 from safetensors.torch import load_file
 
 from twinplane.cli import main
@@ -19,7 +19,7 @@ PPO = ["algo.name=ppo", "critic.warmup_steps=1", "critic.lr=1e-3", "algo.kl_in_r
 def ray_cluster():
     threads = torch.get_num_threads()
     # logical CPUs: a critic rank is a third 1-CPU worker (the runs are sequential, so 2 cores carry them)
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray_init(num_cpus=3)
     yield
     ray.shutdown()
     torch.set_num_threads(threads)

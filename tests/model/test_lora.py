@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import QWEN25_7B, make_batch, spawn, tiny_model
+from conftest import QWEN25_7B, make_batch, ray_init, spawn, tiny_model
 from conftest import train as run_train
 from safetensors.torch import load_file
 
@@ -318,7 +318,7 @@ def test_lora_on_ray_disaggregated_equals_local(tmp_path):
             "algo.kl_coef=0.05", "cluster.sync_bucket_mb=1", "cluster.timeout_s=120", "train.lora.rank=4"]
     threads = torch.get_num_threads()
     assert main(["train", "--run-dir", str(tmp_path / "local"), *args]) == 0
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray_init(num_cpus=2)
     try:
         assert main(["train", "--run-dir", str(tmp_path / "ray"), *args, "cluster.backend=ray"]) == 0
     finally:

@@ -87,6 +87,23 @@ def dist_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def collective_device(group=None) -> torch.device:
+    """The device whose tensors the collectives of `group` (None: the default group) take: NCCL (and RCCL, under
+    the same name) takes device tensors only, on the current device (the worker's, `worker_device`); gloo, host
+    tensors."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def collective_tensor(t: torch.Tensor, group=None) -> torch.Tensor:
+    """`t` on `collective_device(group)` (`t` itself when already there): every tensor that twinplane hands to a
+    collective goes through here, and the caller uses what it returns."""
+    return t.to(collective_device(group))
+
+
 def setup(seed: int, threads: int | None = None, deterministic: bool = True) -> None:
     """Seed every RNG and pin the thread count. CPU runs are bitwise reproducible with this;
     on GPU some kernels (e.g. atomics in backward scatter-adds) stay non-deterministic."""

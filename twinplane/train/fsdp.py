@@ -66,7 +66,8 @@ def split_for_rank(batch: Batch, rank: int, world: int) -> Batch:
 
 
 def all_reduce(x: float | int, group=None, op=dist.ReduceOp.SUM) -> float:
-    t = torch.tensor(float(x), dtype=torch.float64)
+    """`x` reduced over `group`'s ranks in fp64 (token counts stay exact), on the device its backend takes."""
+    t = platform.collective_tensor(torch.tensor(float(x), dtype=torch.float64), group)
     dist.all_reduce(t, op=op, group=group)
     return float(t)
 
