@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from twinplane import platform
 from twinplane.model import ModelConfig
 from twinplane.model.moe import RoutingState, expert_loads, load_balancing_loss, routing_agreement
+from twinplane.platform import platform
 from twinplane.train.batch import Batch
 
 
