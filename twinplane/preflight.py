@@ -124,7 +124,8 @@ def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: to
     this only refuses what can never fit."""
     r = cfg.rollout
     dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
-    _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim)
+    kernels, _ = platform.rollout_kernels(device, dtype, r.kernels)
+    _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim, kernels)
     reserved = int(platform.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
     pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,
                 prompt_tokens + r.max_new_tokens)

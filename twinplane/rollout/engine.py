@@ -34,6 +34,7 @@ import torch
 
 from twinplane import platform
 from twinplane.errors import InputError
+from twinplane.kernels import use as use_kernels
 from twinplane.model import AttentionMetadata, ModelConfig, PagedKV, Transformer, load_weights
 from twinplane.model.moe import RoutingState
 from twinplane.model.packed import PackedWeight, linear, pack_linears, repack, worth_packing
@@ -97,16 +98,21 @@ class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
                  max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
-                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 256):
+                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 256,
+                 kernels: str = "auto"):
         """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
         `record_routing`: MoE, keep each token's experts per sparse layer in its sample; `graphs`: decode steps of
-        up to `graph_max_batch` sequences as captured graphs where the platform can (twinplane.rollout.graphs)."""
+        up to `graph_max_batch` sequences as captured graphs where the platform can (twinplane.rollout.graphs);
+        `kernels`: auto | triton | torch, the decode path's kernels (`platform.rollout_kernels`, twinplane.kernels)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and graph_max_batch must be >= 1")
         self.model = model.eval().requires_grad_(False)
         self.device = model.output_weight().device
+        self.kernels, self.kernels_why = platform.rollout_kernels(self.device, self.dtype, kernels)
+        use_kernels(self.model, self.kernels)
         # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
-        self.packed = platform.packed_linear_ok(self.device, self.dtype) and pack_linears(self.model) > 0
+        self.packed = self.kernels == "torch" and platform.packed_linear_ok(self.device, self.dtype) \
+            and pack_linears(self.model) > 0
         self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight().shape) else None
         self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
@@ -116,7 +122,8 @@ class RolloutEngine:
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
         # paged attention kernel and the pool's block size (twinplane.model.paged_attention), passed to every forward
-        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim)
+        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim,
+                                                                         self.kernels)
         # "cuda_graph" | "eager" from the platform; tests set "static" (the graph path's buffers, not captured)
         self.graph_backend, self.graph_max_batch = platform.decode_graph_backend(self.device, graphs), graph_max_batch
         self.kv: KVCache | None = None
@@ -384,4 +391,4 @@ def engine_options(rollout) -> dict:
     return {"max_num_seqs": rollout.max_num_seqs, "max_num_batched_tokens": rollout.max_num_batched_tokens,
             "kv_cache_bytes": int(rollout.kv_cache_gb * 2**30),
             "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing,
-            "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch}
+            "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch, "kernels": rollout.kernels}
