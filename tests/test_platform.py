@@ -7,8 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from twinplane import doctor, platform
+from twinplane import doctor, kernels, platform
+from twinplane.config import ConfigError, load_config
+from twinplane.errors import InputError
+from twinplane.model.transformer import DecoderLayer
+from twinplane.rollout import RolloutEngine, engine_options
 
 
 @pytest.fixture(autouse=True)
@@ -142,6 +147,10 @@ def test_doctor_on_this_machine(capsys):
     assert d["attention"]["backend"] == "sdpa" and d["gemm_tflops"] > 0 and d["copy_bandwidth_gb_s"] > 0
     text = doctor.format_report(d)
     assert "sdpa" in text and len(text.splitlines()) < 25 and text.startswith("in short")
+    r = d["rollout"]  # what the rollout engine runs here, and why
+    if d["device_type"] == "cpu":
+        assert (r["kernels"], r["paged_attention"], r["kv_block_size"], r["graphs"]) == ("torch", "sdpa", 16, "eager")
+    assert r["kernels_why"] in text and r["paged_attention_why"] in text and r["graphs_why"] in text
     if d["device_type"] == "cpu":  # the peak is the best GEMM seen, this run's included: never above 100%
         assert 0 < d["gemm_mfu"] <= 1.0
     assert d["sandbox"]["backend"] in ("bwrap", None) and "sandbox" in text  # which backend can run code here
@@ -254,6 +263,9 @@ def test_flex_self_check_runs_here_and_catches_a_wrong_kernel(monkeypatch):
 def test_paged_backend_environment_override(monkeypatch, probes):
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "flex")
     assert platform.paged_attention_backend(torch.device("cpu")) == ("flex", 128)  # forced: eager flex, unchecked
+    monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "triton")
+    assert platform.paged_attention_backend(torch.device("cpu")) == ("triton", platform.TRITON_PAGE_SIZE) \
+        == ("triton", 16)
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "sdpa")
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
     assert platform.paged_attention_backend(torch.device("cuda")) == ("sdpa", 16)
@@ -261,3 +273,79 @@ def test_paged_backend_environment_override(monkeypatch, probes):
     with pytest.raises(ValueError, match="TWINPLANE_PAGED_BACKEND"):
         platform.paged_attention_backend(torch.device("cpu"))
     assert probes == []
+
+
+# --- the rollout engine's kernels (twinplane.kernels) ---------------------------------------------------------------
+
+@pytest.fixture
+def kernel_checks(monkeypatch):
+    """The Triton self-check, recorded; it passes unless a test sets `checks.result`."""
+    checks = SimpleNamespace(calls=[], result=None)
+
+    def check(dev, dtype):
+        checks.calls.append((dev, dtype))
+        if isinstance(checks.result, Exception):
+            raise checks.result
+        return checks.result
+
+    monkeypatch.setattr(kernels, "self_check", check)
+    return checks
+
+
+def test_kernels_on_cpu_are_torch_unless_triton_is_asked_for_and_interpreted(monkeypatch, kernel_checks):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert platform.rollout_kernels(cpu)[0] == "torch"  # auto: the model's own code, today's CPU path
+    assert platform.rollout_kernels(cpu, requested="torch") == ("torch", "rollout.kernels=torch")
+    with pytest.raises(InputError, match="rollout.kernels=triton: the engine runs on cpu, and Triton kernels need"):
+        platform.rollout_kernels(cpu, requested="triton")
+    with pytest.raises(InputError, match="rollout.kernels must be one of auto, triton, torch, got 'cuda'"):
+        platform.rollout_kernels(cpu, requested="cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert platform.rollout_kernels(cpu)[0] == "torch"  # auto never picks the interpreter
+    if platform._has_module("triton"):
+        assert platform.rollout_kernels(cpu, requested="triton")[0] == "triton"
+    assert kernel_checks.calls == []
+    engine = RolloutEngine(tiny_model(), 3)
+    assert engine.kernels == "torch" and type(engine.model.model.layers[0]) is DecoderLayer  # nothing swapped
+
+
+@pytest.mark.parametrize("hip", [None, "6.2.41133"])
+def test_auto_kernels_on_a_gpu_are_triton_once_their_self_check_passed(monkeypatch, probes, kernel_checks, hip):
+    simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H200", hip=hip,
+                 arch="gfx942:sramecc+:xnack-" if hip else None, installed=("triton",))
+    gpu = torch.device("cuda")
+    kernels_, why = platform.rollout_kernels(gpu, torch.bfloat16)
+    assert kernels_ == "triton" and "passed its self-check" in why
+    assert platform.rollout_kernels(gpu, torch.bfloat16)[0] == "triton"
+    assert kernel_checks.calls == [(gpu, torch.bfloat16)]  # once per device and dtype
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, kernels="triton") == ("triton", 16)
+    assert probes == []  # flex is not checked where Triton serves the decodes
+    assert platform.paged_attention_backend(gpu, torch.bfloat16) == ("flex", 128)  # (torch kernels: as before)
+
+
+def test_auto_kernels_on_a_gpu_fall_back_to_torch(monkeypatch, probes, kernel_checks):
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))  # no triton package
+    gpu = torch.device("cuda")
+    assert platform.rollout_kernels(gpu, torch.bfloat16) == ("torch", "auto: the triton package is not installed")
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn", "triton"))
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, kernels="triton") == ("flash", 256)  # flash first
+    for result, why in ((RuntimeError("PassManager::run failed\n(the rest)"), "PassManager::run failed"),
+                        ("SiLU * up", "SiLU \\* up")):
+        platform.reset()
+        kernel_checks.result = result
+        with pytest.warns(UserWarning, match=f"Triton kernels failed their self-check on cuda \\({why}\\)"):
+            assert platform.rollout_kernels(gpu, torch.float16)[0] == "torch"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert platform.rollout_kernels(gpu, torch.float16)[0] == "torch"  # warned once
+
+
+def test_kernels_config_key_and_engine_option(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert engine_options(load_config(None, ["rollout.kernels=torch"]).rollout)["kernels"] == "torch"
+    assert load_config(None, []).rollout.kernels == "auto"
+    with pytest.raises(ConfigError, match="rollout.kernels: must be auto, triton or torch"):
+        load_config(None, ["rollout.kernels=cuda"])
+    with pytest.raises(InputError, match="rollout.kernels=triton"):
+        RolloutEngine(tiny_model(), 3, kernels="triton")
