@@ -21,8 +21,9 @@ Sections, in order:
   attention and torch kernels, with torch kernels and the platform's attention (flex on GPUs without flash-attn),
   and with the Triton kernels (`rollout.kernels=triton`, twinplane.kernels) and their paged attention.
 - kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
-  decode context): device microseconds per call from a CUDA graph of 20 calls, the paged decode's KV read rate
-  and its time per split count, and one layer's paged attention (pool write included) per backend.
+  decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
+  the paged decode's KV read rate and its time per split count, and one layer's paged attention (pool write
+  included) per backend.
 - engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
   the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
   step time went; then Hugging Face `generate` on the same work and weights for the ratio.
@@ -360,6 +361,7 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
     from twinplane.kernels.norm import rms_norm, rms_norm_torch
     from twinplane.kernels.paged_decode import num_splits, paged_decode, paged_decode_torch
     from twinplane.kernels.rope import rope_write, rope_write_torch
+    from twinplane.kernels.sampler import sample_tokens, sample_tokens_torch
     from twinplane.model import AttentionMetadata, PagedKV
     from twinplane.model.paged_attention import paged_attention
 
@@ -396,6 +398,8 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
     res["silu_mul"] = pair(lambda: silu_mul(gate, up), lambda: silu_mul_torch(gate, up))
     res["rope_write"] = pair(lambda: rope_write(qn, kn, vn, cos, sin, k_pool, v_pool, slots),
                              lambda: rope_write_torch(qn, kn, vn, cos, sin, k_pool, v_pool, slots))
+    logits, u = rand(B, shape["vocab_size"]), torch.rand(B, generator=g).to(device)
+    res["sampler"] = pair(lambda: sample_tokens(logits, 1.0, u), lambda: sample_tokens_torch(logits, 1.0, u))
     # one layer's paged attention as the static decode runs it (its pool write included), per backend
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, kn, vn))
     res["attention_layer_us"] = {}

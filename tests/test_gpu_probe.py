@@ -25,7 +25,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     assert (res["decode_torch"]["kernels"], res["decode_triton"]["kernels"]) == ("torch", "triton")
     assert res["decode_triton"]["backend"] == "triton"  # (Triton's interpreter on CPU)
     for row in res["kernels"]["batches"].values():  # each kernel and its torch reference timed
-        for name in ("paged_decode", "add_rms_norm", "silu_mul", "rope_write"):
+        for name in ("paged_decode", "add_rms_norm", "silu_mul", "rope_write", "sampler"):
             assert row[name]["triton_us"] > 0 and row[name]["torch_us"] > 0, name
         assert set(row["paged_decode_by_splits_us"]) == {"1", "2"}
         assert all(isinstance(row["attention_layer_us"][b], float) for b in ("triton", "flex", "sdpa"))

@@ -26,6 +26,7 @@ from twinplane.kernels.activation import silu_mul, silu_mul_torch  # noqa: E402
 from twinplane.kernels.norm import rms_norm, rms_norm_torch  # noqa: E402
 from twinplane.kernels.paged_decode import MAX_SPLITS, num_splits, paged_decode, paged_decode_torch  # noqa: E402
 from twinplane.kernels.rope import rope_write, rope_write_torch  # noqa: E402
+from twinplane.kernels.sampler import sample_tokens, sample_tokens_torch  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -160,21 +161,66 @@ def test_rope_write_equals_rope_and_the_pool_write():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+def mid_interval_uniforms(x, banned, rows, g):
+    """Per row a token with some mass under softmax(x) (banned ids out in `rows`) and the uniform at the middle of
+    its CDF step, in float64: any correct inverse CDF picks that token, whatever order it sums in."""
+    x = x.double().clone()
+    x[rows[:, None] & torch.isin(torch.arange(x.shape[1]), banned)[None]] = float("-inf")
+    p = torch.softmax(x, -1)
+    cdf = p.cumsum(-1)
+    want = torch.stack([torch.multinomial((r > 1e-4).double(), 1, generator=g)[0] for r in p])
+    u = (cdf.gather(1, want[:, None])[:, 0] - p.gather(1, want[:, None])[:, 0] / 2) / cdf[:, -1]
+    return want, u.float()
+
+
+@pytest.mark.parametrize("V", [50, 3 * 4096 + 17])  # one level; several chunks and a ragged last one
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_sampler_equals_the_engines(V, temperature):
+    """Tokens and policy log-probs as the engine's torch sampler gives them, stop tokens banned in some rows."""
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(4, V, generator=g) * 3
+    banned, rows = torch.tensor([1, 3, 7, 20]), torch.tensor([True, False, True, False])
+    logits[:, banned] += 6  # (the banned tokens would be likely)
+    want, u = mid_interval_uniforms(logits / (temperature or 1.0), banned, rows, g)
+    if temperature == 0:
+        want = torch.where(rows[:, None] & torch.isin(torch.arange(V), banned), float("-inf"), logits).argmax(-1)
+    args = (logits.to(DEV), temperature, u.to(DEV), banned.to(DEV), rows.to(DEV))
+    tok, logp = sample_tokens(*args)
+    ref_tok, ref_logp = sample_tokens_torch(*args)
+    assert tok.tolist() == ref_tok.tolist() == want.tolist()
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    tok, _ = sample_tokens(logits.to(DEV).bfloat16(), temperature, u.to(DEV))  # 16-bit logits, read as they are
+    assert tok.tolist() == sample_tokens_torch(logits.to(DEV).bfloat16(), temperature, u.to(DEV))[0].tolist()
+
+
+def test_sampler_never_chooses_a_token_without_mass():
+    """u = 0 takes the first token with mass, u just below 1 the last one (also when u x total rounds up to the
+    total), over one chunk and over several."""
+    for V in (50, 2 * 4096 + 5):
+        logits = torch.full((3, V), float("-inf"))
+        logits[:, [4, 9, V - 3]] = torch.tensor([0.5, 2.0, 1.0])
+        u = torch.tensor([0.0, 1 - 2**-24, 0.999999])
+        tok, logp = sample_tokens(logits.to(DEV), 1.0, u.to(DEV))
+        assert tok.tolist() == [4, V - 3, V - 3]
+        assert torch.isfinite(logp).all()
+
+
 def test_self_check_passes_here_and_catches_a_wrong_kernel(monkeypatch):
     assert kernels.self_check(DEV, torch.float32) is None
     monkeypatch.setattr(paged_decode_module, "paged_decode", lambda *a, **k: paged_decode(*a, **k) + 1e-3)
     assert kernels.self_check(DEV, torch.float32) == "paged decode attention, window None, 1 split(s)"
 
 
-@pytest.mark.parametrize(("mode", "over"), [
-    ("eager", {}),  # GQA 2, untied head: decodes and prefill chunks in one row
-    ("static", {"model_type": "qwen3", "qk_norm": True, "sliding_window": 5, "tie_word_embeddings": True}),
+@pytest.mark.parametrize(("mode", "over", "sp"), [
+    ("eager", {}, SamplingParams(temperature=0, max_new_tokens=6)),  # GQA 2, untied head
+    ("static", {"model_type": "qwen3", "qk_norm": True, "sliding_window": 5, "tie_word_embeddings": True},
+     SamplingParams(temperature=0.8, max_new_tokens=6, min_new_tokens=2, n=2, seed=3)),
 ])
-def test_engine_with_triton_kernels_equals_the_torch_path(mode, over):
-    """Greedy tokens and their log-probs through the whole decode path: every norm, the MLP activation, rope with
-    the KV write, and paged attention in Triton ("static": the graph path's fixed buffers and padded buckets)."""
+def test_engine_with_triton_kernels_equals_the_torch_path(mode, over, sp):
+    """Greedy (and seeded) tokens and their log-probs through the whole decode path: every norm, the MLP
+    activation, rope with the KV write, paged attention and the sampler in Triton ("static": the graph path's
+    fixed buffers and padded buckets; seeded with forks and stop tokens banned in the early rows)."""
     model = tiny_model(**over).to(DEV)
-    sp = SamplingParams(temperature=0, max_new_tokens=6)
     engines = {k: RolloutEngine(copy.deepcopy(model), eos_token_id=EOS, kernels=k) for k in ("triton", "torch")}
     for e in engines.values():
         e.graph_backend = mode

@@ -7,13 +7,16 @@ code as it is); with "triton" its modules become the variants in twinplane.kerne
 - paged_decode.py: paged decode attention reading the KV pool in place (GQA-grouped tiles, split-KV, LSE merge);
 - norm.py: RMSNorm, with the residual add fused in;
 - activation.py: SiLU(gate) * up;
-- rope.py: the rotary embedding of q and k fused with the KV-cache write.
+- rope.py: the rotary embedding of q and k fused with the KV-cache write;
+- sampler.py: each row's token and its log-prob from the logits (the engine's inverse-CDF sampling, no top-k/p).
 Each file holds its torch reference beside its kernel. tests/test_kernels.py checks every kernel against its
 reference under TRITON_INTERPRET=1 on CPU, and `self_check` does so on a GPU before "auto" picks Triton there.
 Triton is imported only when these kernels run, never on the torch path.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -29,13 +32,15 @@ def use(model: nn.Module, kernels: str) -> None:
 
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run every kernel once on tiny inputs on `device` in `dtype` (GQA groups of 7, a block table with a partly
-    filled last block, a sliding window, one and three splits) against its torch reference: None when all agree
+    filled last block, a sliding window, one and three splits; a sampler row over two CDF chunks) against its
+    torch reference: None when all agree
     within the dtype's tolerance, else which one did not. Raises what Triton raises (no compiler, a failed
     compile)."""
     from twinplane.kernels.activation import silu_mul, silu_mul_torch
     from twinplane.kernels.norm import rms_norm, rms_norm_torch
     from twinplane.kernels.paged_decode import paged_decode, paged_decode_torch
     from twinplane.kernels.rope import rope_write, rope_write_torch
+    from twinplane.kernels.sampler import sample_tokens, sample_tokens_torch
 
     g = torch.Generator().manual_seed(0)
 
@@ -69,6 +74,13 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
         want = [*rope_write_torch(*args, pool[2], pool[3], slots), pool[2], pool[3]]
         if not all(_close(a, b, tol) for a, b in zip(got, want, strict=True)):
             return "rope + KV-cache write"
+        logits = torch.full((4, 5000), float("-inf"), device=device)  # two CDF chunks, mass 1/4, 1/2, 1/4
+        logits[:, [3, 4100, 4999]] = torch.tensor([0.0, math.log(2), 0.0], device=device)
+        u = torch.tensor([0.1, 0.5, 0.9, 0.7], device=device)
+        for temperature, want in ((1.0, [3, 4100, 4999, 4100]), (0.0, [4100] * 4)):
+            tok, logp = sample_tokens(logits.to(dtype), temperature, u)
+            if tok.tolist() != want or not _close(logp, sample_tokens_torch(logits.to(dtype), temperature, u)[1], tol):
+                return f"sampler, temperature {temperature}"
     return None
 
 

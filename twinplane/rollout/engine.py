@@ -320,19 +320,26 @@ class RolloutEngine:
         forks = max(widths) > 1
         if forks:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
-        lp = policy_logprobs(logits, sp.temperature)  # [R, V]
+        # Triton kernels: the token and its log-prob in one kernel, without the [R, V] fp32 log-probs (no top-k/p)
+        fused = self.kernels == "triton" and sp.top_k == 0 and sp.top_p == 1.0
+        lp = None if fused else policy_logprobs(logits, sp.temperature)  # [R, V]
         banned = rows = None
         if sp.min_new_tokens and ready[0].stop_ids:  # stop tokens are banned in the rows short of min_new_tokens
             early = [s.num_generated < sp.min_new_tokens for s in ready]
             if any(early):
-                banned = _id_tensor(ready[0].stop_ids, lp.device)  # [K]
+                banned = _id_tensor(ready[0].stop_ids, logits.device)  # [K]
                 if not all(early):  # [R] (None: all of them)
                     per_row = [e for e, w in zip(early, widths, strict=True) for _ in range(w)] if forks else early
-                    rows = torch.tensor(per_row, device=lp.device)
+                    rows = torch.tensor(per_row, device=logits.device)
         # (float32 as `sample` uses them; Python's doubles rounded once, as .to(float32) would)
-        u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32)
-        tok = sample(lp, sp, u.to(lp.device), banned, rows)  # [R]
-        chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
+        u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32).to(logits.device)
+        if fused:
+            from twinplane.kernels.sampler import sample_tokens
+
+            tok, chosen = sample_tokens(logits, sp.temperature, u, banned, rows)  # [R], [R]
+        else:
+            tok = sample(lp, sp, u, banned, rows)  # [R]
+            chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
         tok, chosen = tok.tolist(), chosen.tolist()
         if forks:  # the samples of a prompt share its blocks from here on
             rows_of = []
