@@ -3,7 +3,8 @@
 
 The platform chooses (`platform.rollout_kernels`, from `rollout.kernels=auto|triton|torch`) and the engine applies
 the choice to its own copy of the model with `use`: with "torch" nothing changes (the CPU path is the model's
-code as it is); with "triton" its modules become the variants in twinplane.kernels.layers, which call
+code as it is); with "triton" its modules become the variants in twinplane.kernels.layers, and the engine's
+sampling step takes the fused sampler. The kernels:
 - paged_decode.py: paged decode attention reading the KV pool in place (GQA-grouped tiles, split-KV, LSE merge);
 - norm.py: RMSNorm, with the residual add fused in;
 - activation.py: SiLU(gate) * up;

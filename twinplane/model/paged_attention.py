@@ -224,8 +224,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     outs = []
     in_place = meta.backend in ("flex", "triton") and p.num_decodes > 0
     if in_place:  # [H, d, D]
-        outs.append(_flex_decodes(q, k_pool, v_pool, meta) if meta.backend == "flex" else _triton_decodes(q, meta,
-                                                                                                          layer))
+        outs.append(_flex_decodes(q, k_pool, v_pool, meta) if meta.backend == "flex" else
+                    _triton_decodes(q, meta, layer))
     fresh = p.fresh(meta.window)
     for a, b, slots, mask in p.plan(meta.window, decodes=not in_place):
         # one index_select over the flat slots (about 1.5x faster than advanced indexing on CPU)

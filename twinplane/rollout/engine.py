@@ -108,7 +108,7 @@ class RolloutEngine:
             raise ValueError("max_num_seqs, max_num_batched_tokens and graph_max_batch must be >= 1")
         self.model = model.eval().requires_grad_(False)
         self.device = model.output_weight().device
-        self.kernels, self.kernels_why = platform.rollout_kernels(self.device, self.dtype, kernels)
+        self.kernels, _ = platform.rollout_kernels(self.device, self.dtype, kernels)  # (the reason: doctor's)
         use_kernels(self.model, self.kernels)
         # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
         self.packed = self.kernels == "torch" and platform.packed_linear_ok(self.device, self.dtype) \
