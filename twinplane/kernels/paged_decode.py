@@ -156,8 +156,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     B, H, D = q.shape
     _, bs, H_kv, _ = k_cache.shape
     G = H // H_kv
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, block_tables, context_lens = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, block_tables,
+                                                                                          context_lens))
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
