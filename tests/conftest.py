@@ -2,6 +2,7 @@
 simulated GPUs, spawned ranks, and `twinplane train` runs on tiny settings (in this process, or on a Ray cluster).
 The `gpu` marker skips a test where torch sees no CUDA/HIP device."""
 
+import copy
 import itertools
 import json
 import os
@@ -15,9 +16,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from twinplane.cli import main
-from twinplane.model import ModelConfig, Transformer, load_model, save_pretrained
+from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_model, save_pretrained
 from twinplane.platform import platform
-from twinplane.rollout.paged_attention import PagedKV
+from twinplane.rollout.paged_attention import PagedKV, paged_attention
 from twinplane.train import Batch
 from twinplane.train.logprobs import response_logprobs
 
@@ -180,6 +181,37 @@ def paged_case(window=None, bs=8, lockstep=False):
 
 
 # --- the platform ----------------------------------------------------------------------------------------------------
+
+def run_paged(case, backend):
+    """paged_attention of `case` (from paged_case or static_case) with `backend`, on its own copy of the pool."""
+    q, k, v, paged, *_, window = case
+    paged = copy.copy(paged)
+    paged.k_cache, paged.v_cache = paged.k_cache.clone(), paged.v_cache.clone()
+    meta = AttentionMetadata(torch.zeros(1, q.shape[2], dtype=torch.long), window=window, backend=backend,
+                             paged=paged)
+    return paged_attention(q, k, v, meta, 0), paged
+
+
+def static_case(bs, window=None):
+    """The static decode's inputs: 5 decodes (contexts 1, bs, bs + 3, 3 bs - 1, 2 bs + 1: a lone token, exactly
+    full blocks, partly filled last blocks) and 2 padding rows, fixed-width tables padded with the reserved last
+    block of the pool; each padding row reads and writes only that block."""
+    g = torch.Generator().manual_seed(1)
+    L, N, Hkv, H, D, width = 1, 14, 2, 4, 16, 4
+    pad = N - 1
+    kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
+    tables = [[8], [2], [11, 0], [4, 9, 6], [1, 12, 3]] + [[]] * 2
+    ctx = [1, bs, bs + 3, 3 * bs - 1, 2 * bs + 1] + [1] * 2
+    slots = [(t[(c - 1) // bs] if t else pad) * bs + (c - 1) % bs for t, c in zip(tables, ctx, strict=True)]
+    d = len(ctx)
+    q, k, v = (torch.randn(1, h, d, D, generator=g) for h in (H, Hkv, Hkv))
+    k[:, :, -2:], v[:, :, -2:] = k[:, :, -1:], v[:, :, -1:]  # padding rows write the same k/v to one slot
+    paged = PagedKV(kc, vc, torch.tensor(slots), torch.tensor([t + [pad] * (width - len(t)) for t in tables],
+                                                                dtype=torch.int32),
+                    torch.tensor(ctx, dtype=torch.int32), torch.arange(d + 1, dtype=torch.int32), [1] * d, d,
+                    width * bs, static=True)
+    return q, k, v, paged, tables, ctx, [1] * d, window
+
 
 def simulate_gpu(monkeypatch, name, *, hip=None, count=2, memory=80 * 2**30, cc=(9, 0), arch=None, installed=()):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -101,6 +101,7 @@ class RolloutSection:
     graphs: bool = True  # decode steps as CUDA/HIP graphs at bucketed batch sizes where the device can (false = eager)
     graph_max_batch: int = 0  # largest captured decode batch (0 = max_num_seqs); larger decode steps run eagerly
     batch_invariant: bool = False  # CPU fp32: samples bitwise independent of batching (every GEMM via oneDNN)
+    kernels: str = "auto"  # decode-path kernels: auto (Triton on GPUs where its self-check passes) | triton | torch
     tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
     max_turns: int = 1  # model turns per sample when tools are on
     tp: int = 1  # tensor-parallel size of one engine (1 in this version: engines are data parallel)
@@ -319,6 +320,7 @@ class Config:
             (0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]"),
             (0 <= self.rollout.graph_max_batch <= 1024, "rollout.graph_max_batch",
              "must be in 0..1024 (0 = max_num_seqs)"),
+            (self.rollout.kernels in ("auto", "triton", "torch"), "rollout.kernels", "must be auto, triton or torch"),
             (self.eval.n >= 1 and self.eval.every >= 0, "eval", "needs eval.n >= 1 and eval.every >= 0"),
             (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),
             (0 <= self.task.teacher_carry_error <= 1, "task.teacher_carry_error", "must be in [0, 1]"),

@@ -6,9 +6,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import simulate_gpu
+from conftest import simulate_gpu, tiny_model
 
+from twinplane.config import ConfigError, load_config
+from twinplane.errors import InputError
+from twinplane.model.transformer import DecoderLayer
 from twinplane.platform import platform
+from twinplane.rollout import RolloutEngine, engine_options
 from twinplane.tools import doctor
 
 
@@ -129,6 +133,10 @@ def test_doctor_on_this_machine(capsys):
     assert d["attention"]["backend"] == "sdpa" and d["gemm_tflops"] > 0 and d["copy_bandwidth_gb_s"] > 0
     text = doctor.format_report(d)
     assert "sdpa" in text and len(text.splitlines()) < 25 and text.startswith("in short")
+    r = d["rollout"]  # what the rollout engine runs here, and why
+    if d["device_type"] == "cpu":
+        assert (r["kernels"], r["paged_attention"], r["kv_block_size"], r["graphs"]) == ("torch", "sdpa", 16, "eager")
+    assert r["kernels_why"] in text and r["paged_attention_why"] in text and r["graphs_why"] in text
     if d["device_type"] == "cpu":  # the peak is the best GEMM seen, this run's included: never above 100%
         assert 0 < d["gemm_mfu"] <= 1.0
     assert d["sandbox"]["backend"] in ("bwrap", None) and "sandbox" in text  # which backend can run code here
@@ -247,6 +255,9 @@ def test_flex_self_check_runs_here_and_catches_a_wrong_kernel(monkeypatch):
 def test_paged_backend_environment_override(monkeypatch, probe):
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "flex")
     assert platform.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("flex", 128)
+    monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "triton")
+    assert platform.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("triton", 16)
+    monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "flex")
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "sdpa")
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
     assert platform.paged_attention_backend(torch.device("cuda"), flex_check=probe) == ("sdpa", 16)
@@ -266,3 +277,80 @@ def test_rollout_dtype_is_bf16_on_gpus_unless_set():
     assert rollout_dtype(NS(dtype="float16", rollout_dtype=None), "cuda") == torch.float16
     assert rollout_dtype(NS(dtype="float32", rollout_dtype="float32"), "cuda") == torch.float32
     assert rollout_dtype(NS(dtype="bfloat16", rollout_dtype="float16"), "cpu") == torch.float16
+
+
+# --- the rollout engine's kernels (twinplane.rollout.kernels) -------------------------------------------------------
+
+@pytest.fixture
+def kernel_checks():
+    """The Triton self-check, recorded; it passes unless a test sets `check.result`."""
+
+    def check(dev, dtype):
+        check.calls.append((dev, dtype))
+        if isinstance(check.result, Exception):
+            raise check.result
+        return check.result
+
+    check.calls, check.result = [], None
+    return check
+
+
+def test_kernels_on_cpu_are_torch_unless_triton_is_asked_for_and_interpreted(monkeypatch, kernel_checks):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert platform.rollout_kernels(cpu, check=kernel_checks)[0] == "torch"  # auto: the model's own code
+    assert platform.rollout_kernels(cpu, requested="torch", check=kernel_checks) == ("torch", "rollout.kernels=torch")
+    with pytest.raises(InputError, match="rollout.kernels=triton: the engine runs on cpu, and Triton kernels need"):
+        platform.rollout_kernels(cpu, requested="triton", check=kernel_checks)
+    with pytest.raises(InputError, match="rollout.kernels must be one of auto, triton, torch, got 'cuda'"):
+        platform.rollout_kernels(cpu, requested="cuda", check=kernel_checks)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert platform.rollout_kernels(cpu, check=kernel_checks)[0] == "torch"  # auto never picks the interpreter
+    if platform._has_module("triton"):
+        assert platform.rollout_kernels(cpu, requested="triton", check=kernel_checks)[0] == "triton"
+    assert kernel_checks.calls == []
+    engine = RolloutEngine(tiny_model(), 3)
+    assert engine.kernels == "torch" and type(engine.model.model.layers[0]) is DecoderLayer  # nothing swapped
+
+
+@pytest.mark.parametrize("hip", [None, "6.2.41133"])
+def test_auto_kernels_on_a_gpu_are_triton_once_their_self_check_passed(monkeypatch, probe, kernel_checks, hip):
+    simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H200", hip=hip,
+                 arch="gfx942:sramecc+:xnack-" if hip else None, installed=("triton",))
+    gpu = torch.device("cuda")
+    kernels_, why = platform.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks)
+    assert kernels_ == "triton" and "passed its self-check" in why
+    assert platform.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks)[0] == "triton"
+    assert kernel_checks.calls == [(gpu, torch.bfloat16)]  # once per device and dtype
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, kernels="triton", flex_check=probe) == ("triton", 16)
+    assert probe.calls == []  # flex is not checked where Triton serves the decodes
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)  # torch kernels
+
+
+def test_auto_kernels_on_a_gpu_fall_back_to_torch(monkeypatch, probe, kernel_checks):
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))  # no triton package
+    gpu = torch.device("cuda")
+    assert platform.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks) == \
+        ("torch", "auto: the triton package is not installed")
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn", "triton"))
+    assert platform.paged_attention_backend(gpu, torch.bfloat16, kernels="triton", flex_check=probe) == \
+        ("flash", 256)  # flash first
+    for result, why in ((RuntimeError("PassManager::run failed\n(the rest)"), "PassManager::run failed"),
+                        ("SiLU * up", "SiLU \\* up")):
+        platform.reset()
+        kernel_checks.result = result
+        with pytest.warns(UserWarning, match=f"Triton kernels failed their self-check on cuda \\({why}\\)"):
+            assert platform.rollout_kernels(gpu, torch.float16, check=kernel_checks)[0] == "torch"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert platform.rollout_kernels(gpu, torch.float16, check=kernel_checks)[0] == "torch"  # warned once
+
+
+def test_kernels_config_key_and_engine_option(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert engine_options(load_config(None, ["rollout.kernels=torch"]).rollout)["kernels"] == "torch"
+    assert load_config(None, []).rollout.kernels == "auto"
+    with pytest.raises(ConfigError, match="rollout.kernels: must be auto, triton or torch"):
+        load_config(None, ["rollout.kernels=cuda"])
+    with pytest.raises(InputError, match="rollout.kernels=triton"):
+        RolloutEngine(tiny_model(), 3, kernels="triton")

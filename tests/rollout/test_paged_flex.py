@@ -8,44 +8,10 @@ import shutil
 
 import pytest
 import torch
-from conftest import EOS, PROMPTS, assert_same, paged_case, tiny_model
+from conftest import EOS, PROMPTS, assert_same, paged_case, run_paged, static_case, tiny_model
 
-from twinplane.model import AttentionMetadata
 from twinplane.model.attention import _FLEX
 from twinplane.rollout import RolloutEngine, SamplingParams
-from twinplane.rollout.paged_attention import PagedKV, paged_attention
-
-
-def run(case, backend):
-    """paged_attention of `case` (from paged_case or static_case) with `backend`, on its own copy of the pool."""
-    q, k, v, paged, *_, window = case
-    paged = copy.copy(paged)
-    paged.k_cache, paged.v_cache = paged.k_cache.clone(), paged.v_cache.clone()
-    meta = AttentionMetadata(torch.zeros(1, q.shape[2], dtype=torch.long), window=window, backend=backend,
-                             paged=paged)
-    return paged_attention(q, k, v, meta, 0), paged
-
-
-def static_case(bs, window=None):
-    """The static decode's inputs: 5 decodes (contexts 1, bs, bs + 3, 3 bs - 1, 2 bs + 1: a lone token, exactly
-    full blocks, partly filled last blocks) and 2 padding rows, fixed-width tables padded with the reserved last
-    block of the pool; each padding row reads and writes only that block."""
-    g = torch.Generator().manual_seed(1)
-    L, N, Hkv, H, D, width = 1, 14, 2, 4, 16, 4
-    pad = N - 1
-    kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
-    tables = [[8], [2], [11, 0], [4, 9, 6], [1, 12, 3]] + [[]] * 2
-    ctx = [1, bs, bs + 3, 3 * bs - 1, 2 * bs + 1] + [1] * 2
-    slots = [(t[(c - 1) // bs] if t else pad) * bs + (c - 1) % bs for t, c in zip(tables, ctx, strict=True)]
-    d = len(ctx)
-    q, k, v = (torch.randn(1, h, d, D, generator=g) for h in (H, Hkv, Hkv))
-    k[:, :, -2:], v[:, :, -2:] = k[:, :, -1:], v[:, :, -1:]  # padding rows write the same k/v to one slot
-    paged = PagedKV(kc, vc, torch.tensor(slots), torch.tensor([t + [pad] * (width - len(t)) for t in tables],
-                                                                dtype=torch.int32),
-                    torch.tensor(ctx, dtype=torch.int32), torch.arange(d + 1, dtype=torch.int32), [1] * d, d,
-                    width * bs, static=True)
-    return q, k, v, paged, tables, ctx, [1] * d, window
-
 
 WINDOWS = [None, 3, "bs+5"]  # "bs+5": a window whose first block is partial with full blocks after it
 
@@ -57,7 +23,7 @@ def test_flex_equals_portable_on_a_mixed_row(bs, window, group):
     case = paged_case(bs + 5 if window == "bs+5" else window, bs)
     q, k = case[:2]  # new queries with `group` heads per KV head
     case = (torch.randn(1, k.shape[1] * group, *q.shape[2:], generator=torch.Generator().manual_seed(2)), *case[1:])
-    (flex, flex_pool), (portable, portable_pool) = run(case, "flex"), run(case, "sdpa")
+    (flex, flex_pool), (portable, portable_pool) = run_paged(case, "flex"), run_paged(case, "sdpa")
     torch.testing.assert_close(flex, portable, atol=1e-5, rtol=0)
     assert torch.equal(flex_pool.k_cache, portable_pool.k_cache)  # the new k/v went to the same slots
 
@@ -66,13 +32,13 @@ def test_flex_equals_portable_on_a_mixed_row(bs, window, group):
 @pytest.mark.parametrize("window", WINDOWS)
 def test_flex_equals_portable_in_the_static_decode(bs, window, monkeypatch):
     case = static_case(bs, bs + 5 if window == "bs+5" else window)
-    torch.testing.assert_close(run(case, "flex")[0], run(case, "sdpa")[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(run_paged(case, "flex")[0], run_paged(case, "sdpa")[0], atol=1e-5, rtol=0)
     # No host reads around the flex call (the pool write, the views, the BlockMask): on GPUs the static decode is
     # captured as a CUDA graph. (The call itself is stubbed: eager flex on CPU is torch's reference, not the kernel.)
     monkeypatch.setitem(_FLEX, "cpu", lambda q, k, v, block_mask: torch.zeros_like(q))
     for name in ("tolist", "item", "__int__", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, lambda *a, n=name: pytest.fail(f"host read in the static decode: {n}"))
-    run(case, "flex")
+    run_paged(case, "flex")
 
 
 def attend_listed_blocks(q, paged, window):
@@ -105,7 +71,7 @@ def test_block_mask_lists_what_the_kernels_must_read(build, window):
     bs = 16
     window = bs + 5 if window == "bs+5" else window
     case = paged_case(window, bs) if build == "mixed" else static_case(bs, window)
-    portable, pool = run(case, "sdpa")  # (also writes the new k/v into `pool`, as every layer does first)
+    portable, pool = run_paged(case, "sdpa")  # (also writes the new k/v into `pool`, as every layer does first)
     d = pool.num_decodes
     torch.testing.assert_close(attend_listed_blocks(case[0], pool, window), portable[0, :, :d], atol=1e-5, rtol=0)
 
@@ -121,7 +87,7 @@ def test_a_compiled_flex_kernel_reads_only_the_listed_blocks(build):
 
     bs = 16
     case = paged_case(bs + 5, bs) if build == "mixed" else static_case(bs, bs + 5)
-    portable, pool = run(case, "sdpa")
+    portable, pool = run_paged(case, "sdpa")
     d, N = pool.num_decodes, pool.k_cache.shape[1]
     q = case[0][0, :, :d].transpose(0, 1)  # [d, H, D]
     H, H_kv, D = q.shape[1], pool.k_cache.shape[3], q.shape[2]

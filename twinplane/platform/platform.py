@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from twinplane.errors import InputError
 from twinplane.platform import devices as device_specs
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -345,6 +346,7 @@ def reset() -> None:
     global _INFO
     _INFO = None
     _FLEX_PAGED.clear()
+    _TRITON_OK.clear()
 
 
 def _other_accelerator() -> str | None:
@@ -474,20 +476,26 @@ FLASH_PAGE_SIZE = 256  # flash-attn's paged KV needs page_block_size % 256 == 0
 # kernels need that to be a multiple of their KV tile (BLOCK_N): 64 in flex_decoding, up to 128 in the main kernel
 # (by GPU, dtype and head dim), which raises otherwise. 128 fits both.
 FLEX_PAGE_SIZE = 128
-PAGED_BLOCK_SIZES = {"sdpa": 16, "flex": FLEX_PAGE_SIZE, "flash": FLASH_PAGE_SIZE}
+# The Triton decode kernel looks up each token's block, so any block size serves; small blocks waste less of the
+# pool on partly filled last blocks and copy less when a prompt's samples fork.
+TRITON_PAGE_SIZE = 16
+PAGED_BLOCK_SIZES = {"sdpa": 16, "flex": FLEX_PAGE_SIZE, "flash": FLASH_PAGE_SIZE, "triton": TRITON_PAGE_SIZE}
 _FLEX_PAGED: dict[tuple[str, torch.dtype], bool] = {}  # the flex self-check's answer per (device, dtype)
 FlexCheck = Callable[[torch.device, torch.dtype, int], bool]  # (device, dtype, block size) -> flex agrees
 
 
-def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32, head_dim: int = 64, *,
-                            flex_check: FlexCheck) -> tuple[str, int]:
+def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32, head_dim: int = 64,
+                            kernels: str = "torch", *, flex_check: FlexCheck) -> tuple[str, int]:
     """(backend, block size) for the rollout engine's paged KV cache (twinplane.rollout.paged_attention):
     flash-attn's paged varlen kernel where it is installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350) and
     the engine runs in 16 bits;
+    else, with the Triton kernels (`kernels`, from `rollout_kernels`), their paged decode kernel reading the pool
+    in place for the decodes;
     else on GPUs FlexAttention reading the pool in place for the decodes, once `flex_check` (the engine's
     self-check, `flex_decode_agrees`) passed here (`flex_paged_ok`); else the portable gather + SDPA with 16-token
-    blocks (small blocks waste less of the pool on partly filled last blocks). TWINPLANE_PAGED_BACKEND=sdpa|flex|flash
-    forces one, unchecked (flex on CPU runs torch's eager reference: slow, for debugging)."""
+    blocks (small blocks waste less of the pool on partly filled last blocks). TWINPLANE_PAGED_BACKEND=sdpa|flex|
+    flash|triton forces one, unchecked (flex on CPU runs torch's eager reference: slow, for debugging; triton on
+    CPU needs TRITON_INTERPRET=1)."""
     forced = os.environ.get("TWINPLANE_PAGED_BACKEND")
     if forced:
         if forced not in PAGED_BLOCK_SIZES:
@@ -496,9 +504,65 @@ def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.flo
     device = torch.device(device)
     if device.type == "cuda" and detect().attention.flash_attn_eligible and dtype in (torch.bfloat16, torch.float16):
         return "flash", FLASH_PAGE_SIZE  # (flash-attn runs 16-bit only)
+    if kernels == "triton":
+        return "triton", TRITON_PAGE_SIZE
     if device.type == "cuda" and flex_ok(head_dim) and flex_paged_ok(device, dtype, flex_check):
         return "flex", FLEX_PAGE_SIZE
     return "sdpa", 16
+
+
+KERNELS = ("auto", "triton", "torch")
+_TRITON_OK: dict[tuple[str, torch.dtype], str | None] = {}  # the Triton self-check per (device, dtype): why it failed
+
+
+KernelCheck = Callable[[torch.device, torch.dtype], "str | None"]  # (device, dtype) -> why the kernels disagree
+
+
+def rollout_kernels(device: torch.device, dtype: torch.dtype = torch.float32, requested: str = "auto", *,
+                    check: KernelCheck) -> tuple[str, str]:
+    """(kernels, why) of the rollout engine's decode path, `rollout.kernels` (twinplane.rollout.kernels): "auto"
+    takes the Triton kernels on GPUs (NVIDIA and AMD alike: Triton ships in torch's CUDA and ROCm wheels) where
+    Triton imports and `check` (the kernels' self-check, `twinplane.rollout.kernels.self_check`) passes once per
+    (device, dtype) (`triton_kernels_ok`), and torch everywhere else:
+    the CPU path is the model's own code. "triton" takes them unchecked; it needs a GPU, or TRITON_INTERPRET=1 on
+    CPU (Triton's interpreter: exact but slow, for tests); an InputError names what is missing."""
+    if requested not in KERNELS:
+        raise InputError(f"rollout.kernels must be one of {', '.join(KERNELS)}, got {requested!r}")
+    device = torch.device(device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if requested == "torch":
+        return "torch", "rollout.kernels=torch"
+    if requested == "triton":
+        if not _has_module("triton"):
+            raise InputError("rollout.kernels=triton: the triton package is not installed (pip install triton)")
+        if device.type != "cuda" and not interpreted:
+            raise InputError(f"rollout.kernels=triton: the engine runs on {device}, and Triton kernels need a GPU "
+                             "(or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+        return "triton", "rollout.kernels=triton" + (" (TRITON_INTERPRET=1: interpreted)" if interpreted else "")
+    if device.type != "cuda":
+        return "torch", f"auto: the engine runs on {device.type}, where the torch path is the fast one"
+    if not _has_module("triton"):
+        return "torch", "auto: the triton package is not installed"
+    why = triton_kernels_ok(device, dtype, check)
+    if why is not None:
+        return "torch", f"auto: the Triton kernels failed their self-check ({why})"
+    return "triton", f"auto: Triton passed its self-check on {detect().device_name} ({str(dtype)[6:]})"
+
+
+def triton_kernels_ok(device: torch.device, dtype: torch.dtype, check: KernelCheck) -> str | None:
+    """None when the Triton kernels agree with their torch references on `device` in `dtype` (`check`, once per
+    pair), else why not (with one warning: the engine then runs the torch path)."""
+    key = (str(device), dtype)
+    if key not in _TRITON_OK:
+        try:
+            why = check(device, dtype)
+        except Exception as e:  # a failed compile raises many types (triton's, RuntimeError, ...)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if why is not None:
+            warnings.warn(f"rollout kernels: the Triton kernels failed their self-check on {device} ({why}); the "
+                          "rollout engine uses the torch path", stacklevel=3)
+        _TRITON_OK[key] = why
+    return _TRITON_OK[key]
 
 
 def has_flex_attention() -> bool:

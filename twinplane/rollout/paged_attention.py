@@ -11,6 +11,8 @@ sequence's blocks with the backend in `meta.backend` (chosen by `platform.paged_
 - "flex" (GPUs with torch's FlexAttention, without flash-attn): the decode group reads the pool in place, one
   `flex_attention` call over the whole pool with a BlockMask built from the block tables (`flex_block_mask`).
   Prefill chunks keep the portable gather + SDPA: their cost is compute, not the gather.
+- "triton" (GPUs, with the Triton kernels of twinplane.rollout.kernels): the decode group reads the pool in place, one
+  paged decode kernel (GQA-grouped tiles, split-KV); prefill chunks as "flex".
 - "flash" (GPUs with flash-attn): `flash_attn_varlen_func(..., block_table=...)` reads the pool in place.
 Every fast path is tested against the portable one, and that against dense SDPA per sequence
 (tests/rollout/test_paged_engine.py).
@@ -210,20 +212,23 @@ class PagedKV:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                    layer: int) -> torch.Tensor:
+                    layer: int, write: bool = True) -> torch.Tensor:
     """q [1, H, T, D], new k/v [1, H_kv, T, D] of a mixed prefill/decode row -> [1, H, T, D]; writes k/v into the
-    pool first, so each token attends to its sequence's earlier tokens and to itself."""
+    pool first (unless the caller did: `write=False`), so each token attends to its sequence's earlier tokens and
+    to itself."""
     p = meta.paged
     k_pool, v_pool = p.k_cache[layer].flatten(0, 1), p.v_cache[layer].flatten(0, 1)  # [N * bs, H_kv, D] views
-    k_pool.index_copy_(0, p.slot_mapping, k[0].transpose(0, 1))
-    v_pool.index_copy_(0, p.slot_mapping, v[0].transpose(0, 1))
+    if write:
+        k_pool.index_copy_(0, p.slot_mapping, k[0].transpose(0, 1))
+        v_pool.index_copy_(0, p.slot_mapping, v[0].transpose(0, 1))
     if meta.backend == "flash":
         return _flash_paged(q, meta, layer)
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    in_place = meta.backend == "flex" and p.num_decodes > 0
-    if in_place:
-        outs.append(_flex_decodes(q, k_pool, v_pool, meta))  # [H, d, D]
+    in_place = meta.backend in ("flex", "triton") and p.num_decodes > 0
+    if in_place:  # [H, d, D]
+        outs.append(_flex_decodes(q, k_pool, v_pool, meta) if meta.backend == "flex" else
+                    _triton_decodes(q, meta, layer))
     fresh = p.fresh(meta.window)
     for a, b, slots, mask in p.plan(meta.window, decodes=not in_place):
         # one index_select over the flat slots (about 1.5x faster than advanced indexing on CPU)
@@ -268,6 +273,17 @@ def _flex_decodes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     flex = flex_attention_for(q.device.type)
     y = flex(qd, keys, vals, block_mask=p.flex_block_mask(meta.window, G))  # [d, H_kv, G, D]
     return y.reshape(d, H, D).transpose(0, 1)
+
+
+def _triton_decodes(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.Tensor:
+    """The decode group -> [H, d, D] through the Triton paged decode kernel (twinplane.rollout.kernels.paged_decode),
+    which reads each sequence's blocks of the pool in place."""
+    from twinplane.rollout.kernels.paged_decode import paged_decode
+
+    p, d = meta.paged, meta.paged.num_decodes
+    y = paged_decode(q[0, :, :d].transpose(0, 1), p.k_cache[layer], p.v_cache[layer], p.block_tables[:d],
+                     p.context_lens[:d], meta.window, p.max_context)  # [d, H, D]
+    return y.transpose(0, 1)
 
 
 def _flash_paged(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.Tensor:

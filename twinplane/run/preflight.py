@@ -18,6 +18,7 @@ from twinplane.model import ModelConfig, Transformer, load_model
 from twinplane.model.weights import checkpoint_files
 from twinplane.platform import platform
 from twinplane.rollout.engine import pool_blocks
+from twinplane.rollout.kernels import self_check as kernel_self_check
 from twinplane.rollout.paged_attention import flex_decode_agrees
 from twinplane.tokenizer import Tokenizer, load_tokenizer
 
@@ -127,7 +128,8 @@ def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: to
     this only refuses what can never fit."""
     r = cfg.rollout
     dtype = platform.rollout_dtype(cfg.model, device)
-    _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim, flex_check=flex_decode_agrees)
+    kernels, _ = platform.rollout_kernels(device, dtype, r.kernels, check=kernel_self_check)
+    _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim, kernels, flex_check=flex_decode_agrees)
     reserved = int(platform.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
     pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,
                 prompt_tokens + r.max_new_tokens)

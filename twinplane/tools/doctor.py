@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform as host
 import statistics
 import sys
@@ -17,6 +18,8 @@ import torch
 
 import twinplane
 from twinplane.platform import platform
+from twinplane.rollout.kernels import self_check as kernel_self_check
+from twinplane.rollout.paged_attention import flex_decode_agrees
 
 
 def measure_bandwidth(device: torch.device, mbytes: int = 64, runs: int = 5) -> float:
@@ -53,6 +56,28 @@ def sandbox_report() -> dict:
         return {"backend": "bwrap", "isolated": True, "detail": "bwrap works (user, pid and network namespaces)"}
     except SandboxUnavailable as e:
         return {"backend": None, "isolated": False, "detail": str(e)}
+
+
+def rollout_report(info: platform.PlatformInfo) -> dict:
+    """What the rollout engine would run here, and why: its kernels (`rollout.kernels=auto`; on a GPU this runs
+    the Triton self-check), the paged attention backend and block size, and how decode steps run."""
+    device = info.device
+    dtype = torch.bfloat16 if device.type == "cuda" and info.bf16 else torch.float32
+    kernels, kernels_why = platform.rollout_kernels(device, dtype, check=kernel_self_check)
+    backend, block = platform.paged_attention_backend(device, dtype, 64, kernels, flex_check=flex_decode_agrees)
+    forced = os.environ.get("TWINPLANE_PAGED_BACKEND")
+    prefill = "; prefill chunks: gather + SDPA"
+    why = f"TWINPLANE_PAGED_BACKEND={forced}" if forced else {
+        "flash": "flash-attn is installed and eligible here",
+        "triton": "the Triton paged decode kernel reads the pool in place" + prefill,
+        "flex": "FlexAttention passed its self-check here" + prefill,
+        "sdpa": "the portable gather + SDPA" + (": no fused path passed its check" if device.type == "cuda" else
+                                               f": the engine runs on {device.type}")}[backend]
+    graphs = platform.decode_graph_backend(device)
+    graphs_why = ("decode steps captured per batch bucket and replayed (HIP graphs on ROCm)" if graphs != "eager"
+                  else f"decode steps run eagerly on {device.type}")
+    return {"dtype": str(dtype)[6:], "kernels": kernels, "kernels_why": kernels_why, "paged_attention": backend,
+            "kv_block_size": block, "paged_attention_why": why, "graphs": graphs, "graphs_why": graphs_why}
 
 
 def report() -> dict:
@@ -99,6 +124,7 @@ def report() -> dict:
         "gemm_mfu": gemm / peak if peak else None,
         "summary": _plain_words(info, gpu),
         "copy_bandwidth_gb_s": bandwidth,
+        "rollout": rollout_report(info),
         "sandbox": sandbox_report(),
     }
 
@@ -122,7 +148,7 @@ def format_report(d: dict) -> str:
     def yn(x):
         return "yes" if x else "no"
 
-    a = d["attention"]
+    a, r = d["attention"], d["rollout"]
     devs = [f"  [{x['index']}] {x['name']}  {x['memory_gb']:.1f} GB" for x in d["devices"]]
     peak = f"{_flops(d['peak_tflops'])} ({d['peak_source']})" if d["peak_tflops"] else "unknown (MFU null)"
     mfu = f"{d['gemm_mfu']:.0%}" if d["gemm_mfu"] is not None else "n/a"
@@ -146,6 +172,10 @@ def format_report(d: dict) -> str:
         f"peak      {peak}",
         f"measured  {d['gemm_dtype']} GEMM {_flops(d['gemm_tflops'])} (MFU {mfu}),"
         f" copy {d['copy_bandwidth_gb_s']:.1f} GB/s",
+        f"rollout   {r['dtype']}: kernels {r['kernels']} ({r['kernels_why']})",
+        f"          paged attention {r['paged_attention']}, {r['kv_block_size']}-token blocks "
+        f"({r['paged_attention_why']})",
+        f"          decode {r['graphs']} ({r['graphs_why']})",
         f"sandbox   {d['sandbox']['backend'] or 'NONE (python tool and code reward need sandbox=unsafe-local)'}: "
         f"{d['sandbox']['detail']}",
     ]
