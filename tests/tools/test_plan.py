@@ -162,7 +162,7 @@ def test_cpu_estimate_within_25_percent_of_measured_peak():
 
 def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
     """The demo's own run dir: its built-in model and step shape, units that fit, the layout count equal to the
-    rows listed, and on one CPU no Ray overrides (they would only slow the run down)."""
+    ranked rows listed, and on one CPU no Ray overrides (they would only slow the run down)."""
     import yaml
 
     from twinplane.config import load_config
@@ -172,9 +172,10 @@ def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
     assert plan_main(["--run-dir", str(tmp_path), "--gpu", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "M params" in out and "(MB, FSDP=1)" in out and "prompt 6 + response 8 tokens" in out
-    count = int(out.split("feasible layouts: ")[1].split(",")[0].split(" ")[0])
-    rows = [ln for ln in out.splitlines() if ln.startswith("  colocated") or ln.startswith("  split")]
-    assert count == len(rows) and "cluster.backend=local" in out and "cluster.backend=ray" not in out
+    count = int(out.split("feasible layouts: ")[1].split(" ")[0])
+    rows = [ln.split()[0] for ln in out.splitlines() if ln.split()[1:2] in (["colocated"], ["split"])]
+    assert rows == [str(i) for i in range(1, count + 1)]  # all ranked: one CPU takes no rollout.tp > 1
+    assert "cluster.backend=local" in out and "cluster.backend=ray" not in out
 
 
 def test_moe_planner_counts_total_for_memory_and_active_for_flops():
@@ -189,3 +190,63 @@ def test_moe_planner_counts_total_for_memory_and_active_for_flops():
     assert matmul_params(cfg) == cfg.active_params - embed - cfg.hidden_size * (2 * 48 + 1)  # no embedding, norms
     assert decode_read_params(cfg, 1) == pytest.approx(cfg.active_params)  # one token reads its 8 experts
     assert decode_read_params(cfg, 4096) == pytest.approx(cfg.num_params, rel=1e-6)  # a big batch reads them all
+
+
+def test_only_layouts_train_accepts_are_ranked(tmp_path, capsys):
+    """Qwen2.5-7B (a preset) on 8 x MI300X: the model prices TP=4 fastest, but `train` refuses rollout.tp > 1, so
+    TP=4 is listed unranked as not yet supported, every ranked layout is one `train` accepts, and the refused
+    overrides make `twinplane train` itself exit 2 with the reason the planner printed."""
+    from twinplane.cli import main as cli
+    from twinplane.config import load_config
+    from twinplane.model.presets import preset
+    from twinplane.tools.plan import TrainCheck
+
+    cfg, cluster = preset("Qwen2.5-7B"), Cluster(BY_KEY["mi300x"], 8, 1, 2.0)
+    options = layouts(cfg, cluster, W)
+    ranked, refused = [x for x in options if not x.refused], [x for x in options if x.refused]
+    assert ranked and all(x.tp == 1 for x in ranked)
+    assert {x.tp for x in refused} == {2, 4} and options[0].tp == 4  # the fastest priced layout is refused
+    shape = list(TrainCheck.for_workload(W).overrides)
+    for x in ranked:
+        load_config(None, [*shape, *x.overrides().split()])  # accepted as it is printed
+    best, why = recommend(cfg, cluster, W, options)
+    assert best == ranked[0] and "TP=4" in why and "not yet supported: rollout.tp: must be 1" in why
+    tp4 = refused[0]
+    assert tp4.refused == "rollout.tp: must be 1 (tensor-parallel engines are not in this version), got 4"
+    assert cli(["train", "--run-dir", str(tmp_path / "r"), *shape, *tp4.overrides().split()]) == 2
+    assert capsys.readouterr().err.strip() == f"twinplane: error: {tp4.refused}"
+    assert not (tmp_path / "r").exists()  # refused before any work
+
+    assert main(["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "mi300x", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: Qwen2.5-7B, 7.62B params (28 layers, hidden 3584, 28/4 heads, vocab 152064)")
+    table = out[out.index("feasible layouts: "):out.index("recommendation:")].splitlines()
+    assert table[0].startswith(f"feasible layouts: {len(ranked)} that `train` accepts, ranked (the fastest 12 "
+                               f"shown), and {len(refused)} it refuses")
+    rows = [ln.split() for ln in table[2:] if ln.split()[:1] and (ln.split()[0].isdigit() or ln.split()[0] == "-")]
+    assert [r[0] for r in rows] == [*map(str, range(1, 13)), "-", "-", "-", "-"]
+    assert all(r[4] == "1" for r in rows[:12]) and all(r[4] != "1" and r[-1] == "(rollout.tp)" for r in rows[12:])
+    assert table[-2] == ("  not yet supported: `train` refuses rollout.tp: must be 1 (tensor-parallel engines are "
+                         "not in this version)")
+    assert main(["--model", "qwen2.5-7b", "--gpu", "mi300x", "--gpus", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["layouts"]) == len(ranked) and {x["tp"] for x in data["layouts"]} == {1}
+    assert all(x["refused"].startswith("rollout.tp: must be 1") for x in data["refused_layouts"])
+    assert data["model"]["name"] == "Qwen2.5-7B" and data["recommended"]["overrides"] == best.overrides()
+
+
+def test_nothing_train_accepts_fits(capsys):
+    """72B on 16 x H100: only TP>1 layouts fit, so there is no recommendation and the reason says why."""
+    from twinplane.model.presets import preset
+
+    best, why = recommend(preset("Qwen2.5-72B"), Cluster(BY_KEY["h100"], 8, 2, 2.0), W)
+    assert best is None and why.startswith("only layouts that `train` refuses fit (the fastest: rollout.tp")
+
+
+def test_unknown_model_name_is_one_line(capsys):
+    from twinplane.cli import main as cli
+
+    assert cli(["plan", "--model", "Qwen2.5-8B", "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(
+        "twinplane: error: Qwen2.5-8B: no such model folder or config.json, and no preset of that name (presets: ")

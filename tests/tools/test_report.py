@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("matplotlib")
 import matplotlib.image  # noqa: E402
 
+from twinplane.tools import report  # noqa: E402
 from twinplane.tools.report import load_metrics, main, make_report, smooth  # noqa: E402
 
 ALL_CHARTS = ["reward.png", "validation.png", "step_time.png", "throughput.png", "response_length.png",
@@ -130,3 +131,127 @@ def test_smooth_ignores_nan():
     out = smooth([1.0, math.nan, 3.0, 5.0], 2)
     assert out == [1.0, 1.0, 3.0, 4.0]
     assert math.isnan(smooth([math.nan], 3)[0])
+
+
+def figure():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def labeled_lines(ax) -> dict:
+    return {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+
+
+def legend_texts(fig) -> list[str]:
+    """Legend rows, each on one line (notes are wrapped to fit beside the panel)."""
+    return [" ".join(t.get_text().split()) for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+
+
+def test_reward_equal_to_accuracy_is_drawn_once():
+    """A 0/1 reward: reward mean = accuracy at every step, so one line (in %), and no std band; a shaped reward
+    (here 0.1 below accuracy) gets its own panel with the band, accuracy (%) below it."""
+    rows = [step_row(s, random.Random(s)) for s in range(1, 31)]
+    fig = figure()
+    assert report.plot_reward(rows, fig, {})
+    [ax] = fig.axes
+    [(label, line)] = labeled_lines(ax).items()
+    assert label.startswith("accuracy = reward mean") and not ax.collections
+    assert max(line.get_ydata()) > 50 and ax.get_ylabel() == "accuracy (%)"
+    assert any("std not drawn" in t for t in legend_texts(fig))
+
+    shaped = [r | {"reward/mean": r["reward/accuracy"] - 0.1} for r in rows]
+    fig = figure()
+    assert report.plot_reward(shaped, fig, {})
+    top, bottom = fig.axes
+    assert list(labeled_lines(top)) == ["reward mean (smoothed)"] and len(top.collections) == 1  # the ± std band
+    assert list(labeled_lines(bottom)) == ["accuracy (smoothed)"] and bottom.get_ylabel() == "accuracy (%)"
+
+
+def test_one_unit_per_quantity():
+    """Every rate is in percent on every chart: truncation of training rollouts and of validation alike."""
+    for key in ("rollout/truncated", "val/truncated", "val/sampled_truncated", "reward/accuracy", "val/accuracy",
+                "val/pass@4", "val/mean@4", "perf/mfu_train", "rollout/kv_cache_usage_peak", "actor/clip_frac"):
+        assert report.unit(key) == ("%", 100.0), key
+    assert report.unit("rollout/response_length_mean") == report.unit("actor/entropy") == ("", 1.0)
+    rows = [{"step": 0, "val/accuracy": 0.3, "val/truncated": 0.02}]
+    rows += [step_row(s, random.Random(s)) | ({"val/accuracy": 0.5, "val/truncated": 0.05} if s == 10 else {})
+             for s in range(1, 11)]
+    labels = {}
+    for chart in (report.plot_validation, report.plot_response_length):
+        fig = figure()
+        assert chart(rows, fig, {})
+        labels |= {ax.get_ylabel(): labeled_lines(ax) for ax in fig.axes}
+    truncation = [lab for lab in labels if "truncated" in lab]
+    assert truncation == ["truncated (% of responses)"]  # the same axis label on both charts (one key: merged)
+    for lab, lines in labels.items():
+        assert "fraction" not in lab
+        if "truncated" in lab:
+            assert all(max(ln.get_ydata()) > 1 for ln in lines.values())  # (logged 0.02-0.1: drawn as 2-10)
+
+
+def test_no_twin_axes_no_hidden_series_and_legends_outside_the_data(tmp_path):
+    """On every chart of a run: each panel has its own place (no twin axes to lay one line exactly on another), no
+    two lines of a panel are the same, and every legend lies outside its panel."""
+    write_run(tmp_path)
+    rows = [r | ({"perf/mfu_train": 0.001 * (1 + r["step"] % 3), "actor/kl": 0.0} if r["step"] else {})
+            for r in load_metrics(tmp_path / "metrics.jsonl")]
+    for chart in report.CHARTS:
+        fig = figure()
+        assert chart.plot(rows, fig, {"algo": {"kl_coef": 0.0}, "train": {"mini_batches": 1}}), chart.name
+        fig.canvas.draw()
+        boxes = [tuple(ax.get_position().bounds) for ax in fig.axes]
+        assert len(set(boxes)) == len(boxes), chart.name
+        for ax in fig.axes:
+            ys = [tuple(ln.get_ydata()) for ln in labeled_lines(ax).values()]
+            assert len(set(ys)) == len(ys), chart.name
+            legend = ax.get_legend()
+            if legend is not None:
+                assert not legend.get_window_extent().overlaps(ax.get_window_extent()), chart.name
+
+
+def test_constant_series_are_notes_with_the_configuration_behind_them():
+    """KL at 0 with algo.kl_coef=0, clip fraction at 0 with one mini-batch, no preemptions: notes saying so, not
+    lines on the axis; without a config the notes only give the value."""
+    rows = [step_row(s, random.Random(s)) | {"actor/kl": 0.0, "actor/clip_frac": 0.0, "rollout/preemptions": 0}
+            for s in range(1, 31)]
+    config = {"algo": {"kl_coef": 0.0}, "train": {"mini_batches": 1}}
+    fig = figure()
+    assert report.plot_kl_entropy(rows, fig, config)
+    assert [list(labeled_lines(ax)) for ax in fig.axes] == [["entropy (smoothed)"]]  # the other two are flat
+    notes = legend_texts(fig)
+    assert "KL to reference: 0 nats at every step (off: algo.kl_coef=0)" in notes
+    assert any(n.startswith("clip fraction: 0% at every step (one update per batch") for n in notes)
+    fig = figure()
+    assert report.plot_kl_entropy(rows, fig, {})
+    assert "KL to reference: 0 nats at every step" in legend_texts(fig)
+    fig = figure()
+    assert report.plot_engine(rows, fig, {})
+    assert not any("preemptions" in label for ax in fig.axes for label in labeled_lines(ax))
+    assert any(n.startswith("preemptions: 0 at every step (the KV pool") for n in legend_texts(fig))
+
+
+def test_mfu_has_its_own_panel():
+    """MFU is train tokens/s times a constant: on a twin axis the two lines coincide, so MFU (%) gets a panel."""
+    rows = [step_row(s, random.Random(s)) | {"perf/train_tokens_per_s": 1000.0 + s,
+                                             "perf/mfu_train": (1000.0 + s) * 2e-5} for s in range(1, 31)]
+    fig = figure()
+    assert report.plot_throughput(rows, fig, {})
+    speed, mfu = fig.axes
+    assert "train tokens/s (smoothed)" in labeled_lines(speed) and mfu.get_ylabel() == "MFU (%)"
+    assert list(labeled_lines(mfu)) == ["MFU train (smoothed)"]
+
+
+def test_step_time_stacks_every_logged_phase():
+    """PPO's critic phases are stacked under their own names, so 'other' is only the step time outside phases."""
+    rows = [{"step": s, "time/rollout": 1.0, "time/train": 2.0, "time/critic_train": 3.0, "time/values": 0.5,
+             "time/step": 7.0} for s in range(1, 5)]
+    fig = figure()
+    assert report.plot_step_time(rows, fig, {})
+    [ax] = fig.axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["other", "values", "critic_train", "train",
+                                                                    "rollout"]
+    assert ax.collections[-1].get_paths()[0].vertices[:, 1].max() == pytest.approx(7.0)  # the stack's top: the step

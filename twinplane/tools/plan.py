@@ -1,6 +1,11 @@
 """Capacity planner: memory per device for both planes, feasible layouts, a recommendation, and its cost.
 
-`twinplane plan --model DIR_or_config.json --gpu mi300x --gpus 8 [--nodes K] [--price-per-gpu-hour P]`
+`twinplane plan --model DIR|config.json|PRESET --gpu mi300x --gpus 8 [--nodes K] [--price-per-gpu-hour P]`
+(PRESET: a published model by name, e.g. Qwen2.5-7B, Qwen3-30B-A3B, Llama-3.1-8B; see `twinplane.model.presets`)
+
+Only layouts that `train` accepts are ranked: each layout's overrides, on top of the run's config (or the defaults)
+and the step's shape, go through the same validation as `twinplane train`; the others (tensor-parallel engines,
+which this version does not have, or more training ranks than samples) are listed apart with `train`'s reason.
 
 Everything here is an estimate from the model's shape and the datasheet numbers in `twinplane.platform.devices`:
 - dtypes: on a GPU, bf16 params/grads/compute with fp32 master weights and fp32 AdamW moments (16 bytes per
@@ -27,6 +32,8 @@ a micro-batch holds micro_batch_size x seq_len real tokens and no padding; the L
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -41,6 +48,7 @@ from twinplane.model.flops import (
     mlp_width,
     train_flops_per_token,
 )
+from twinplane.model.presets import PRESETS, preset, preset_name
 from twinplane.platform.devices import BY_KEY, DeviceSpec
 
 GB = 1e9
@@ -159,17 +167,69 @@ class Layout:
     step_s: float
     resharding_bytes: float
     cost_per_m_tokens: float
+    refused: str = ""  # why `train` refuses these overrides ("" = accepted)
 
     @property
     def dp(self) -> int:
         return self.rollout_gpus // self.tp
 
+    def settings(self) -> dict[str, str | int | bool]:
+        """The config keys this layout sets; one device runs best in one process (cluster.backend=local: Ray
+        would only add calls and copies)."""
+        memory = {"train.activation_checkpointing": self.checkpointing, "train.optimizer_offload": self.offload}
+        if self.colocated and self.train_gpus == 1:
+            return {"cluster.backend": "local", **memory}
+        return {"cluster.backend": "ray", "cluster.train_devices": self.train_gpus,
+                "cluster.rollout_devices": self.rollout_gpus, "cluster.colocate": self.colocated,
+                "rollout.tp": self.tp, **memory}
+
     def overrides(self) -> str:
-        return (f"cluster.backend=ray cluster.train_devices={self.train_gpus} "
-                f"cluster.rollout_devices={self.rollout_gpus} "
-                f"cluster.colocate={str(self.colocated).lower()} rollout.tp={self.tp} "
-                f"train.activation_checkpointing={str(self.checkpointing).lower()} "
-                f"train.optimizer_offload={str(self.offload).lower()}")
+        """`settings` as `twinplane train` overrides."""
+        return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.settings().items())
+
+
+@dataclass(frozen=True)
+class TrainCheck:
+    """What `twinplane train` says to a layout: its settings on top of a run's config file (or the defaults) and
+    `overrides` (the step's shape), through the trainer's own config validation."""
+
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+
+    def refusal(self, layout: Layout) -> str:
+        """`train`'s one-line error for this layout, or "" when it accepts it."""
+        from twinplane.config import ConfigError
+
+        base = _base_config(self.config, self.overrides)
+        if isinstance(base, str):
+            return base
+        cfg = copy.deepcopy(base)
+        for key, value in layout.settings().items():
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, value)
+        try:
+            cfg.validate()
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    @classmethod
+    def for_workload(cls, w: Workload, config: str | None = None, extra: tuple[str, ...] = ()) -> TrainCheck:
+        shape = (f"rollout.prompts_per_step={w.prompts_per_step}", f"rollout.n={w.n}",
+                 f"rollout.max_new_tokens={w.response_len}", f"train.micro_batch_size={w.micro_batch_size}",
+                 f"train.logprob_chunk_tokens={w.logprob_chunk_tokens}", f"train.lora.rank={w.lora_rank}")
+        return cls(config, (*extra, *shape))
+
+
+@functools.lru_cache(maxsize=64)  # (parsing overrides is slow; every layout of a plan starts from the same base)
+def _base_config(config: str | None, overrides: tuple[str, ...]):
+    """The run's config with the step's shape, or `train`'s error for it (then every layout is refused with it)."""
+    from twinplane.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as e:
+        return str(e)
 
 
 # ---- memory -------------------------------------------------------------------------------------------------
@@ -389,11 +449,13 @@ def _layout(cfg: ModelConfig, cluster: Cluster, w: Workload, colocated: bool, tr
                   s, step, resharding_bytes(cfg, dev, dp, w.lora_rank), cost_per_million(cluster, step, w))
 
 
-def layouts(cfg: ModelConfig, cluster: Cluster, w: Workload) -> list[Layout]:
-    """Every feasible layout, cheapest (then fastest) first: colocated on all GPUs, or disaggregated splits
-    (training on T GPUs, rollout on the rest, whole nodes or whole TP groups); TP from `tp_sizes`;
-    activation checkpointing and optimizer offload on or off. Feasible = both phases' peaks within
-    (1 - HEADROOM) of device memory and at least one sequence in flight per engine."""
+def layouts(cfg: ModelConfig, cluster: Cluster, w: Workload, check: TrainCheck | None = None) -> list[Layout]:
+    """Every feasible layout, fastest (= cheapest) first: colocated on all GPUs, or disaggregated splits (training
+    on T GPUs, rollout on the rest, whole nodes or whole TP groups); TP from `tp_sizes`; activation checkpointing
+    and optimizer offload on or off. Feasible = both phases' peaks within (1 - HEADROOM) of device memory and at
+    least one sequence in flight per engine. Each carries `refused`: `check`'s (default: `train` with its defaults
+    and this step's shape) reason to refuse it, "" when `train` accepts it."""
+    check = check or TrainCheck.for_workload(w)
     g = cluster.total
     out = []
     for tp in tp_sizes(cfg, cluster.gpus):
@@ -405,40 +467,41 @@ def layouts(cfg: ModelConfig, cluster: Cluster, w: Workload) -> list[Layout]:
                 for offload in (False, True):
                     lay = _layout(cfg, cluster, w, colocated, tg, rg, tp, ckpt, offload)
                     if lay is not None:
-                        out.append(lay)
+                        out.append(replace(lay, refused=check.refusal(lay)))
     return sorted(out, key=lambda x: (x.step_s, x.tp, x.offload, x.checkpointing))
 
 
-def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload) -> tuple[Layout | None, str]:
-    """The fastest (= cheapest: the price is per GPU and every layout uses them all) feasible layout with TP=1
-    when there is one, else the fastest overall. TP=1 is preferred even where the bandwidth model gives TP>1 a
-    shorter decode step (TP splits the weight reads): TP>1 pays two all-reduces per layer per decode step, ties
-    engines together (one slow rank stalls its group) and needs the weights resharded per rank, none of which
-    the model prices fully. Returns the layout and the reasons, in words."""
-    options = layouts(cfg, cluster, w)
+def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload,
+              options: list[Layout] | None = None) -> tuple[Layout | None, str]:
+    """The fastest (= cheapest: the price is per GPU and every layout uses them all) feasible layout that `train`
+    accepts (`layouts`), and the reasons, in words. A faster layout that `train` refuses (TP>1: the bandwidth model
+    gives it a shorter decode step by splitting the weight reads) is named, not recommended."""
+    options = layouts(cfg, cluster, w) if options is None else options
+    dev = cluster.device
     if not options:
         return None, (f"nothing fits: even fully sharded with checkpointing and offload, {cluster.total} x "
-                      f"{cluster.device.key} ({cluster.device.memory_gb:g} GB) is too small; add GPUs or shrink "
+                      f"{dev.key} ({dev.memory_gb:g} GB) is too small; add GPUs or shrink "
                       "--micro-batch-size / --response-len")
-    tp1 = [x for x in options if x.tp == 1]
-    best = tp1[0] if tp1 else options[0]
-    dev = cluster.device
+    accepted = [x for x in options if not x.refused]
+    if not accepted:
+        return None, (f"only layouts that `train` refuses fit (the fastest: {_why(options[0].refused)}); add GPUs or "
+                      "shrink --micro-batch-size / --response-len")
+    best = accepted[0]
     b = Dtypes.for_device(dev).param
     weights = cfg.num_params * b
     unit = "device" if dev.key == "cpu" else "GPU"
-    reasons = []
+    faster = [x for x in options if x.refused and x.step_s < best.step_s]
+    alt = (f" (the model prices TP={faster[0].tp} at {faster[0].step_s:.1f} s/step vs {best.step_s:.1f} s by "
+           f"splitting weight reads, before TP's communication and coupling costs; not yet supported: "
+           f"{_why(faster[0].refused)})") if faster else ""
     if best.tp == 1:
-        faster = [x for x in options if x.tp > 1 and x.step_s < best.step_s]
-        alt = (f" (the model prices TP={faster[0].tp} {faster[0].step_s:.1f} s/step vs {best.step_s:.1f} s by "
-               "splitting weight reads, before TP's communication and coupling costs)") if faster else ""
-        reasons.append(f"TP=1: the {size(weights)} of {'bf16' if b == 2 else 'fp32'} weights fit on one "
-                       f"{dev.memory_gb:g} GB {dev.key} holding the KV cache of all {best.seqs_in_flight} of its "
-                       f"sequences per engine, so every {unit} runs an independent engine (no per-layer all-reduces)"
-                       + alt)
+        reasons = [f"TP=1: the {size(weights)} of {'bf16' if b == 2 else 'fp32'} weights fit on one "
+                   f"{dev.memory_gb:g} GB {dev.key} holding the KV cache of {best.seqs_in_flight} sequences per "
+                   f"engine, so every {unit} runs an independent engine (no per-layer all-reduces){alt}"]
     else:
-        reasons.append(f"TP={best.tp}: at TP=1 the weights ({size(weights)}) leave too little of the "
-                       f"{dev.memory_gb:g} GB for KV cache (or training state); splitting them buys "
-                       f"{best.seqs_in_flight} sequences in flight per engine")
+        reasons = [f"TP={best.tp}: at TP=1 the weights ({size(weights)}) leave too little of the "
+                   f"{dev.memory_gb:g} GB for KV cache (or training state); splitting them buys "
+                   f"{best.seqs_in_flight} sequences in flight per engine"]
     if best.colocated:
         reasons.append(f"colocated: both planes fit on every {unit} together, so none idles while the other "
                        "plane works")
@@ -474,48 +537,78 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def _overrides(best: Layout, devices: int) -> str:
-    """One device runs best in one process (cluster.backend=local): Ray would only add calls and copies."""
-    if devices > 1:
-        return best.overrides()
-    return (f"cluster.backend=local train.activation_checkpointing={str(best.checkpointing).lower()} "
-            f"train.optimizer_offload={str(best.offload).lower()} rollout.tp=1 ")
-
-
-def plan(cfg: ModelConfig, cluster: Cluster, w: Workload) -> dict:
-    """Everything `format_plan` prints, as plain data (what `--json` writes)."""
+def plan(cfg: ModelConfig, cluster: Cluster, w: Workload, check: TrainCheck | None = None, name: str = "") -> dict:
+    """Everything `format_plan` prints, as plain data (what `--json` writes): `layouts` are those `train` accepts,
+    ranked; `refused_layouts` the feasible ones it refuses, each with its reason."""
     dev = cluster.device
     g = cluster.total
-    best, why = recommend(cfg, cluster, w)
+    options = layouts(cfg, cluster, w, check)
+    best, why = recommend(cfg, cluster, w, options)
     fsdp = best.train_gpus if best else g
     tp = best.tp if best else 1
     tm = training_memory(cfg, dev, w, fsdp, best.checkpointing if best else False, best.offload if best else False)
     rm = rollout_memory(cfg, dev, w, tp, best.seqs_in_flight if best else None)
     return {
-        "model": {"params": cfg.num_params, "active_params": cfg.active_params, "layers": cfg.num_layers,
-                  "hidden": cfg.hidden_size,
+        "model": {"name": name, "params": cfg.num_params, "active_params": cfg.active_params,
+                  "layers": cfg.num_layers, "hidden": cfg.hidden_size,
                   "trainable_params": lora_params(cfg, w.lora_rank) if w.lora_rank else cfg.num_params},
         "cluster": {"device": dev.key, "memory_gb": dev.memory_gb, "gpus": g, "price_per_gpu_hour":
                     cluster.price_per_gpu_hour},
         "workload": asdict(w),
         "training_memory": asdict(tm) | {"total": tm.total, "fsdp": fsdp},
         "rollout_memory": asdict(rm) | {"total": rm.total, "tp": tp},
-        "layouts": [asdict(x) | {"dp": x.dp} for x in layouts(cfg, cluster, w)],
-        "recommended": None if best is None else asdict(best) | {"dp": best.dp, "overrides": _overrides(best, g)},
+        "layouts": [asdict(x) | {"dp": x.dp} for x in options if not x.refused],
+        "refused_layouts": [asdict(x) | {"dp": x.dp} for x in options if x.refused],
+        "recommended": None if best is None else asdict(best) | {"dp": best.dp, "overrides": best.overrides()},
         "reason": why,
     }
 
 
-def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int = 12) -> str:
+def _row(rank: str, x: dict, div: float) -> str:
+    mode = "colocated" if x["colocated"] else "split"
+    return (f"  {rank:>4} {mode:<10}{x['train_gpus']:6d}{x['rollout_gpus']:8d}{x['tp']:4d}{x['dp']:4d}"
+            f"{'yes' if x['checkpointing'] else 'no':>5}{'yes' if x['offload'] else 'no':>5}"
+            f"{x['train_mem'] / div:10.1f}{x['rollout_mem'] / div:9.1f}{x['seqs_in_flight']:10d}"
+            f"{x['step_s']:8.1f}{x['resharding_bytes'] / div:9.1f}{x['cost_per_m_tokens']:10.3f}")
+
+
+def _why(refusal: str) -> str:
+    """`train`'s error without the value it got (`rollout.tp: must be 1 (...), got 4` -> `rollout.tp: must be 1
+    (...)`), to say once for every layout it applies to."""
+    return refusal.rsplit(", got ", 1)[0]
+
+
+def _layout_table(p: dict, div: float, unit: str, max_rows: int, max_refused: int = 4) -> list[str]:
+    """The layouts `train` accepts, ranked, then (unranked, marked) those it refuses that the model prices faster
+    than rank 1 (all of them when it accepts none), with `train`'s reason once per refused key."""
+    ok, no = p["layouts"], p["refused_layouts"]
+    if not (ok or no):
+        return ["feasible layouts: none"]
+    shown = ok[:max_rows]
+    faster = [x for x in no if not ok or x["step_s"] < ok[0]["step_s"]][:max_refused]
+    head = (f"feasible layouts: {len(ok)} that `train` accepts, ranked"
+            + (f" (the fastest {len(shown)} shown)" if len(shown) < len(ok) else "")
+            + (f", and {len(no)} it refuses" if no else "") + f"; memory = peak per device, {unit}:")
+    lines = [head, f"  rank mode        train rollout  TP  DP ckpt offl train_mem roll_mem in_flight  step_s  "
+                   f"sync_{unit}  $/1M tok"]
+    lines += [_row(str(i), x, div) for i, x in enumerate(shown, 1)]
+    reasons = {x["refused"].split(":")[0]: _why(x["refused"]) for x in faster}
+    lines += [_row("-", x, div) + f"  not yet supported ({x['refused'].split(':')[0]})" for x in faster]
+    lines += [f"  not yet supported: `train` refuses {r}" for r in reasons.values()]
+    return lines
+
+
+def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int = 12, check: TrainCheck | None = None,
+                name: str = "") -> str:
     """The terminal report: memory per plane, the layouts table, the recommendation and its overrides."""
     dev = cluster.device
-    p = plan(cfg, cluster, w)
+    p = plan(cfg, cluster, w, check, name)
     tm, rm, best = p["training_memory"], p["rollout_memory"], p["recommended"]
     div, unit = _unit(max(tm["total"], rm["total"]))
     moe = (f", {_params(cfg.active_params)} active: top-{cfg.num_experts_per_tok} of {cfg.num_experts} experts"
            if cfg.num_experts else "")
-    lines = [f"model: {_params(cfg.num_params)} params{moe} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-             f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size})",
+    lines = [f"model: {name + ', ' if name else ''}{_params(cfg.num_params)} params{moe} ({cfg.num_layers} layers, "
+             f"hidden {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size})",
              f"cluster: {cluster.nodes} x {cluster.gpus} {dev.key} ({dev.memory_gb:g} GB, {dev.hbm_tb_s:g} TB/s, "
              f"{dev.bf16_tflops:g} TFLOP/s bf16)",
              f"step: {w.prompts_per_step} prompts x {w.n} samples, prompt {w.prompt_len} + response "
@@ -533,19 +626,7 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
     lines.append(f"rollout memory per device ({unit}, TP={rm['tp']}):")
     for k in ("weights", "kv_cache", "workspace", "total"):
         lines.append(f"  {k:<12}{rm[k] / div:8.2f}")
-    shown = min(len(p["layouts"]), max_rows)
-    lines += ["", f"feasible layouts: {len(p['layouts'])}" + (f", the fastest {shown} shown" if shown <
-                                                                 len(p["layouts"]) else ", fastest first")
-              + f" (memory = peak per device, {unit}):",
-              f"  mode        train rollout  TP  DP ckpt offl train_mem roll_mem in_flight  step_s  sync_{unit}  "
-              "$/1M tok"]
-    for x in p["layouts"][:max_rows]:
-        mode = "colocated" if x["colocated"] else "split"
-        lines.append(f"  {mode:<10}{x['train_gpus']:6d}{x['rollout_gpus']:8d}{x['tp']:4d}{x['dp']:4d}"
-                     f"{'yes' if x['checkpointing'] else 'no':>5}{'yes' if x['offload'] else 'no':>5}"
-                     f"{x['train_mem'] / div:10.1f}{x['rollout_mem'] / div:9.1f}{x['seqs_in_flight']:10d}"
-                     f"{x['step_s']:8.1f}{x['resharding_bytes'] / div:9.1f}{x['cost_per_m_tokens']:10.3f}")
-    lines.append("")
+    lines += ["", *_layout_table(p, div, unit, max_rows), ""]
     if best is None:
         lines.append(f"recommendation: none. {p['reason']}")
     else:
@@ -558,17 +639,22 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
                   f"resharding {best['resharding_bytes'] / div:.1f} {unit}/step",
                   f"  cost: ${best['cost_per_m_tokens']:.3f} per 1M trained tokens at "
                   f"${cluster.price_per_gpu_hour:g}/GPU-hour",
-                  f"  overrides: {best['overrides']} rollout.prompts_per_step={w.prompts_per_step} "
+                  f"  overrides: {best['overrides']}{' cluster.async=true' if cluster.overlap else ''} "
+                  f"rollout.prompts_per_step={w.prompts_per_step} "
                   f"rollout.n={w.n} rollout.max_new_tokens={w.response_len} "
                   f"train.micro_batch_size={w.micro_batch_size}"
                   + (f" train.lora.rank={w.lora_rank}" if w.lora_rank else "")]
-    if best is not None and best["overrides"].count("rollout.tp=1 ") == 0:
-        lines.append("  (rollout.tp > 1 is not in this version: pick the best layout with rollout.tp=1 from the list)")
     return "\n".join(lines)
 
 
 def load_model_config(path: str) -> ModelConfig:
-    return ModelConfig.from_file(path)
+    """A model folder or config.json, else a preset's name (`twinplane.model.presets`)."""
+    if Path(path).exists():
+        return ModelConfig.from_file(path)
+    if preset_name(path):
+        return preset(path)
+    raise FileNotFoundError(f"{path}: no such model folder or config.json, and no preset of that name "
+                            f"(presets: {', '.join(PRESETS)})")
 
 
 def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, Workload]:
@@ -595,7 +681,9 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="twinplane plan", description="Memory, layouts and cost of a GRPO run.")
-    ap.add_argument("--model", help="HF model folder or its config.json (or take it from --run-dir / --config)")
+    ap.add_argument("--model", help="HF model folder, its config.json, or a published model by name (presets: "
+                    f"{', '.join(PRESETS)}; -Instruct and Qwen/ or meta-llama/ optional); or take it from "
+                    "--run-dir / --config")
     ap.add_argument("--run-dir", help="a run dir: its config.yaml gives the model, lengths and batch sizes")
     ap.add_argument("--config", help="a twinplane config YAML: the model, lengths and batch sizes of that run")
     ap.add_argument("--gpu", required=True, help=f"device key: cpu, {', '.join(BY_KEY)}")
@@ -628,10 +716,13 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(bad[0])
     w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
                  ns.logprob_chunk_tokens, ns.lora)
+    run_config, extra = None, ["cluster.async=true"] if ns.overlap else []
     try:
         if ns.run_dir or ns.config:
-            cfg, w = from_run_config(Path(ns.config) if ns.config else Path(ns.run_dir) / "config.yaml", ns.model)
+            run_config = str(Path(ns.config) if ns.config else Path(ns.run_dir) / "config.yaml")
+            cfg, w = from_run_config(Path(run_config), ns.model)
             w = replace(w, lora_rank=ns.lora or w.lora_rank)
+            extra += [f"model.path={ns.model}"] if ns.model else []
         elif ns.model:
             cfg = load_model_config(ns.model)
         else:
@@ -639,9 +730,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         raise InputError(str(e)) from None
     cluster = Cluster(device, ns.gpus, ns.nodes, ns.price_per_gpu_hour, ns.overlap)
-    print(json.dumps(plan(cfg, cluster, w), indent=2) if ns.json else format_plan(cfg, cluster, w))
+    check = TrainCheck.for_workload(w, run_config, tuple(extra))
+    name = (preset_name(ns.model) if ns.model and not Path(ns.model).exists() else None) or ""
+    print(json.dumps(plan(cfg, cluster, w, check, name), indent=2) if ns.json
+          else format_plan(cfg, cluster, w, check=check, name=name))
     return 0
 
 
-__all__ = ["CPU", "Cluster", "Dtypes", "Layout", "RolloutMemory", "TrainMemory", "Workload", "format_plan", "layouts",
-           "lora_params", "main", "plan", "recommend", "rollout_memory", "training_memory"]
+__all__ = ["CPU", "Cluster", "Dtypes", "Layout", "RolloutMemory", "TrainCheck", "TrainMemory", "Workload",
+           "format_plan", "layouts", "load_model_config", "lora_params", "main", "plan", "recommend", "rollout_memory",
+           "training_memory"]
