@@ -140,7 +140,7 @@ def test_format_plan_cpu_demo():
     assert (rollout["weights"], rollout["kv_cache"]) == (mb(4 * params), mb(kv))
     assert rollout["total"] == pytest.approx(sum(v for k, v in rollout.items() if k != "total"), abs=0.02)
     layouts = text.split("feasible layouts: ")[1].split("\n\n")[0].splitlines()
-    assert int(layouts[0].split(",")[0]) == len(layouts) - 2  # the count, the header, then one row per layout
+    assert int(layouts[0].split()[0]) == len(layouts) - 2  # the count, the header, then one row per layout
     assert "\nrecommendation: colocated, train on 1 (FSDP=1), rollout on 1 (TP=1 x DP=1)\n" in text
     assert ("rollout.prompts_per_step=8 rollout.n=8 rollout.max_new_tokens=64 train.micro_batch_size=32"
             in text.split("  overrides: ")[1])
