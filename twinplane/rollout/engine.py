@@ -107,10 +107,11 @@ class RolloutEngine:
         up to `graph_max_batch` sequences (0 = max_num_seqs) as captured graphs where the platform can
         (twinplane.rollout.graphs); `kernels`: auto | triton | torch, the decode path's kernels
         (`platform.rollout_kernels`, twinplane.rollout.kernels); `batch_invariant`: every GEMM through oneDNN's
-        packed kernels (CPU fp32), so a sample's bits do not depend on what else shares its steps (`F.linear`'s
-        MKL kernels change a row's rounding with the number of rows on some CPUs): the same samples however
-        requests are batched, chunked or preempted. Dense models without separate LoRA adapters (experts and
-        rank-r adapters run `F.linear`)."""
+        packed kernels (CPU fp32), whose rows do not depend on how many rows share the call (`F.linear`'s MKL
+        kernels round a row differently with the number of rows on Intel CPUs, ~4e-6, enough to flip a sampled
+        token). Attention is not covered: its masked padding to the step's longest context still rounds a row by
+        the batch (~1e-7). Dense models without separate LoRA adapters (experts and rank-r adapters run
+        `F.linear`)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, graph_max_batch >= 0")
         self.model = model.eval().requires_grad_(False)
