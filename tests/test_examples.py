@@ -1,5 +1,5 @@
 """The shipped example configs: every one loads and validates (no model, data, hub or GPU needed), and the two
-8-GPU configs have the cluster layout the README describes."""
+8-GPU configs have the cluster layout docs/scale-out.md describes."""
 
 from pathlib import Path
 

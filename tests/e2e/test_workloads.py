@@ -1,4 +1,4 @@
-"""Issue-3 flows end to end: a model folder + a data file through `twinplane train` and `twinplane eval`."""
+"""User workloads end to end: a model folder + a data file through `twinplane train` and `twinplane eval`."""
 
 import json
 import re

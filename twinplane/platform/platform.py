@@ -261,7 +261,7 @@ def packed_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether inference-only linears may run through oneDNN with pre-packed weights (twinplane.rollout.packed).
 
     CPU fp32 only: there oneDNN's blocked-weight GEMM is 1.3-1.9x MKL's `F.linear` at decode batch sizes (8-100
-    rows) and 1.1x at 1,500 rows on this project's 2-core machine, and its rows do not depend on how many rows
+    rows) and 1.1x at 1,500 rows on a 2-vCPU AMD EPYC (Zen 4), and its rows do not depend on how many rows
     share the call (MKL's do below ~16 rows). GPUs have cuBLAS/hipBLASLt behind `F.linear`. A tiny probe
     checks that this torch build has the ops; TWINPLANE_PACKED_LINEAR=0 turns it off."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or \

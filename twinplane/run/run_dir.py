@@ -1,6 +1,6 @@
 """A run dir belongs to one run: claimed at start, never silently overwritten, damaged checkpoints set aside.
 
-What a run writes into `RUN_DIR` (README, `train --help`):
+What a run writes into `RUN_DIR` (docs/configuration.md, `train --help`):
   config.yaml      the resolved config (written first: it marks the folder as holding a run)
   metrics.jsonl    one JSON object per step (step 0: validation before RL)
   checkpoints/     step_NNNNNNNN/ full-state checkpoints; .tmp-* while one is written; quarantine/ damaged ones

@@ -113,7 +113,7 @@ class Cluster:
     gpus: int  # per node
     nodes: int = 1
     price_per_gpu_hour: float = 0.0
-    overlap: bool = False  # disaggregated planes overlap one step off-policy (else they alternate, as today)
+    overlap: bool = False  # disaggregated planes overlap one step off-policy (else they alternate: cluster.async=false)
 
     @property
     def total(self) -> int:
