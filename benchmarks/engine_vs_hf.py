@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import twinplane  # noqa: E402
-from twinplane import platform  # noqa: E402
+from twinplane.platform import platform  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from twinplane.rollout.scheduler import Scheduler  # noqa: E402
 

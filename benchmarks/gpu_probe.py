@@ -7,8 +7,8 @@ Each section is written to OUT_DIR/probe.json as soon as it ends (and its lines 
 off by a time limit still reports what it measured; a section that raises records its error and the next one runs.
 Sections, in order:
 
-- env: torch / Triton / CUDA or HIP versions, the device, and what `twinplane.platform` chose (paged attention
-  backend and block size, decode graph mode, training precision, distributed backend).
+- env: torch / Triton / CUDA or HIP versions, the device, and what `twinplane.platform` chose (rollout kernels,
+  paged attention backend and block size, decode graph mode, training precision, distributed backend).
 - copy: device-to-device copy bandwidth (bytes read + written per second) and one tiny kernel's cost, launched
   eagerly and replayed from a graph: the floor under a step of a thousand small kernels.
 - decode: one static decode forward (the engine's `DecodeGraphs`) per batch size at a fixed context, Qwen2.5-0.5B
@@ -17,6 +17,13 @@ Sections, in order:
 - profile: the profiler's top kernels and per-category device time of one decode forward at batch 128.
 - sampling: the engine's sampler alone (policy log-probs, inverse-CDF choice, chosen log-prob, one readback) on
   [B, V] logits.
+- decode_sdpa, decode_torch, decode_triton: the decode section at every other batch size with the portable paged
+  attention and torch kernels, with torch kernels and the platform's attention (flex on GPUs without flash-attn),
+  and with the Triton kernels (`rollout.kernels=triton`, twinplane.rollout.kernels) and their paged attention.
+- kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
+  decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
+  the paged decode's KV read rate and its time per split count, and one layer's paged attention (pool write
+  included) per backend.
 - engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
   the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
   step time went; then Hugging Face `generate` on the same work and weights for the ratio.
@@ -35,6 +42,7 @@ import math
 import os
 import platform as host
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from twinplane import platform  # noqa: E402
+from twinplane.platform import platform  # noqa: E402
 
 # Qwen2.5-0.5B and -1.5B's published shapes; "tiny" for --smoke
 SHAPES = {
@@ -178,9 +186,15 @@ def env(device: torch.device, dtype: torch.dtype) -> dict:
         p = torch.cuda.get_device_properties(device)
         out |= {"sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
                 "cudnn": torch.backends.cudnn.version()}
-    backend, block = platform.paged_attention_backend(device, dtype, SHAPES["qwen2.5-0.5b"]["head_dim"])
+    from twinplane.rollout.kernels import self_check
+    from twinplane.rollout.paged_attention import flex_decode_agrees
+
+    kernels, why = platform.rollout_kernels(device, dtype, check=self_check)
+    backend, block = platform.paged_attention_backend(device, dtype, SHAPES["qwen2.5-0.5b"]["head_dim"], kernels,
+                                                      flex_check=flex_decode_agrees)
     prec = platform.train_precision(device, torch.float32)
-    return out | {"paged_attention_backend": backend, "kv_block_size": block,
+    return out | {"rollout_kernels": kernels, "rollout_kernels_why": why, "paged_attention_backend": backend,
+                  "kv_block_size": block,
                   "decode_graph_backend": platform.decode_graph_backend(device),
                   "train_precision": {"param": str(prec.param), "compute": str(prec.compute)},
                   "attention": {k: str(v) for k, v in vars(info.attention).items()}}
@@ -195,9 +209,9 @@ def copy_section(device: torch.device) -> dict:
     return out
 
 
-def decode_setup(a, device, dtype):
-    """The Qwen2.5-0.5B-shaped model (random bf16 weights) in an engine, and a static decode over a KV pool that
-    holds `max(batches)` sequences of `a.context` tokens."""
+def decode_setup(a, device, dtype, kernels: str = "auto"):
+    """The Qwen2.5-0.5B-shaped model (random bf16 weights) in an engine with `kernels`, and a static decode over a
+    KV pool that holds `max(batches)` sequences of `a.context` tokens."""
     from twinplane.model import ModelConfig, Transformer
     from twinplane.rollout import RolloutEngine
     from twinplane.rollout.graphs import DecodeGraphs
@@ -207,7 +221,8 @@ def decode_setup(a, device, dtype):
     cfg = ModelConfig(**SHAPES[a.decode_shape])
     with torch.device(device):
         model = Transformer(cfg).to(dtype)
-    engine = RolloutEngine(model, eos_token_id=None, max_num_seqs=max(a.batches), graph_max_batch=max(a.batches))
+    engine = RolloutEngine(model, eos_token_id=None, max_num_seqs=max(a.batches), graph_max_batch=max(a.batches),
+                           kernels=kernels)
     bs = engine.block_size
     per_seq = -(-a.context // bs)
     kv = KVCache(cfg, max(a.batches) * per_seq + 1, bs, dtype, device)
@@ -227,14 +242,15 @@ def fill_rows(dg, n: int, context: int, vocab: int) -> None:
     dg.inputs[:n].copy_(torch.tensor(rows, dtype=torch.long))
 
 
-def decode_section(a, device, dtype, bw: float) -> dict:
+def decode_section(a, device, dtype, bw: float, kernels: str = "auto") -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    engine, dg = decode_setup(a, device, dtype)
+    engine, dg = decode_setup(a, device, dtype, kernels)
     cfg, gpu = engine.model.config, device.type == "cuda"
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # tied: the head once
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-    out = {"shape": a.decode_shape, "context": a.context, "backend": engine.backend, "mode": dg.mode,
+    out = {"shape": a.decode_shape, "context": a.context, "kernels": engine.kernels, "backend": engine.backend,
+           "mode": dg.mode,
            "block_size": dg.block_size, "weight_bytes": weight_bytes, "batches": {}}
     for n in a.batches:
         size = dg.bucket(n)
@@ -258,15 +274,18 @@ def decode_section(a, device, dtype, bw: float) -> dict:
     return out
 
 
-def decode_other_backend(a, device, dtype, bw: float, backend: str) -> dict:
-    """The decode section at a few batch sizes with the paged attention backend forced to `backend`."""
+def decode_other_backend(a, device, dtype, bw: float, backend: str | None, kernels: str) -> dict:
+    """The decode section at a few batch sizes with `kernels` and the paged attention backend forced to `backend`
+    (None: the platform's choice)."""
     old = os.environ.get("TWINPLANE_PAGED_BACKEND")
-    os.environ["TWINPLANE_PAGED_BACKEND"] = backend
+    if backend is not None:
+        os.environ["TWINPLANE_PAGED_BACKEND"] = backend
     try:
-        return decode_section(argparse.Namespace(**(vars(a) | {"batches": a.batches[1::2]})), device, dtype, bw)
+        return decode_section(argparse.Namespace(**(vars(a) | {"batches": a.batches[1::2]})), device, dtype, bw,
+                              kernels)
     finally:
         if old is None:
-            os.environ.pop("TWINPLANE_PAGED_BACKEND")
+            os.environ.pop("TWINPLANE_PAGED_BACKEND", None)
         else:
             os.environ["TWINPLANE_PAGED_BACKEND"] = old
 
@@ -309,6 +328,96 @@ def sampling_section(a, device, dtype) -> dict:
     return out
 
 
+def device_us(fn, device, calls: int, reps: int) -> float:
+    """Median microseconds per call of `fn`: on GPUs `calls` calls captured in one CUDA graph and replayed (device
+    time, launch costs out, as in the engine's captured decode); elsewhere eager calls."""
+    fn()
+    sync(device)
+    if device.type != "cuda":
+        return 1e6 * statistics.median(timed(fn, device, reps, warmup=0))
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    us = 1e6 * statistics.median(timed(graph.replay, device, reps)) / calls
+    del graph
+    return us
+
+
+def kernels_section(a, device, dtype) -> dict:
+    """Each Triton kernel against its torch reference at the decode shapes, per batch size."""
+    out = {"shape": a.decode_shape, "context": a.context, "dtype": str(dtype), "block_size": platform.TRITON_PAGE_SIZE,
+           "batches": {}}
+    for B in a.kernel_batches:
+        out["batches"][B] = kernel_batch(a, device, dtype, B)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def kernel_batch(a, device, dtype, B: int) -> dict:
+    from twinplane.model import AttentionMetadata
+    from twinplane.rollout.kernels.activation import silu_mul, silu_mul_torch
+    from twinplane.rollout.kernels.norm import rms_norm, rms_norm_torch
+    from twinplane.rollout.kernels.paged_decode import num_splits, paged_decode, paged_decode_torch
+    from twinplane.rollout.kernels.rope import rope_write, rope_write_torch
+    from twinplane.rollout.kernels.sampler import sample_tokens, sample_tokens_torch
+    from twinplane.rollout.paged_attention import PagedKV, paged_attention
+
+    shape, bs, ctx = SHAPES[a.decode_shape], platform.TRITON_PAGE_SIZE, a.context
+    H, H_kv, D, hidden, inter = (shape[k] for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size",
+                                                     "intermediate_size"))
+    calls, reps = (20, a.reps) if device.type == "cuda" else (1, 1)
+    g = torch.Generator().manual_seed(B)
+
+    def rand(*size):
+        return torch.randn(*size, generator=g).to(device, dtype)
+
+    def us(fn) -> float:
+        return device_us(fn, device, calls, reps)
+
+    def pair(tri, ref) -> dict:
+        t, r = us(tri), us(ref)
+        return {"triton_us": t, "torch_us": r, "speedup": r / t}
+
+    per_seq = -(-ctx // bs)
+    k_pool, v_pool = rand(B * per_seq + 1, bs, H_kv, D), rand(B * per_seq + 1, bs, H_kv, D)
+    tables = torch.randperm(B * per_seq, generator=g).view(B, per_seq).to(device, torch.int32)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    q, x, r, w, gate, up = rand(B, H, D), rand(B, hidden), rand(B, hidden), rand(hidden), rand(B, inter), rand(B, inter)
+    qn, kn, vn, cos, sin = rand(B, H, D), rand(B, H_kv, D), rand(B, H_kv, D), rand(B, D), rand(B, D)
+    slots = (tables[:, -1].long() * bs + (ctx - 1) % bs).contiguous()
+    res = {"paged_decode": pair(lambda: paged_decode(q, k_pool, v_pool, tables, lens, None, ctx),
+                                lambda: paged_decode_torch(q, k_pool, v_pool, tables, lens))}
+    res["paged_decode"] |= {"splits": num_splits(B, H_kv, ctx, device), "kv_bytes_per_s":
+                            2 * B * ctx * H_kv * D * dtype.itemsize / (1e-6 * res["paged_decode"]["triton_us"])}
+    res["paged_decode_by_splits_us"] = {s: us(lambda s=s: paged_decode(q, k_pool, v_pool, tables, lens, splits=s))
+                                        for s in a.split_sweep}
+    res["add_rms_norm"] = pair(lambda: rms_norm(x, w, 1e-6, r), lambda: rms_norm_torch(x, w, 1e-6, r))
+    res["silu_mul"] = pair(lambda: silu_mul(gate, up), lambda: silu_mul_torch(gate, up))
+    res["rope_write"] = pair(lambda: rope_write(qn, kn, vn, cos, sin, k_pool, v_pool, slots),
+                             lambda: rope_write_torch(qn, kn, vn, cos, sin, k_pool, v_pool, slots))
+    logits, u = rand(B, shape["vocab_size"]), torch.rand(B, generator=g).to(device)
+    res["sampler"] = pair(lambda: sample_tokens(logits, 1.0, u), lambda: sample_tokens_torch(logits, 1.0, u))
+    # one layer's paged attention as the static decode runs it (its pool write included), per backend
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, kn, vn))
+    res["attention_layer_us"] = {}
+    for backend in ("triton", "flex", "sdpa"):
+        paged = PagedKV(k_pool[None], v_pool[None], slots, tables, lens,
+                        torch.arange(B + 1, device=device, dtype=torch.int32), [1] * B, B, per_seq * bs, static=True)
+        meta = AttentionMetadata(torch.zeros(1, B, dtype=torch.long, device=device), backend=backend, paged=paged)
+        try:
+            res["attention_layer_us"][backend] = us(lambda meta=meta: paged_attention(q4, k4, v4, meta, 0))
+        except Exception as e:  # flex may not compile here: the others still report
+            res["attention_layer_us"][backend] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
 def engine_section(a, device, dtype, bw: float) -> dict:
     import transformers
     from engine_vs_hf import FIELDS, PRESETS, Roofline, build, run_hf, run_twinplane
@@ -324,12 +433,17 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 512
         args.prompts, args.samples, args.new_tokens, args.stops, args.prompt_len = 4, 2, 16, 8, 8
     args.dtype = str(dtype).removeprefix("torch.")
-    captures = {"n": 0}
+    captures = {"n": 0, "seconds": 0.0}
     capture = DecodeGraphs._capture
 
     def counted(self, size):
+        sync(device)
+        t = time.perf_counter()
+        ok = capture(self, size)
+        sync(device)
         captures["n"] += 1
-        return capture(self, size)
+        captures["seconds"] += time.perf_counter() - t
+        return ok
 
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
@@ -343,14 +457,16 @@ def engine_section(a, device, dtype, bw: float) -> dict:
     DecodeGraphs._capture = counted
     try:
         run_twinplane(engine, prompts[:8], args, seed=0, new_tokens=32)  # warm-up: compiles, cuBLAS, allocator
-        warm_captures, frames = captures["n"], dict(counters["frames"])
+        warm_captures, warm_seconds, frames = captures["n"], captures["seconds"], dict(counters["frames"])
         roof.reset()
         n, s, samples, m = run_twinplane(engine, prompts, args, seed=1)
     finally:
         DecodeGraphs._capture = capture
         Roofline.active = []
-    out = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "captures_warmup": warm_captures,
+    out = {"kernels": engine.kernels, "backend": engine.backend, "tokens": n, "seconds": s, "tokens_per_s": n / s,
+           "captures_warmup": warm_captures,
            "captures_timed_call": captures["n"] - warm_captures,
+           "capture_seconds_timed_call": captures["seconds"] - warm_seconds,
            "dynamo_frames_timed_call": {k: v - frames.get(k, 0) for k, v in counters["frames"].items()},
            "metrics": m, "roofline": roof.summary(bw)}
     if a.hf and (a.smoke or time.perf_counter() < a.hf_until):
@@ -373,8 +489,8 @@ def train_section(a, device, compiled: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from twinplane.config import AlgoSection, TrainSection
-    from twinplane.flops import train_flops_per_token
     from twinplane.model import ModelConfig, Transformer
+    from twinplane.model.flops import train_flops_per_token
     from twinplane.train import Batch, Trainer
 
     torch.manual_seed(0)
@@ -416,23 +532,45 @@ def train_section(a, device, compiled: bool) -> dict:
     return out
 
 
+def isolated(a, name: str) -> dict:
+    """Section `name` in a child process that is killed `--grace` seconds past the deadline (a compile can run
+    for minutes in native code, where nothing in this process could interrupt it)."""
+    out = a.out / name
+    cmd = [sys.executable, __file__, str(out), "--sections", name, "--deadline", "1e9", "--in-child",
+           *(["--smoke"] if a.smoke else []), *([] if a.hf else ["--no-hf"])]
+    try:
+        subprocess.run(cmd, timeout=max(a.until - time.perf_counter(), 1.0), check=False)
+    except subprocess.TimeoutExpired:
+        log = (out / "probe.log").read_text()[-2000:] if (out / "probe.log").exists() else ""
+        return {"error": "cut at the probe's deadline", "log_tail": log}
+    return json.loads((out / "probe.json").read_text())[name]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path, help="folder for probe.json and probe.log")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU test)")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds after which no new section starts")
-    p.add_argument("--sections", default="env,copy,decode,profile,sampling,decode_sdpa,engine,train,train_compiled")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds past the deadline before the compiled training section is cut")
+    p.add_argument("--sections", default="env,copy,decode,profile,sampling,decode_sdpa,decode_torch,decode_triton,"
+                   "kernels,engine,train,train_compiled")
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
+    p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate in the engine section")
     a = p.parse_args()
     gpu = torch.cuda.is_available() and not a.smoke
+    if not gpu:  # the Triton sections on CPU: Triton's interpreter (set before any kernel is defined)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     device, dtype = torch.device("cuda" if gpu else "cpu"), torch.bfloat16 if gpu else torch.float32
     a.decode_shape, a.train_shape = ("qwen2.5-0.5b", "qwen2.5-1.5b") if gpu else ("tiny", "tiny")
     a.batches = [1, 8, 32, 128, 256, 512] if gpu else [1, 3, 8]
     a.context, a.reps = (640, 20) if gpu else (40, 2)
+    a.kernel_batches, a.split_sweep = ([8, 128, 512], [1, 2, 4, 8, 16]) if gpu else ([3], [1, 2])
     a.train_rows, a.train_prompt, a.train_response, a.train_tokens, a.train_steps = \
         (64, 512, 400, 16384, 3) if gpu else (4, 16, 8, 64, 1)
     probe = Probe(a.out, a.deadline)
+    a.until = probe.t0 + a.deadline + a.grace
     a.hf_until = probe.t0 + a.deadline - 60  # HF generate only while a minute is left for the training sections
     probe.say(f"gpu_probe: device {device}, dtype {dtype}, deadline {a.deadline:.0f} s, sections {a.sections}")
     want = a.sections.split(",")
@@ -446,10 +584,15 @@ def main() -> None:
     for name, fn, args, need in (("decode", decode_section, (a, device, dtype, bw), 60),
                                  ("profile", profile_section, (a, device, dtype), 20),
                                  ("sampling", sampling_section, (a, device, dtype), 10),
-                                 ("decode_sdpa", decode_other_backend, (a, device, dtype, bw, "sdpa"), 40),
+                                 ("decode_sdpa", decode_other_backend, (a, device, dtype, bw, "sdpa", "torch"), 40),
+                                 ("decode_torch", decode_other_backend, (a, device, dtype, bw, None, "torch"), 40),
+                                 ("decode_triton", decode_other_backend, (a, device, dtype, bw, "triton", "triton"),
+                                  40),
+                                 ("kernels", kernels_section, (a, device, dtype), 40),
                                  ("engine", engine_section, (a, device, dtype, bw), 90),
                                  ("train", train_section, (a, device, False), 40),
-                                 ("train_compiled", train_section, (a, device, True), 90)):
+                                 ("train_compiled", *((train_section, (a, device, True)) if a.in_child else
+                                                      (isolated, (a, "train_compiled"))), 90)):
         if name in want:
             probe.section(name, fn, *args, need=0 if a.smoke else need)
             if gpu:  # what the section held goes back before the next one

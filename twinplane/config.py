@@ -39,7 +39,7 @@ class ModelSection:
     num_experts_per_tok: int = 2  # demo MoE only: experts each token runs (top-k)
     moe_intermediate_size: int = 128  # demo MoE only: each expert's hidden size
     dtype: str = "float32"  # training-plane dtype (master weights)
-    rollout_dtype: str | None = None  # engine dtype; unset = same as dtype
+    rollout_dtype: str | None = None  # engine dtype; unset = bfloat16 on GPUs when dtype is float32, else dtype
 
 
 @dataclass
@@ -99,7 +99,9 @@ class RolloutSection:
     kv_cache_gb: float = 0.0  # KV block pool budget in GiB; 0 = automatic (GPU: gpu_memory_utilization, CPU: 1 GiB)
     gpu_memory_utilization: float = 0.9  # automatic KV budget on GPUs: this fraction of the memory free after weights
     graphs: bool = True  # decode steps as CUDA/HIP graphs at bucketed batch sizes where the device can (false = eager)
-    graph_max_batch: int = 256  # largest captured decode batch; larger decode steps run eagerly
+    graph_max_batch: int = 0  # largest captured decode batch (0 = max_num_seqs); larger decode steps run eagerly
+    batch_invariant: bool = False  # CPU fp32: every engine GEMM via oneDNN, whose rows do not depend on the batch
+    kernels: str = "auto"  # decode-path kernels: auto (Triton on GPUs where its self-check passes) | triton | torch
     tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
     max_turns: int = 1  # model turns per sample when tools are on
     tp: int = 1  # tensor-parallel size of one engine (1 in this version: engines are data parallel)
@@ -316,7 +318,9 @@ class Config:
              "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
             (self.rollout.kv_cache_gb >= 0, "rollout.kv_cache_gb", "must be >= 0 (0 = automatic)"),
             (0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]"),
-            (1 <= self.rollout.graph_max_batch <= 1024, "rollout.graph_max_batch", "must be in 1..1024"),
+            (0 <= self.rollout.graph_max_batch <= 1024, "rollout.graph_max_batch",
+             "must be in 0..1024 (0 = max_num_seqs)"),
+            (self.rollout.kernels in ("auto", "triton", "torch"), "rollout.kernels", "must be auto, triton or torch"),
             (self.eval.n >= 1 and self.eval.every >= 0, "eval", "needs eval.n >= 1 and eval.every >= 0"),
             (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),
             (0 <= self.task.teacher_carry_error <= 1, "task.teacher_carry_error", "must be in [0, 1]"),

@@ -1,0 +1,519 @@
+"""`twinplane report RUN_DIR`: PNG charts and a one-page `report.md` from a run's `metrics.jsonl` (+ `summary.json`).
+
+Works on a finished run and on a running one: unparsable lines (a last line still being written) are skipped, and
+without `summary.json` the summary is computed from the metrics so far. A chart whose metrics are all absent is
+skipped. Needs matplotlib (`pip install twinplane[report]`); it is imported only when a report is made.
+
+Rules every chart follows, so that what it shows is what the run did:
+- one unit per panel and no twin axes (a second unit gets a panel below, sharing the step axis), and one unit per
+  quantity on every chart (`unit`: every rate, e.g. accuracy, truncation, MFU, KV pool usage, is in percent);
+- a series equal to one already drawn in its panel is drawn once (reward mean = accuracy for a 0/1 reward), and a
+  series that is the same at every step is a note, not a line lying on an axis ("preemptions: 0 at every step"),
+  with the configuration that makes it so where the run's config.yaml says (KL off: algo.kl_coef=0);
+- legends and notes sit outside the data, right of the panel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+PHASES = ("rollout", "reward", "ref_logprob", "old_logprob", "train", "weight_sync")
+# metrics that are a fraction of something (samples, tokens, peak FLOPs, KV blocks): drawn in percent everywhere
+_RATE = re.compile(r"(accuracy|pass@\d+|mean@\d+|truncated|mfu_\w+|kv_cache_usage_peak|clip_frac)$")
+
+
+class ReportError(ValueError):
+    """Bad input (no metrics file, no parsable rows): reported as a one-line error."""
+
+
+def load_metrics(path: Path) -> list[dict]:
+    """Rows of `metrics.jsonl` merged by step (later lines win: a resumed run may log a step twice), sorted by
+    step. Lines that are not a JSON object with an int `step` are skipped."""
+    if not path.is_file():
+        raise ReportError(f"{path}: no such file (is this a twinplane run dir?)")
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            by_step.setdefault(row["step"], {}).update(row)
+    if not by_step:
+        raise ReportError(f"{path}: no metrics rows yet")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def load_config(run_dir: Path) -> dict:
+    """The run's config.yaml as nested dicts ({} when absent or unreadable): only to explain flat panels."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def unit(key: str) -> tuple[str, float]:
+    """The unit a metric is drawn in on every chart, and its factor from the logged value."""
+    return ("%", 100.0) if _RATE.search(key) else ("", 1.0)
+
+
+class Series:
+    """One metric over steps times `scale`: `x` the steps where it was logged, `y` its values (null -> nan)."""
+
+    def __init__(self, rows: list[dict], key: str, scale: float = 1.0):
+        pairs = [(r["step"], r[key]) for r in rows if key in r]
+        self.x = [p[0] for p in pairs]
+        self.y = [scale * float(v) if isinstance(v, (int, float)) else math.nan for _, v in pairs]
+
+    def __bool__(self) -> bool:  # present with at least one finite value
+        return any(math.isfinite(v) for v in self.y)
+
+    def finite(self) -> list[float]:
+        return [v for v in self.y if math.isfinite(v)]
+
+    def last(self) -> float | None:
+        finite = self.finite()
+        return finite[-1] if finite else None
+
+    def constant(self) -> float | None:
+        """The value when it is the same at every logged step, else None."""
+        v = self.finite()
+        return v[0] if v and all(abs(a - v[0]) <= 1e-12 * max(1.0, abs(v[0])) for a in v) else None
+
+
+def shown(rows: list[dict], key: str) -> Series:
+    """A metric in the unit every chart draws it in (`unit`)."""
+    return Series(rows, key, unit(key)[1])
+
+
+def same(a: Series, b: Series) -> bool:
+    """Equal at every step (both nan counts as equal): drawn on one panel, one would hide the other."""
+    return a.x == b.x and all(u == v or (math.isnan(u) and math.isnan(v)) or abs(u - v) <= 1e-9 * max(1.0, abs(u))
+                              for u, v in zip(a.y, b.y, strict=True))
+
+
+def smooth(y: list[float], window: int) -> list[float]:
+    """Centred moving average over the finite values in each window (nan where a window has none); centred so the
+    smoothed line does not lag the raw one."""
+    out, half = [], window // 2
+    for i in range(len(y)):
+        w = [v for v in y[max(0, i - half):i - half + window] if math.isfinite(v)]
+        out.append(sum(w) / len(w) if w else math.nan)
+    return out
+
+
+def _window(n: int) -> int:
+    return max(1, min(25, n // 10))
+
+
+def _g(v: float) -> str:
+    return f"{v:.4g}"
+
+
+class Panel:
+    """One axes in one unit. `add` draws a series, or turns it into a note when it is constant or equal to one
+    already drawn here; `finish` puts the legend and the notes right of the data (or, with nothing drawn, the
+    notes in the middle)."""
+
+    def __init__(self, ax, spec: Spec):
+        self.ax, self.spec = ax, spec
+        self.drawn: list[tuple[Series, str]] = []
+        self.notes: list[str] = []
+        ax.set_ylabel(spec.ylabel)
+
+    def add(self, s: Series, label: str, color: str, smoothed: bool = True, marker: str = "",
+            zero_because: str = "") -> None:
+        """`zero_because`: the configuration that keeps the series at 0, said in its note when it is."""
+        if not s:
+            return
+        value = s.constant()
+        if value is not None:
+            why = f" ({zero_because})" if zero_because and value == 0 else ""
+            self.notes.append(f"{label}: {_g(value)}{self.spec.unit} at every step{why}")
+            return
+        twin = next((lab for other, lab in self.drawn if same(s, other)), None)
+        if twin is not None:
+            self.notes.append(f"{label} = {twin} at every step (drawn once)")
+            return
+        if marker:
+            self.ax.plot(s.x, s.y, color=color, marker=marker, linewidth=1.5, label=label)
+        elif smoothed and len(s.x) >= 10:
+            self.ax.plot(s.x, s.y, color=color, alpha=0.25, linewidth=1)
+            self.ax.plot(s.x, smooth(s.y, _window(len(s.x))), color=color, linewidth=2, label=f"{label} (smoothed)")
+        else:
+            self.ax.plot(s.x, s.y, color=color, linewidth=1.5, label=label)
+        self.drawn.append((s, label))
+
+    def finish(self) -> None:
+        ax = self.ax
+        notes = [textwrap.fill(n, 36, subsequent_indent="  ") for n in self.notes]
+        if not self.drawn:
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, "\n".join(notes), transform=ax.transAxes, ha="center", va="center", fontsize=9,
+                    color="0.3")
+            return
+        lo, hi = self.spec.ylim
+        top = max(v for s, _ in self.drawn for v in s.finite())
+        if lo is not None and hi is None and top > lo:  # headroom, so a line at its maximum is not on the frame
+            hi = lo + 1.08 * (top - lo)
+        ax.set_ylim(lo, hi)
+        handles, labels = ax.get_legend_handles_labels()
+        if notes:  # as legend rows without a marker, under the series they explain
+            import matplotlib.lines
+
+            handles += [matplotlib.lines.Line2D([], [], linestyle="none") for _ in notes]
+            labels += notes
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8,
+                  frameon=False, handlelength=1.5)
+
+
+@dataclass
+class Spec:
+    """A panel: its axis label, the unit its notes give values in, what it draws, and its y range."""
+
+    ylabel: str
+    unit: str
+    fill: Callable[[Panel], None]
+    ylim: tuple[float | None, float | None] = (0, None)  # from 0 to where the data ends (1% accuracy stays readable)
+
+
+def _stacked(fig, specs: list[Spec], title: str) -> bool:
+    """Panels from top to bottom sharing the step axis. A panel left with nothing drawn (every series constant)
+    gives its notes to the first panel that has a line instead of taking a row of its own."""
+    import matplotlib.figure
+
+    trial = []
+    for spec in specs:  # (on a scratch figure, to know which panels will have a line)
+        p = Panel(matplotlib.figure.Figure().add_subplot(), spec)
+        spec.fill(p)
+        trial.append(p)
+    if not any(p.drawn or p.notes for p in trial):
+        return False
+    keep = [i for i, p in enumerate(trial) if p.drawn] or [0]
+    fig.set_size_inches(9, 1.2 + 2.6 * len(keep))
+    axes = fig.subplots(len(keep), 1, sharex=True, squeeze=False)[:, 0]
+    panels = [Panel(ax, specs[i]) for ax, i in zip(axes, keep, strict=True)]
+    for p in panels:
+        p.spec.fill(p)
+    panels[0].notes += [n for i, p in enumerate(trial) if i not in keep for n in p.notes]
+    for p in panels:
+        p.finish()
+    axes[-1].set_xlabel("step")
+    axes[0].set_title(title)
+    return True
+
+
+def _train_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["step"] > 0]
+
+
+def _cfg(config: dict, dotted: str, default=None):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def plot_reward(rows: list[dict], fig, config: dict) -> bool:
+    """Reward mean over the step's samples, and accuracy (%). With a 0/1 reward they are the same curve: drawn
+    once, and the std (then sqrt(p(1-p)), set by the mean) is left out; otherwise reward (± std) and accuracy get
+    a panel each."""
+    rows = _train_rows(rows)
+    mean, std, acc = Series(rows, "reward/mean"), Series(rows, "reward/std"), shown(rows, "reward/accuracy")
+    if not (mean or acc):
+        return False
+    if mean and acc and same(Series(rows, "reward/mean", 100.0), acc):
+        def one(p: Panel) -> None:
+            p.add(acc, "accuracy = reward mean (0/1 reward)", "C1")
+            p.notes.append("reward std not drawn: for a 0/1 reward it is sqrt(p(1-p)), set by the mean")
+        return _stacked(fig, [Spec("accuracy (%)", "%", one)], "Training rollouts: accuracy")
+
+    def reward(p: Panel) -> None:
+        p.add(mean, "reward mean", "C0")
+        if p.drawn and std and std.x == mean.x:
+            w = _window(len(mean.x))
+            m, sd = smooth(mean.y, w), smooth(std.y, w)
+            floor, ceil = min(0.0, *mean.finite()), max(1.0, *mean.finite())  # a 0/1 reward stays in [0, 1]
+            p.ax.fill_between(mean.x, [max(a - b, floor) for a, b in zip(m, sd, strict=True)],
+                              [min(a + b, ceil) for a, b in zip(m, sd, strict=True)], color="C0", alpha=0.1,
+                              linewidth=0, label="± std over the step's samples")
+    specs = [Spec("reward", "", reward, (None, None)),
+             Spec("accuracy (%)", "%", lambda p: p.add(acc, "accuracy", "C1"))]
+    return _stacked(fig, specs, "Training rollouts: reward and accuracy")
+
+
+def plot_validation(rows: list[dict], fig, config: dict) -> bool:
+    keys = sorted({k for r in rows for k in r if k.startswith("val/") and isinstance(r[k], (int, float))},
+                  key=lambda k: (k != "val/accuracy", k))
+    series = [(k, shown(rows, k)) for k in keys if "errors" not in k]
+    series = [(k, s) for k, s in series if s]
+    if not series:
+        return False
+    colors = {k: f"C{i}" for i, (k, _) in enumerate(series)}
+
+    def group(pred) -> Callable[[Panel], None]:
+        def fill(p: Panel) -> None:
+            for k, s in series:
+                if pred(k):
+                    p.add(s, k[4:], colors[k], marker="o")
+        return fill
+    specs = [Spec("accuracy (%)", "%", group(lambda k: not ("length" in k or "truncated" in k))),
+             Spec("response length (tokens)", " tokens", group(lambda k: "length" in k)),
+             Spec("truncated (% of responses)", "%", group(lambda k: "truncated" in k))]
+    return _stacked(fig, specs, "Validation (held-out prompts; step 0 = before RL)")
+
+
+def plot_step_time(rows: list[dict], fig, config: dict) -> bool:
+    rows = [r for r in _train_rows(rows) if any(k.startswith("time/") for k in r)]
+    logged = sorted({k[5:] for r in rows for k in r if k.startswith("time/") and k != "time/step"})
+    phases = [p for p in [*PHASES, *(k for k in logged if k not in PHASES)]  # (algorithms add phases: PPO's critic)
+              if Series(rows, f"time/{p}")]
+    total = Series(rows, "time/step")
+    if not (phases or total):
+        return False
+    steps = [r["step"] for r in rows]
+
+    def val(r: dict, k: str) -> float:
+        v = r.get(k)
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+
+    stacks = {p: [val(r, f"time/{p}") for r in rows] for p in phases}
+    if total:
+        stacks["other"] = [max(0.0, val(r, "time/step") - sum(val(r, f"time/{p}") for p in phases)) for r in rows]
+    ax = fig.add_subplot()
+    ax.stackplot(steps, *stacks.values(), labels=list(stacks), alpha=0.85)
+    ax.set(title="Step time by phase (stacked)", xlabel="step", ylabel="seconds")
+    ax.set_ylim(bottom=0)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=8,
+              frameon=False)
+    return True
+
+
+def plot_throughput(rows: list[dict], fig, config: dict) -> bool:
+    """Tokens/s, and MFU (%) in a panel of its own: MFU is tokens/s times a constant (FLOPs per token / peak), so
+    on a twin axis it would lie exactly on its tokens/s line."""
+    rows = _train_rows(rows)
+    tps = [(Series(rows, f"perf/{k}_tokens_per_s"), label, c) for k, label, c in (
+        ("rollout", "rollout tokens/s", "C0"), ("train", "train tokens/s", "C1"),
+        ("prefill", "engine prefill tokens/s", "C4"), ("decode", "engine decode tokens/s", "C5"))]
+    mfu = [(shown(rows, f"perf/mfu_{k}"), f"MFU {k}", c) for k, c in (("rollout", "C0"), ("train", "C1"))]
+    if not any(s for s, _, _ in tps + mfu):
+        return False
+
+    def speed(p: Panel) -> None:
+        for s, label, c in tps:
+            p.add(s, label, c)
+        if not any(s for s, _, _ in mfu):
+            p.notes.append("MFU unknown for this device (no peak FLOP/s)")
+
+    def util(p: Panel) -> None:
+        for s, label, c in mfu:
+            p.add(s, label, c)
+    return _stacked(fig, [Spec("tokens / s", " tokens/s", speed), Spec("MFU (%)", "%", util)], "Throughput")
+
+
+def plot_response_length(rows: list[dict], fig, config: dict) -> bool:
+    rows = _train_rows(rows)
+    mean, mx = Series(rows, "rollout/response_length_mean"), Series(rows, "rollout/response_length_max")
+    trunc = shown(rows, "rollout/truncated")
+    if not (mean or mx or trunc):
+        return False
+
+    def lengths(p: Panel) -> None:
+        p.add(mean, "mean length", "C0")
+        p.add(mx, "max length", "C1")
+    specs = [Spec("response length (tokens)", " tokens", lengths),
+             Spec("truncated (% of responses)", "%", lambda p: p.add(trunc, "truncated", "C3"))]
+    return _stacked(fig, specs, "Response length (training rollouts)")
+
+
+def _zero_because(config: dict) -> dict[str, str]:
+    """The configuration that keeps a policy metric at 0, where it does."""
+    out = {}
+    if _cfg(config, "algo.kl_coef") == 0 and not _cfg(config, "algo.kl_in_reward", False):
+        out["actor/kl"] = "off: algo.kl_coef=0"
+    if _cfg(config, "train.mini_batches") == 1 and not _cfg(config, "cluster.async", False):
+        out["actor/clip_frac"] = "one update per batch on its own samples, so the ratio is 1: train.mini_batches=1"
+    return out
+
+
+def plot_kl_entropy(rows: list[dict], fig, config: dict) -> bool:
+    rows = _train_rows(rows)
+    because = _zero_because(config)
+
+    def fill(s: Series, label: str, color: str, why: str) -> Callable[[Panel], None]:
+        return lambda p: p.add(s, label, color, zero_because=why)
+    specs = []
+    for i, (k, label, ylabel, u) in enumerate((
+            ("actor/kl", "KL to reference", "KL (nats / token)", " nats"),
+            ("actor/entropy", "entropy", "entropy (nats / token)", " nats"),
+            ("actor/clip_frac", "clip fraction", "clipped (% of tokens)", "%"),
+            ("actor/logprob_gap", "log-prob gap (rollout vs train)", "mean |Δ log p| / token", ""))):
+        s = shown(rows, k)
+        if s:
+            specs.append(Spec(ylabel, u, fill(s, label, f"C{i}", because.get(k, ""))))
+    return bool(specs) and _stacked(fig, specs, "Policy: KL, entropy, clipping, log-prob gap")
+
+
+def plot_weight_sync(rows: list[dict], fig, config: dict) -> bool:
+    rows = _train_rows(rows)
+    gbps, secs = Series(rows, "sync/gb_per_s"), Series(rows, "time/weight_sync")
+    if not gbps:
+        return False
+    adapters = _cfg(config, "train.lora.rank", 0) and not _cfg(config, "rollout.lora_merge", False)
+    what = "fp32 LoRA adapters" if adapters else "engine-dtype weights"
+    specs = [Spec(f"GB/s ({what})", " GB/s", lambda p: p.add(gbps, "bandwidth", "C0")),
+             Spec("seconds per sync", " s", lambda p: p.add(secs, "duration", "C1"))]
+    return _stacked(fig, specs, "Weight sync trainer → engines")
+
+
+def plot_engine(rows: list[dict], fig, config: dict) -> bool:
+    """The rollout engine: occupancy, preemptions, KV-pool peak usage (%)."""
+    rows = _train_rows(rows)
+    running, pre = Series(rows, "rollout/running_seqs_mean"), Series(rows, "rollout/preemptions")
+    usage = shown(rows, "rollout/kv_cache_usage_peak")
+    if not (running or usage):
+        return False
+    specs = [Spec("sequences", "", lambda p: p.add(running, "running sequences (mean)", "C0")),
+             Spec("preemptions per step", "", lambda p: p.add(pre, "preemptions", "C3", smoothed=False,
+                                                              zero_because="the KV pool held every sequence")),
+             Spec("KV pool used (%)", "%", lambda p: p.add(usage, "KV cache peak usage", "C1"), (0, 105))]
+    return _stacked(fig, specs, "Rollout engine")
+
+
+@dataclass
+class Chart:
+    name: str
+    plot: Callable[[list[dict], object, dict], bool]
+    what: str
+
+
+CHARTS = [
+    Chart("reward.png", plot_reward, "training accuracy (%) and reward mean per step (one line when they are equal)"),
+    Chart("validation.png", plot_validation, "held-out accuracy (and pass@k / mean@k), response length and truncation "
+          "at each validation"),
+    Chart("step_time.png", plot_step_time, "seconds per step stacked by phase; 'other' = step time not in a phase"),
+    Chart("throughput.png", plot_throughput, "rollout and train tokens/s (and the engine's prefill/decode tokens/s); "
+          "MFU (%) below when the device's peak is known"),
+    Chart("response_length.png", plot_response_length, "mean and max response length, and the truncation rate (%)"),
+    Chart("kl_entropy.png", plot_kl_entropy, "KL to the reference, policy entropy, clip fraction, log-prob gap"),
+    Chart("weight_sync.png", plot_weight_sync, "weight-sync bandwidth (GB/s) and seconds per sync"),
+    Chart("engine.png", plot_engine, "rollout engine: mean running sequences, preemptions, KV pool peak usage (%)"),
+]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def summary_rows(rows: list[dict], summary: dict | None) -> list[tuple[str, str]]:
+    """(label, value) pairs for the table: from `summary.json` when the run finished, else from the metrics."""
+    train = _train_rows(rows)
+    if summary is not None:
+        out = [("status", "finished"), ("steps", _fmt(summary.get("steps"))),
+               ("warm-start accuracy (step 0)", _fmt(summary.get("warmstart_accuracy"))),
+               ("final accuracy", _fmt(summary.get("final_accuracy"))),
+               ("held-out prompts", _fmt(summary.get("heldout_size"))),
+               ("wall time (s)", _fmt(summary.get("wall_seconds")))]
+        phases = summary.get("phase_seconds_mean") or {}
+    else:
+        val = Series(rows, "val/accuracy")
+        out = [("status", f"running: {len(train)} steps so far"),
+               ("last step", _fmt(rows[-1]["step"])),
+               ("latest reward mean", _fmt(Series(train, "reward/mean").last())),
+               ("latest accuracy (training)", _fmt(Series(train, "reward/accuracy").last())),
+               ("warm-start accuracy (step 0)", _fmt(rows[0].get("val/accuracy") if rows[0]["step"] == 0 else None)),
+               ("latest validation accuracy", _fmt(val.last()) + (f" (step {val.x[-1]})" if val else ""))]
+        phases = {}
+        for k in [*PHASES, "step"]:
+            v = Series(train, f"time/{k}").finite()
+            if v:
+                phases[k] = sum(v) / len(v)
+    out += [(f"mean time/{k} (s)", _fmt(v)) for k, v in phases.items()]
+    return out
+
+
+def write_markdown(run_dir: Path, out_dir: Path, table: list[tuple[str, str]], written: list[Chart]) -> Path:
+    lines = [f"# twinplane report: `{run_dir}`", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in table]
+    lines += ["", "## Charts", ""]
+    lines += [f"- `{c.name}`: {c.what}" for c in written]
+    for c in written:
+        lines += ["", f"![{c.what}]({c.name})"]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def make_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
+    """Write one PNG per chart with data and `report.md` into `out_dir` (default `run_dir/report/`); returns
+    the paths written. Raises ReportError when there is no metrics file or no parsable row in it."""
+    run_dir = Path(run_dir)
+    rows = load_metrics(run_dir / "metrics.jsonl")
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ReportError("the report needs matplotlib: pip install 'twinplane[report]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file there, a read-only run dir, a place no folder can be made
+        raise ReportError(f"{out_dir}: cannot make the report folder ({e.strerror})") from None
+    summary_path = run_dir / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    except json.JSONDecodeError:
+        summary = None  # being written right now: report it as running
+    config = load_config(run_dir)
+    paths, written = [], []
+    for chart in CHARTS:
+        fig = plt.figure(figsize=(9, 4.5))
+        try:
+            if chart.plot(rows, fig, config):
+                fig.savefig(out_dir / chart.name, dpi=110, bbox_inches="tight")  # (legends outside the axes)
+                paths.append(out_dir / chart.name)
+                written.append(chart)
+        finally:
+            plt.close(fig)
+    paths.append(write_markdown(run_dir, out_dir, summary_rows(rows, summary), written))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="twinplane report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", help="a run dir with metrics.jsonl (finished or still running)")
+    parser.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    ns = parser.parse_args(argv)
+    try:
+        paths = make_report(Path(ns.run_dir), Path(ns.out) if ns.out else None)
+    except ReportError as e:
+        print(f"twinplane: error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
