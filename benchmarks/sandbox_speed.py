@@ -21,7 +21,7 @@ from pathlib import Path
 
 from twinplane.rewards.code import CodeScorer
 
-DEFAULT = Path(__file__).resolve().parents[2] / "shared/data/humaneval/HumanEval.jsonl.gz"
+DEFAULT = Path(os.environ.get("TWINPLANE_DATA", "data")) / "humaneval/HumanEval.jsonl.gz"  # (or --data)
 
 
 def bare(programs: list[str], workers: int, flags: tuple[str, ...] = ("-I",)) -> float:

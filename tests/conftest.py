@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import device_only
@@ -34,6 +35,23 @@ def ray_init(num_cpus: int) -> None:
     ray.cloudpickle.register_pickle_by_value(device_only)  # Ray's workers do not see tests/
     ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"worker_process_setup_hook": device_only.install})
+
+
+def pytest_addoption(parser):
+    parser.addoption("--data-dir", help="folder holding the real datasets (gsm8k/, humaneval/); else $TWINPLANE_DATA. "
+                     "The tests on real data skip without either")
+
+
+def pytest_configure(config):
+    if config.getoption("--data-dir"):
+        os.environ["TWINPLANE_DATA"] = str(config.getoption("--data-dir"))
+
+
+def data_path(relative: str) -> Path:
+    """A file or folder of the real datasets, under --data-dir / $TWINPLANE_DATA (a path that does not exist
+    without them, so `.is_file()` decides whether a test runs)."""
+    root = os.environ.get("TWINPLANE_DATA")
+    return Path(root).resolve() / relative if root else Path("/nonexistent/TWINPLANE_DATA") / relative
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import data_path
 
 from twinplane.data import DataError, PromptFormatter, PromptStream, Record, filter_by_length, load_records
 
@@ -17,7 +18,7 @@ GSM8K_ROWS = [  # GSM8K's original format: the answer is a worked solution endin
      "answer": "Tuesday: 12 / 2 = <<12/2=6>>6.\nIn all 12 + 6 = <<12+6=18>>18.\n#### 18", "level": 2,
      "source": "fixture"},
 ]
-SHARED_GSM8K = Path(__file__).resolve().parents[3] / "shared/data/gsm8k"
+SHARED_GSM8K = data_path("gsm8k")
 
 
 def write_jsonl(path: Path, rows, raw_lines=()) -> Path:
@@ -151,7 +152,7 @@ def test_empty_missing_and_unknown_files(tmp_path):
         load_records(tmp_path / "empty.jsonl", on_error="ignore")
 
 
-@pytest.mark.skipif(not (SHARED_GSM8K / "train.jsonl").is_file(), reason="shared GSM8K copy not present")
+@pytest.mark.skipif(not (SHARED_GSM8K / "train.jsonl").is_file(), reason="no GSM8K (--data-dir, $TWINPLANE_DATA)")
 def test_shared_gsm8k_loads_with_defaults():
     for split, size in (("train", 7473), ("test", 1319)):
         path = SHARED_GSM8K / f"{split}.jsonl"

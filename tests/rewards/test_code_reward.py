@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import data_path
 
 from twinplane import sandbox as sb
 from twinplane.config import ConfigError, load_config
@@ -21,8 +22,8 @@ from twinplane.rewards import RewardRunner, score
 from twinplane.rewards.code import CodeScorer, extract_program, parse_tests
 from twinplane.rollout.tools import PythonTool
 
-HUMANEVAL = Path(__file__).resolve().parents[3] / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
-needs_humaneval = pytest.mark.skipif(not HUMANEVAL.is_file(), reason="shared HumanEval copy not present")
+HUMANEVAL = data_path("humaneval/HumanEval.jsonl.gz")
+needs_humaneval = pytest.mark.skipif(not HUMANEVAL.is_file(), reason="no HumanEval (--data-dir, $TWINPLANE_DATA)")
 
 
 def bwrap_or_skip():
