@@ -62,6 +62,8 @@ def test_seeded_run_is_bitwise_reproducible(tmp_path):
     (["algo.kl_estimator=k9"], "algo.kl_estimator: must be one of k1, k2, k3, abs"),
     (["no_such.cfg.yaml"], "config file no_such.cfg.yaml not found"),
     (["train.lr"], "train.lr"),
+    (["data.plain_template={prompt:>99999999999}"],  # checked by parsing: rendering would exhaust memory
+     "data.plain_template: field {prompt:>99999999999} has a format spec"),
 ])
 def test_bad_config_is_one_line_exit_2(args, message):
     out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", *args], capture_output=True, text=True)

@@ -348,6 +348,11 @@ def test_plain_template_fields():
     for sneaky in ("{prompt.__class__}", "{prompt[0]}", "{}"):
         with pytest.raises(DataError, match="plain_template field"):
             PromptFormatter("plain", plain_template=sneaky)
+    for sneaky, what in (("{prompt:>99999999999}", "format spec"), ("{prompt:.2}", "format spec"),
+                         ("{prompt:{system}}", "format spec"), ("{prompt!r}", "conversion"),
+                         ("{prompt!s:>3}", "conversion")):  # checked by parsing: the width is never allocated
+        with pytest.raises(DataError, match=f"plain_template field .* has a {what}: fields are substituted as"):
+            PromptFormatter("plain", plain_template=sneaky)
     with pytest.raises(DataError, match="mode=plain needs string prompts"):
         f.format(RECORDS[2])
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from twinplane.algos import AGG_MODES, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
+from twinplane.data.formatting import plain_template_problem
 from twinplane.errors import InputError
 from twinplane.model.lora import TARGETS as LORA_TARGETS
 
@@ -50,7 +51,7 @@ class DataSection:
     answer_field: str = "answer"  # field holding the reference answer
     system_field: str | None = None  # per-record system prompt
     template: str = "auto"  # chat | plain | auto (chat when the tokenizer has a chat template)
-    plain_template: str = "{prompt}"  # for template=plain: str.format with {prompt} and {system}
+    plain_template: str = "{prompt}"  # for template=plain: text with {prompt} {raw_prompt} {suffix} {system} fields
     system_prompt: str | None = None  # system message for every prompt
     instruction_suffix: str | None = None  # appended to each question, e.g. asking for '#### <answer>'
     max_prompt_tokens: int = 512  # longer prompts are dropped and counted, never truncated
@@ -251,6 +252,8 @@ class Config:
             value = _get(self, key)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        if (problem := plain_template_problem(self.data.plain_template)) is not None:
+            raise ConfigError(f"data.plain_template: {problem}")
         checks = [
             (self.rollout.n >= 1, "rollout.n", "must be >= 1"),
             (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
@@ -381,8 +384,6 @@ class Config:
              "must not be empty"),
             (self.data.prompt_field != "" and self.data.answer_field != "", "data.prompt_field",
              "and data.answer_field must not be empty"),
-            (_renders(self.data.plain_template), "data.plain_template",
-             "must be a str.format template using only {prompt} and {system}"),
             (self.data.val_size >= 0, "data.val_size", "must be >= 0 (0 = all)"),
             (self.reward.name.strip() != "", "reward.name", "must not be empty"),
             (self.reward.step_timeout_s >= 0, "reward.step_timeout_s", "must be >= 0 (0 = no deadline)"),
@@ -423,15 +424,6 @@ class Config:
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def _renders(template: str) -> bool:
-    """The plain template renders on a sample prompt (checked once, before any data is read)."""
-    try:
-        template.format(prompt="1+1=", system="")
-    except (KeyError, IndexError, ValueError, AttributeError):
-        return False
-    return "{prompt}" in template or "{prompt!" in template or "{prompt:" in template
 
 
 def _attr(key: str) -> str:

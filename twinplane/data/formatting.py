@@ -64,18 +64,25 @@ def _compile_chat_template(source: str):
         raise DataError(f"chat template syntax error at template line {e.lineno}: {e.message}") from None
 
 
-def _check_plain_template(template: str) -> None:
-    """Allow only the documented bare fields: no positional `{}`, no `{prompt.attr}` or `{prompt[0]}` access."""
+def plain_template_problem(template: str) -> str | None:
+    """What is wrong with a plain template, or None. Found by parsing, never by rendering: a width such as
+    `{prompt:>99999999999}` would allocate that many characters. Fields are substituted as they are: no
+    positional `{}`, no `{prompt.attr}` or `{prompt[0]}` access, no conversions or format specs."""
     try:
-        parsed = list(string.Formatter().parse(template))
+        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
     except ValueError as e:
-        raise DataError(f"plain_template {template!r}: {e}") from None
-    for _, name, spec, _ in parsed:
-        if name is not None and name not in PLAIN_FIELDS:
-            raise DataError(f"plain_template field {{{name}}} is not one of "
-                            f"{', '.join('{' + f + '}' for f in PLAIN_FIELDS)} (use {{{{ }}}} for literal braces)")
-        if spec and "{" in spec:
-            raise DataError(f"plain_template {template!r}: nested fields in format specs are not allowed")
+        return f"is not a str.format template ({e})"
+    for name, conv, spec in fields:
+        if name not in PLAIN_FIELDS:
+            return (f"field {{{name}}} is not one of {', '.join('{' + f + '}' for f in PLAIN_FIELDS)} "
+                    "(use {{ }} for literal braces)")
+        if conv or spec:
+            written = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            return (f"field {written} has a {'conversion' if conv else 'format spec'}: fields are substituted as "
+                    f"they are, write {{{name}}}")
+    if not any(name in ("prompt", "raw_prompt") for name, _, _ in fields):
+        return "has no {prompt} field (the record's prompt would be left out)"
+    return None
 
 
 class PromptFormatter:
@@ -112,8 +119,8 @@ class PromptFormatter:
                 raise DataError("mode=chat but no chat template was found (no chat_template in tokenizer_config.json "
                                 "and no chat_template.jinja); pass a chat_template or use mode=plain")
             self._template = _compile_chat_template(chat_template)
-        else:
-            _check_plain_template(plain_template)
+        elif (problem := plain_template_problem(plain_template)) is not None:
+            raise DataError(f"plain_template {problem}")
 
     @classmethod
     def from_model_dir(cls, path: str | Path, mode: str = "chat", **kw) -> PromptFormatter:
