@@ -185,6 +185,10 @@ CASES = [
     Case("config/YAML not a mapping", lambda fx: ["train", fx.file("list.yaml", "- 1\n- 2\n")],
          "expected a mapping of sections"),
     Case("config/section not a mapping", T("train=3"), "train: expected a mapping"),
+    Case("config/unset variable in a path", lambda fx: ["train", fx.file("v.yaml", "data:\n  train_file: "
+                                                                        "${TWINPLANE_UNSET_XYZ}/t.jsonl\n")],
+         "data.train_file: ${TWINPLANE_UNSET_XYZ}/t.jsonl uses ${TWINPLANE_UNSET_XYZ}, which is not set in the "
+         "environment"),
     Case("config/warmstart.batch_size=0", T("warmstart.batch_size=0"), "warmstart.batch_size: must be >= 1"),
     Case("config/warmstart.lr=-1", T("warmstart.lr=-1"), "warmstart.lr: must be > 0"),
     Case("config/rollout.top_k=-1", T("rollout.top_k=-1"), "rollout.top_k: must be >= 0"),

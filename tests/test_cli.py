@@ -72,6 +72,14 @@ def test_bad_config_is_one_line_exit_2(args, message):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, out.stderr
 
 
+def test_overrides_after_an_option(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("train:\n  steps: 3\n")
+    assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "r"), "train.steps=abc"]) == 2
+    assert "train.steps: expected an integer, got 'abc'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "r"), "--no-such-option"])
+
+
 def test_yaml_config_file(tmp_path):
     from twinplane.config import load_config
 

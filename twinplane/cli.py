@@ -139,7 +139,11 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         import importlib
 
         return importlib.import_module(f"twinplane.{argv[0]}").main(argv[1:])
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra and ns.command in ("train", "eval") and not any(a.startswith("-") for a in extra):
+        ns.args += extra  # key=value after an option (argparse takes one run of positionals: CONFIG --run-dir R k=v)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command is None:
         parser.print_help()
         return 0

@@ -10,6 +10,7 @@ import difflib
 import functools
 import keyword
 import math
+import os
 import re
 import types
 import typing
@@ -506,6 +507,39 @@ def _build(cls, data: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
+# Keys naming files or folders to read. Relative paths in a config file are taken from the file's folder (so an
+# example runs from any directory), on the command line from the current one; ${VAR} is read from the environment.
+# They are kept absolute: errors, the run's config.yaml and a resume from elsewhere all name the same file.
+PATH_KEYS = ("model.path", "data.train_file", "data.val_file", "reward.model", "critic.model_path")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _absolute(value, key: str, base: Path):
+    """An input path made absolute against `base`, after ${VAR} (a relative value of the variable counts from the
+    current directory) and ~; a reward.name file spec (path/file.py:function) has its path part made absolute."""
+    if not isinstance(value, str) or not value.strip():
+        return value  # a wrong type or an empty path is `_coerce`'s and `validate`'s to report
+
+    def env(m: re.Match) -> str:
+        if m[1] not in os.environ:
+            raise ConfigError(f"{key}: {value} uses ${{{m[1]}}}, which is not set in the environment")
+        return os.path.abspath(os.path.expanduser(os.environ[m[1]]))
+
+    text = _VAR.sub(env, value)
+    target, sep, function = text.rpartition(":") if key == "reward.name" else (text, "", "")
+    if key == "reward.name" and not (target.endswith(".py") or "/" in target):  # a built-in or module:function
+        return text
+    return os.path.normpath(base / os.path.expanduser(target)) + sep + function
+
+
+def _absolute_paths(data: dict, base: Path, skip: set[str]) -> None:
+    """`_absolute` on the input paths of a config file's sections but `skip`, in place."""
+    for key in (*PATH_KEYS, "reward.name"):
+        section, leaf = key.split(".")
+        if key not in skip and isinstance(data.get(section), dict) and leaf in data[section]:
+            data[section][leaf] = _absolute(data[section][leaf], key, base)
+
+
 def _merge(base: dict, dotted: str, value) -> None:
     parts = dotted.split(".")
     node = base
@@ -544,6 +578,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    overridden = set()
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -555,7 +590,12 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
                 value = yaml.safe_load(raw) if raw else ""
             except yaml.YAMLError:
                 value = raw
+        if key.strip() in (*PATH_KEYS, "reward.name"):
+            value = _absolute(value, key.strip(), Path.cwd())
+            overridden.add(key.strip())
         _merge(data, key.strip(), value)
+    if path is not None:  # the file's own paths (an overridden one may name an unset variable: it is not used)
+        _absolute_paths(data, path.parent.absolute(), skip=overridden)
     cfg = _build(Config, data)
     cfg.validate()
     return cfg

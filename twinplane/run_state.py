@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import re
@@ -40,9 +41,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(immutable keys that differ, mutable keys that differ), each as 'key: old -> new'. A key the saved config
     lacks (added to twinplane since) counts as its default."""
-    from twinplane.config import Config
+    from twinplane.config import PATH_KEYS, Config
 
     a, b = _flatten(Config().to_dict()) | _flatten(saved), _flatten(current)
+    for key in PATH_KEYS:  # a config saved with relative input paths read them from the current directory
+        if isinstance(a.get(key), str):
+            a[key] = os.path.abspath(a[key])
     bad, ok = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):

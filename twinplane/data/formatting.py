@@ -33,7 +33,7 @@ def _compile_chat_template(source: str):
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise DataError("chat templates need jinja2 (pip install jinja2), or use mode=plain") from None
+        raise DataError("chat templates need jinja2 (pip install jinja2), or use data.template=plain") from None
 
     class GenerationTag(Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text for masks; here it renders its body."""
@@ -116,8 +116,8 @@ class PromptFormatter:
         self._template = None
         if mode == "chat":
             if not chat_template:
-                raise DataError("mode=chat but no chat template was found (no chat_template in tokenizer_config.json "
-                                "and no chat_template.jinja); pass a chat_template or use mode=plain")
+                raise DataError("no chat template was found (no chat_template in tokenizer_config.json and no "
+                                "chat_template.jinja): use data.template=plain (prompts as data.plain_template)")
             self._template = _compile_chat_template(chat_template)
         elif (problem := plain_template_problem(plain_template)) is not None:
             raise DataError(f"plain_template {problem}")
@@ -141,7 +141,10 @@ class PromptFormatter:
             jinja_file = path / "chat_template.jinja"
             kw["chat_template"] = (jinja_file.read_text(encoding="utf-8") if jinja_file.is_file()
                                    else _default_template(path, config.get("chat_template")))
-        return cls(mode, **kw)
+        try:
+            return cls(mode, **kw)
+        except DataError as e:
+            raise DataError(f"{path.absolute()}: {e}") from None
 
     def messages(self, record: Record) -> list[dict]:
         """The chat the template renders (also useful to log)."""
@@ -160,8 +163,8 @@ class PromptFormatter:
     def format(self, record: Record) -> str:
         if self.mode == "plain":
             if not isinstance(record.prompt, str):
-                raise DataError("mode=plain needs string prompts, but this record's prompt is a message list; "
-                                "use mode=chat")
+                raise DataError("data.template=plain needs string prompts, but this record's prompt is a message "
+                                "list; use data.template=chat")
             system = record.system if record.system is not None else self.system_prompt
             return self.plain_template.format(prompt=record.prompt + self.instruction_suffix,
                                               raw_prompt=record.prompt, suffix=self.instruction_suffix,
