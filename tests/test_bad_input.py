@@ -176,6 +176,9 @@ def _shrink_vocab(d: Path) -> None:
 CASES = [
     # ---- config: types, ranges, choices, keys that depend on each other, sizes that cannot fit ----
     Case("config/unknown key", T("train.lrr=1"), "unknown key train.lrr (did you mean train.lr?)"),
+    Case("config/unknown key, another trainer's name", T("train.learning_rate=1e-5"),
+         "unknown key train.learning_rate (did you mean train.lr?)"),
+    Case("config/unknown section", T("trian.steps=3"), "unknown key trian.steps (did you mean train.steps?)"),
     Case("config/wrong type", T("train.steps=abc"), "train.steps: expected an integer"),
     Case("config/not key=value", T("=5"), "is not key=value"),
     Case("config/missing file", lambda fx: ["train", "no_such.yaml"], "config file no_such.yaml not found"),

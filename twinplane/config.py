@@ -491,6 +491,74 @@ def _coerce(value, t, key: str):
     raise ConfigError(f"{key}: unsupported type {t}")
 
 
+# What a bare name most likely means, and other RL trainers' names (TRL, verl) -> (twinplane's key, a note where
+# the meaning differs).
+_UPPER = "algo.clip_high bounds the ratio above 1"
+ALIASES = {
+    "steps": ("train.steps", ""), "lr": ("train.lr", ""), "temperature": ("rollout.temperature", ""),
+    "n": ("rollout.n", ""), "learning_rate": ("train.lr", ""), "max_steps": ("train.steps", ""),
+    "total_training_steps": ("train.steps", ""),
+    "num_train_epochs": ("train.steps", "twinplane counts RL steps, not epochs"),
+    "total_epochs": ("train.steps", "twinplane counts RL steps, not epochs"),
+    "per_device_train_batch_size": ("train.micro_batch_size", ""),
+    "ppo_micro_batch_size_per_gpu": ("train.micro_batch_size", ""),
+    "gradient_accumulation_steps": ("train.micro_batch_size", "micro-batches of this size are accumulated into "
+                                    "each optimizer step"),
+    "ppo_mini_batch_size": ("train.mini_batches", "a number of mini-batches per rollout batch, not a size"),
+    "ppo_max_token_len_per_gpu": ("train.max_tokens_per_micro_batch", ""),
+    "train_batch_size": ("rollout.prompts_per_step", ""), "num_generations": ("rollout.n", ""),
+    "max_completion_length": ("rollout.max_new_tokens", ""), "max_response_length": ("rollout.max_new_tokens", ""),
+    "response_length": ("rollout.max_new_tokens", ""), "max_prompt_length": ("data.max_prompt_tokens", ""),
+    "beta": ("algo.kl_coef", ""), "kl_loss_coef": ("algo.kl_coef", ""), "kl_loss_type": ("algo.kl_estimator", ""),
+    "use_kl_in_reward": ("algo.kl_in_reward", ""), "epsilon": ("algo.clip_low", _UPPER),
+    "epsilon_high": ("algo.clip_high", ""), "clip_ratio": ("algo.clip_low", _UPPER),
+    "clip_ratio_low": ("algo.clip_low", ""), "clip_ratio_high": ("algo.clip_high", ""),
+    "clip_ratio_c": ("algo.clip_c", ""), "cliprange": ("algo.clip_low", _UPPER),
+    "cliprange_value": ("critic.value_clip", ""), "entropy_coeff": ("algo.entropy_coef", ""),
+    "loss_agg_mode": ("algo.loss_agg", ""), "loss_type": ("algo.name", ""),
+    "scale_rewards": ("algo.norm_adv_by_std", ""), "norm_adv_by_std_in_grpo": ("algo.norm_adv_by_std", ""),
+    "mask_truncated_completions": ("algo.mask_truncated", ""), "importance_sampling_level": ("algo.policy_loss", ""),
+    "max_grad_norm": ("train.grad_clip", ""), "lr_scheduler_type": ("train.schedule", ""),
+    "gradient_checkpointing": ("train.activation_checkpointing", ""),
+    "enable_gradient_checkpointing": ("train.activation_checkpointing", ""), "bf16": ("train.compute_dtype", ""),
+    "model_name_or_path": ("model.path", ""), "train_files": ("data.train_file", ""),
+    "val_files": ("data.val_file", ""), "prompt_key": ("data.prompt_field", ""), "reward_funcs": ("reward.name", ""),
+    "output_dir": ("run_dir", ""), "save_steps": ("checkpoint.every", ""), "save_freq": ("checkpoint.every", ""),
+    "save_total_limit": ("checkpoint.keep", ""), "logging_steps": ("log.every", ""), "eval_steps": ("eval.every", ""),
+    "test_freq": ("eval.every", ""), "val_before_train": ("eval.before", ""), "report_to": ("log.backends", ""),
+    "vllm_gpu_memory_utilization": ("rollout.gpu_memory_utilization", ""),
+    "tensor_model_parallel_size": ("rollout.tp", ""), "n_gpus_per_node": ("cluster.train_devices", ""),
+    "lora_r": ("train.lora.rank", ""), "lora_rank": ("train.lora.rank", ""), "lora_alpha": ("train.lora.alpha", ""),
+    "lora_dropout": ("train.lora.dropout", ""), "lora_target_modules": ("train.lora.targets", ""),
+    "target_modules": ("train.lora.targets", ""),
+}
+
+
+def _did_you_mean(full: str) -> str:
+    """The hint for an unknown key, first found of: twinplane's key with the same last part in a similar section; a
+    near-typo in the same section; what a bare or another trainer's name means here; a close key anywhere."""
+    keys = _all_keys(Config)
+    section, _, leaf = full.rpartition(".")
+
+    def near(key: str) -> float:  # how close a key's section is to the one written
+        return difflib.SequenceMatcher(None, section, key.rpartition(".")[0]).ratio()
+
+    same = sorted((k for k in keys if k.rpartition(".")[2] == leaf), key=near, reverse=True)
+    alias, note = ALIASES.get(leaf, (None, ""))
+    typo = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section],
+                                     n=1, cutoff=0.8)
+    if same and (near(same[0]) >= 0.6 or alias is None):
+        hint = same[0]
+    elif typo:
+        hint = f"{section}.{typo[0]}" if section else typo[0]
+    elif alias is not None:
+        return f" (did you mean {alias}?{' ' + note if note else ''})"
+    else:
+        close = difflib.get_close_matches(full, keys, n=1, cutoff=0.6)
+        hint = close[0] if close else ""
+    return f" (did you mean {hint}?)" if hint else ""
+
+
 def _build(cls, data: dict, prefix: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
@@ -499,9 +567,10 @@ def _build(cls, data: dict, prefix: str = ""):
     for key, value in data.items():
         full, key = prefix + str(key), _attr(str(key))
         if key not in hints:
-            close = difflib.get_close_matches(full, _all_keys(Config), n=1, cutoff=0.5)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"unknown key {full}{hint}")
+            while isinstance(value, dict) and value:  # an unknown section: name the key as written (trian.steps)
+                sub, value = next(iter(value.items()))
+                full += f".{sub}"
+            raise ConfigError(f"unknown key {full}{_did_you_mean(full)}")
         t = hints[key]
         kwargs[key] = _build(t, value, full + ".") if dataclasses.is_dataclass(t) else _coerce(value, t, full)
     return cls(**kwargs)
