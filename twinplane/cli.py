@@ -15,7 +15,6 @@ import traceback
 from pathlib import Path
 
 from twinplane import __version__
-from twinplane.config import ConfigError, config_help, load_config
 from twinplane.errors import EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PREEMPTED, InputError, Preempted
 from twinplane.run.signals import StopRequests
 
@@ -87,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    from twinplane.config import config_help  # (imports torch: after the signal handlers, see `main`)
+
     parser = argparse.ArgumentParser(prog="twinplane", description=DESCRIPTION, epilog=EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"twinplane {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -130,13 +131,19 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
 
 
 def _main(argv: list[str], stop: StopRequests) -> int:
+    from twinplane.config import ConfigError, load_config
+
     parser, _ = _parser()
     if argv[:1] == ["supervise"] or (argv and argv[0] in TOOLS):
         # These own their argument parsing (supervise's options precede `--`, which sub-parsers can't express).
         import importlib
 
         return importlib.import_module(f"twinplane.tools.{argv[0]}").main(argv[1:])
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra and ns.command in ("train", "eval") and not any(a.startswith("-") for a in extra):
+        ns.args += extra  # key=value after an option (argparse takes one run of positionals: CONFIG --run-dir R k=v)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command is None:
         parser.print_help()
         return 0
@@ -149,8 +156,9 @@ def _main(argv: list[str], stop: StopRequests) -> int:
 
         child = [a for i, a in enumerate(argv) if not a.startswith("--max-restarts")
                  and not (i > 0 and argv[i - 1] == "--max-restarts")]
-        stop.restore()  # the supervisor forwards signals to the child
-        return supervise([sys.executable, "-m", "twinplane.cli", *child], ns.max_restarts)
+        stop.restore()  # the supervisor forwards signals to the child; one received until now is handed over
+        return supervise([sys.executable, "-m", "twinplane.cli", *child], ns.max_restarts,
+                         received=(stop.signum,) if stop.requested else ())
     args = list(ns.args)
     path = None
     if ns.command == "train":

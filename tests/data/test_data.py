@@ -329,7 +329,8 @@ def test_template_raise_exception_becomes_one_line_error(tmp_path):
 def test_chat_mode_without_template_and_bad_templates(tmp_path):
     folder = make_tokenizer_dir(tmp_path / "tok", CHATML, "<s>", "</s>")
     (folder / "chat_template.jinja").unlink()
-    with pytest.raises(DataError, match="no chat template was found .* use mode=plain"):
+    missing = f"^{folder.absolute()}: no chat template was found .*: use data.template=plain"
+    with pytest.raises(DataError, match=missing):
         PromptFormatter.from_model_dir(folder)
     assert PromptFormatter.from_model_dir(folder, mode="plain").format(RECORDS[0]) == "What is 2 + 3?"
     with pytest.raises(DataError, match="chat template syntax error at template line 1"):
@@ -349,7 +350,12 @@ def test_plain_template_fields():
     for sneaky in ("{prompt.__class__}", "{prompt[0]}", "{}"):
         with pytest.raises(DataError, match="plain_template field"):
             PromptFormatter("plain", plain_template=sneaky)
-    with pytest.raises(DataError, match="mode=plain needs string prompts"):
+    for sneaky, what in (("{prompt:>99999999999}", "format spec"), ("{prompt:.2}", "format spec"),
+                         ("{prompt:{system}}", "format spec"), ("{prompt!r}", "conversion"),
+                         ("{prompt!s:>3}", "conversion")):  # checked by parsing: the width is never allocated
+        with pytest.raises(DataError, match=f"plain_template field .* has a {what}: fields are substituted as"):
+            PromptFormatter("plain", plain_template=sneaky)
+    with pytest.raises(DataError, match="data.template=plain needs string prompts"):
         f.format(RECORDS[2])
 
 

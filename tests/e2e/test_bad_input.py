@@ -132,6 +132,38 @@ def _truncate(rel: str) -> Callable[[Path], None]:
     return lambda d: (d / rel).write_bytes((d / rel).read_bytes()[:200])
 
 
+def _ran(marker: str) -> None:
+    """What a malicious pickle would call on loading: leaves a marker, so a test sees whether it ran."""
+    Path(marker).touch()
+
+
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return _ran, (self.marker,)
+
+
+def _write_code_pickle(rel: str) -> Callable[[Path], None]:
+    """A torch.save file whose unpickling would call `_ran` (what `weights_only=True` must refuse)."""
+    def edit(d: Path) -> None:
+        import torch
+
+        torch.save({"state": _RunsCode(str(d.parent.parent.parent / "code_ran"))}, d / rel)
+    return edit
+
+
+def _zip_bytes() -> bytes:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("notes.txt", "not tensors")
+    return buf.getvalue()
+
+
 def _shrink_vocab(d: Path) -> None:
     """The folder's model (consistent weights and config) with 6 fewer embedding rows than its tokenizer's ids."""
     import dataclasses
@@ -145,6 +177,9 @@ def _shrink_vocab(d: Path) -> None:
 CASES = [
     # ---- config: types, ranges, choices, keys that depend on each other, sizes that cannot fit ----
     Case("config/unknown key", T("train.lrr=1"), "unknown key train.lrr (did you mean train.lr?)"),
+    Case("config/unknown key, another trainer's name", T("train.learning_rate=1e-5"),
+         "unknown key train.learning_rate (did you mean train.lr?)"),
+    Case("config/unknown section", T("trian.steps=3"), "unknown key trian.steps (did you mean train.steps?)"),
     Case("config/wrong type", T("train.steps=abc"), "train.steps: expected an integer"),
     Case("config/not key=value", T("=5"), "is not key=value"),
     Case("config/missing file", lambda fx: ["train", "no_such.yaml"], "config file no_such.yaml not found"),
@@ -154,6 +189,10 @@ CASES = [
     Case("config/YAML not a mapping", lambda fx: ["train", fx.file("list.yaml", "- 1\n- 2\n")],
          "expected a mapping of sections"),
     Case("config/section not a mapping", T("train=3"), "train: expected a mapping"),
+    Case("config/unset variable in a path", lambda fx: ["train", fx.file("v.yaml", "data:\n  train_file: "
+                                                                        "${TWINPLANE_UNSET_XYZ}/t.jsonl\n")],
+         "data.train_file: ${TWINPLANE_UNSET_XYZ}/t.jsonl uses ${TWINPLANE_UNSET_XYZ}, which is not set in the "
+         "environment"),
     Case("config/warmstart.batch_size=0", T("warmstart.batch_size=0"), "warmstart.batch_size: must be >= 1"),
     Case("config/warmstart.lr=-1", T("warmstart.lr=-1"), "warmstart.lr: must be > 0"),
     Case("config/rollout.top_k=-1", T("rollout.top_k=-1"), "rollout.top_k: must be >= 0"),
@@ -179,7 +218,25 @@ CASES = [
     Case("config/seed=-1", T("seed=-1"), "seed: must be in [0, 2**32)"),
     Case("config/checkpoint.keep=0", T("checkpoint.keep=0"), "checkpoint.keep: must be >= 1"),
     Case("config/log.backends", T("log.backends=[console,splunk]"), "log.backends: must name"),
-    Case("config/plain_template", T("data.plain_template={question}"), "data.plain_template: must be a str.format"),
+    Case("config/plain_template unknown field", T("data.plain_template={question}"),
+         "data.plain_template: field {question} is not one of {prompt}, {raw_prompt}, {suffix}, {system}"),
+    Case("config/plain_template format width", T("data.plain_template={prompt:>99999999999}"),
+         "data.plain_template: field {prompt:>99999999999} has a format spec: fields are substituted as they are, "
+         "write {prompt}"),
+    Case("config/plain_template precision", T("data.plain_template=Q: {prompt:.3}"),
+         "data.plain_template: field {prompt:.3} has a format spec"),
+    Case("config/plain_template nested field", T("data.plain_template={prompt:{system}}"),
+         "data.plain_template: field {prompt:{system}} has a format spec"),
+    Case("config/plain_template conversion", T("data.plain_template={prompt!r}"),
+         "data.plain_template: field {prompt!r} has a conversion"),
+    Case("config/plain_template index", T("data.plain_template={prompt[0]}"),
+         "data.plain_template: field {prompt[0]} is not one of"),
+    Case("config/plain_template attribute", T("data.plain_template={prompt.__class__}"),
+         "data.plain_template: field {prompt.__class__} is not one of"),
+    Case("config/plain_template unbalanced", T("data.plain_template={prompt"),
+         "data.plain_template: is not a str.format template (expected '}' before end of string)"),
+    Case("config/plain_template without prompt", T("data.plain_template={system}"),
+         "data.plain_template: has no {prompt} field"),
     Case("config/heldout too big", T("task.digits=1", "task.heldout_size=100"), "task.heldout_size: must leave"),
     Case("config/step_timeout_s=-1", T("reward.step_timeout_s=-1"), "reward.step_timeout_s: must be >= 0"),
     Case("config/format_weight=nan", T("reward.format_weight=.nan"), "reward.format_weight: must be a finite number"),
@@ -276,7 +333,16 @@ CASES = [
     Case("checkpoint/state.json missing keys", TC(_write("state.json", '{"step": 2}')), "wrong shape"),
     Case("checkpoint/rng file garbage", TC(_write("rng.safetensors", b"\x00" * 64)), "wrong shape"),
     Case("checkpoint/config.yaml garbage", TC(_write("config.yaml", "- [")), "config.yaml: not a readable config"),
-    Case("checkpoint/optimizer state wrong", TC(_write("optimizer.pt", b"not a torch file")), "wrong shape"),
+    Case("checkpoint/optimizer not a torch file", TC(_write("optimizer.pt", b"not a torch file")),
+         "optimizer.pt: not a file written by torch.save (unknown format)"),
+    Case("checkpoint/optimizer pickles code", TC(_write_code_pickle("optimizer.pt")),
+         "optimizer.pt: not loadable as weights only: it pickles "),
+    Case("checkpoint/optimizer truncated, checksum right", TC(_truncate("optimizer.pt")),
+         "optimizer.pt: truncated (not a complete torch.save archive)"),
+    Case("checkpoint/optimizer a zip torch did not write", TC(_write("optimizer.pt", _zip_bytes())),
+         "optimizer.pt: not a readable torch.save archive (file in archive is not in a subdirectory"),
+    Case("checkpoint/optimizer legacy .tar file", TC(_write("optimizer.pt", bytes(1024))),
+         "optimizer.pt: a legacy .tar torch.save file, which cannot be loaded as weights only"),
     Case("checkpoint/config changed on resume", TC(None, "algo.kl_coef=0.5"), "algo.kl_coef cannot change"),
     # ---- command line ----
     Case("cli/run dir holds a run", lambda fx: ["train", "--run-dir", str(fx.run), *TINY],
@@ -360,6 +426,7 @@ def test_bad_input(case: Case, fx: Fx, capsys):
     assert code == case.code, err
     errors = [line for line in err.splitlines() if line.startswith("twinplane: error:")]
     assert len(errors) == 1 and case.expect in errors[0], err
+    assert not (fx.tmp / "code_ran").exists(), "a checkpoint's pickled code ran"
 
 
 def test_good_inputs_still_work(finished_run, tmp_path, capsys):

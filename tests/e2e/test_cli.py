@@ -64,12 +64,22 @@ def test_seeded_run_is_bitwise_reproducible(tmp_path):
     (["algo.kl_estimator=k9"], "algo.kl_estimator: must be one of k1, k2, k3, abs"),
     (["no_such.cfg.yaml"], "config file no_such.cfg.yaml not found"),
     (["train.lr"], "train.lr"),
+    (["data.plain_template={prompt:>99999999999}"],  # checked by parsing: rendering would exhaust memory
+     "data.plain_template: field {prompt:>99999999999} has a format spec"),
 ])
 def test_bad_config_is_one_line_exit_2(args, message):
     out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", *args], capture_output=True, text=True)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
+def test_overrides_after_an_option(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("train:\n  steps: 3\n")
+    assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "r"), "train.steps=abc"]) == 2
+    assert "train.steps: expected an integer, got 'abc'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "r"), "--no-such-option"])
 
 
 def test_yaml_config_file(tmp_path):
@@ -81,6 +91,44 @@ def test_yaml_config_file(tmp_path):
     (tmp_path / "bad.yaml").write_text("train:\n  lr: [1\n")
     with pytest.raises(ValueError, match="invalid YAML"):
         load_config(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("train.learning_rate=1e-5", "train.lr"),  # not train.mini_batches, the closest string
+    ("trian.steps=5", "train.steps"),  # the same last part, in the section closest to the one written
+    ("warmstrat.steps=5", "warmstart.steps"),
+    ("steps=5", "train.steps"),
+    ("train.lrr=1", "train.lr"),
+    ("train.beta=0.5", "train.betas"),  # a typo in the right section beats TRL's beta
+    ("seedd=1", "seed"),
+    ("critic.optim.lr=1e-5", "critic.lr"),  # verl's path, twinplane's key
+    ("actor_rollout_ref.actor.optim.lr=1e-6", "train.lr"),
+    ("per_device_train_batch_size=8", "train.micro_batch_size"),
+    ("num_generations=8", "rollout.n"),
+    ("max_completion_length=256", "rollout.max_new_tokens"),
+    ("max_prompt_length=512", "data.max_prompt_tokens"),
+    ("beta=0.04", "algo.kl_coef"),
+    ("epsilon=0.2", "algo.clip_low"),
+    ("kl_coef=0.001", "algo.kl_coef"),
+    ("clip_ratio=0.2", "algo.clip_low"),
+    ("temperature=0.7", "rollout.temperature"),
+    ("num_train_epochs=1", "train.steps"),
+    ("gradient_accumulation_steps=4", "train.micro_batch_size"),
+    ("data.max_prompt_length=512", "data.max_prompt_tokens"),
+])
+def test_did_you_mean(override, hint):
+    from twinplane.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    key = override.split("=")[0]
+    assert str(e.value).startswith(f"unknown key {key} (did you mean {hint}?")
+
+
+def test_every_alias_names_a_key():
+    from twinplane.config import ALIASES, Config, _all_keys
+
+    assert {key for key, _ in ALIASES.values()} <= set(_all_keys(Config))
 
 
 def test_every_number_setting_refuses_inf_and_nan():

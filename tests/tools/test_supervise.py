@@ -1,5 +1,6 @@
 """The restart loop against small fake training programs that record each launch's argv in a state file."""
 
+import contextlib
 import json
 import os
 import signal
@@ -128,20 +129,48 @@ def test_main_rejects_missing_command():
     assert e.value.code == 2
 
 
-def start_supervisor(tmp_path, linger: bool, backoff: float = 0.0):
-    """The supervisor in its own process (run as a file, so the test does not pay for importing torch)."""
+@contextlib.contextmanager
+def sigint_for_children(handler):
+    """Children started inside see SIGINT as `handler` leaves it: a handler becomes the default on exec (a shell's
+    foreground job), SIG_IGN is inherited (a job started with `&` in a script)."""
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def start_supervisor(tmp_path, linger: bool, backoff: float = 0.0, ready: bool = True,
+                     sigint=signal.default_int_handler):
+    """The supervisor in its own process (`twinplane.tools.supervise` imports no torch: it starts in milliseconds)."""
     script = tmp_path / "trap.py"
     script.write_text(TRAPPING)
     state, marker = tmp_path / "launches.json", tmp_path / "checkpoint.marker"
-    cmd = [sys.executable, sv.__file__, "--max-restarts", "3", "--backoff", str(backoff), "--",
-           sys.executable, str(script), str(state), str(marker), "linger" if linger else "exit"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    ready = Path(f"{state}.ready")
+    # As a module and without `site`: before any code of the supervisor runs, CPython swallows a SIGINT that
+    # interrupts site's .pth files or a script's import-path check (see the module's docstring).
+    cmd = [sys.executable, "-S", "-m", "twinplane.tools.supervise", "--max-restarts", "3", "--backoff", str(backoff),
+           "--", sys.executable, str(script), str(state), str(marker), "linger" if linger else "exit"]
+    env = dict(os.environ, PYTHONPATH=str(Path(sv.__file__).parents[2]))
+    with sigint_for_children(sigint):
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    ready_file = Path(f"{state}.ready")
     deadline = time.monotonic() + 10
-    while not ready.exists():
+    while ready and not ready_file.exists():
         assert time.monotonic() < deadline and proc.poll() is None, "child never became ready"
         time.sleep(0.02)
     return proc, state, marker
+
+
+def running(tag: str) -> list[int]:
+    """Live processes whose command line mentions `tag` (a test's own folder); zombies have none."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and tag.encode() in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -149,7 +178,7 @@ def test_stop_signal_is_forwarded_and_not_restarted(tmp_path, sig):
     proc, state, marker = start_supervisor(tmp_path, linger=False)
     proc.send_signal(sig)
     assert proc.wait(timeout=10) == 75
-    assert marker.read_text() == sig.name  # the child got the signal once, and wrote its checkpoint
+    assert marker.read_text() == "SIGTERM"  # the child got the stop once, as SIGTERM, and wrote its checkpoint
     assert len(json.loads(state.read_text())) == 1
     assert "not restarting" in proc.stderr.read()
 
@@ -175,3 +204,62 @@ def test_signal_during_backoff_stops_without_waiting(tmp_path):
     assert proc.wait(timeout=10) == 75
     assert time.monotonic() - started < 5
     assert len(json.loads(state.read_text())) == 1
+
+
+def test_stop_signal_is_acted_on_when_inherited_as_ignored(tmp_path):
+    """A script's `&` job starts with SIGINT ignored; `kill -INT` still stops it (checkpoint, exit 75)."""
+    proc, state, marker = start_supervisor(tmp_path, linger=False, sigint=signal.SIG_IGN)
+    try:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 75
+    finally:
+        for pid in running(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+    assert marker.read_text() == "SIGTERM"
+
+
+def test_signal_received_before_the_supervisor_starts_nothing(planned):
+    cmd, state = planned("0")
+    code, sleeps, logs = run(cmd, 3, received=(signal.SIGTERM,))
+    assert (code, sleeps, state.exists()) == (128 + signal.SIGTERM, [], False)
+    assert logs == ["supervise: received SIGTERM before starting; not starting"]
+
+
+# Seconds after the supervisor's process starts; None: once its child has its handlers. The first moments fall in
+# the interpreter's start-up, then come argument parsing, the child's launch and the child's own start-up.
+MOMENTS = [0.0, 0.002, 0.005, 0.01, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.13, 0.17, 0.22, 0.3, 0.4, None]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stop_signal_at_any_moment_ends_supervisor_and_child(tmp_path, sig):
+    """Never lost: whenever it comes, the supervisor and its child both end, with the documented code: 75 once the
+    child's handlers ran (it checkpointed), 143 if the child died of the forwarded SIGTERM while starting up,
+    else 128+N: nothing had started (1 from CPython itself for a SIGINT while it initialises). No restart."""
+    outcomes = []
+    for i, moment in enumerate(MOMENTS):
+        trial = tmp_path / f"at{i}"
+        trial.mkdir()
+        proc, state, marker = start_supervisor(trial, linger=False, ready=moment is None)
+        time.sleep(moment or 0)
+        proc.send_signal(sig)
+        try:
+            _, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            err = "(still running after 10 s)"
+        left = running(str(trial))
+        for pid in left:  # (a failure must not leave the job running)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if left:
+            err += proc.communicate()[1]
+        assert not left, f"at {moment}s: the stop was lost (processes {left} left running)\n{err}"
+        code = sv.exit_code(proc.returncode)
+        checkpointed, forwarded = marker.exists(), "asking the child to stop (SIGTERM)" in err
+        starting = sig == signal.SIGINT and any(  # CPython's own initialisation ends with 1
+            m in err for m in ("Fatal Python error: init_", "Could not import runpy module"))
+        expected = 75 if checkpointed else 128 + signal.SIGTERM if forwarded else 1 if starting else 128 + sig
+        assert code == expected, f"at {moment}s: exit {code}\n{err}"
+        assert not checkpointed or marker.read_text() == "SIGTERM"
+        assert "restarting with" not in err, f"at {moment}s: restarted after a stop\n{err}"
+        outcomes.append((checkpointed, forwarded))
+    assert outcomes[0] == (False, False) and outcomes[-1][0]  # the sweep spans start-up to a running child

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from conftest import make_batch, spawn, tiny_model
+from conftest import make_batch, spawn, tiny_model, tiny_moe
 
 import twinplane.train.trainer as trainer_module
 from twinplane.config import AlgoSection, TrainSection
@@ -56,6 +56,22 @@ def test_activation_checkpointing_same_grads(checkpoint_calls):
         ((lp * batch.advantages).sum() + ent.sum()).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert len(checkpoint_calls) == model.config.num_layers  # only the run with it on, once per block
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=0, msg=n)
+
+
+def test_activation_checkpointing_moe_first_forward_same_grads(monkeypatch):
+    """The experts' one-time kernel probe first runs inside a checkpointed block; the recompute must match it."""
+    from twinplane.platform import platform
+
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for on in (False, True):
+        monkeypatch.setattr(platform, "_GROUPED_MM", {})  # as in a fresh process: the probe runs again
+        model = tiny_moe().train()
+        model.activation_checkpointing = on
+        model(ids).float().logsumexp(-1).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=0, msg=n)
 

@@ -242,8 +242,11 @@ def grouped_mm_ok(device: torch.device, dtype: torch.dtype, expert_shape: tuple[
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+    # The first probe often runs inside an activation-checkpointed forward: identity hooks keep what it saves out
+    # of that region, whose recompute (the answer cached by then) must save exactly what the forward saved.
     try:
-        with torch.enable_grad() if grad else torch.no_grad():
+        with torch.enable_grad() if grad else torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t):
             x = torch.ones(24, 16, device=device, dtype=dtype, requires_grad=grad)
             w = torch.ones(2, 32, 16, device=device, dtype=dtype, requires_grad=grad)
             y = torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([8, 24], device=device, dtype=torch.int32))

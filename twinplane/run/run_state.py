@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import random
+import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +42,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(immutable keys that differ, mutable keys that differ), each as 'key: old -> new'. A key the saved config
     lacks (added to twinplane since) counts as its default."""
-    from twinplane.config import Config
+    from twinplane.config import PATH_KEYS, Config
 
     a, b = _flatten(Config().to_dict()) | _flatten(saved), _flatten(current)
+    for key in PATH_KEYS:  # a config saved with relative input paths read them from the current directory
+        if isinstance(a.get(key), str):
+            a[key] = os.path.abspath(a[key])
     bad, ok = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -142,8 +149,32 @@ def _restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, 
     engines = sorted((k for k in tensors if k.startswith("engine_")), key=lambda k: int(k.split("_")[1]))
     state["engine_rng"] = [tensors.pop(k) for k in engines]
     _set_rng_state(tensors, state["rng"])
-    state["optimizer"] = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    state["optimizer"] = load_tensors(ckpt / "optimizer.pt")
     if (ckpt / "critic.safetensors").exists():
         state["critic"] = {"weights": load_file(ckpt / "critic.safetensors"),
-                           "optimizer": torch.load(ckpt / "critic_optimizer.pt", map_location="cpu", weights_only=True)}
+                           "optimizer": load_tensors(ckpt / "critic_optimizer.pt")}
     return state
+
+
+def load_tensors(path: Path):
+    """`torch.load(weights_only=True)`: tensors, numbers and containers only. Its refusals, which torch words in
+    several paragraphs, become one line naming the file (CheckpointError)."""
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the refusal below says enough
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        text = " ".join(re.sub(r"\[enforce fail at [^]]*\][ .]*", "", str(e)).split())
+        blocked = re.search(r"GLOBAL ([\w.]+)", text)
+        if blocked:
+            why = (f"not loadable as weights only: it pickles {blocked[1].rstrip('.')}, which unpickling would call "
+                   "(refused: a checkpoint holds only tensors and numbers)")
+        elif "legacy .tar format" in text:
+            why = "a legacy .tar torch.save file, which cannot be loaded as weights only"
+        elif isinstance(e, EOFError) or "central directory" in text:
+            why = "truncated (not a complete torch.save archive)"
+        elif isinstance(e, pickle.UnpicklingError):
+            why = "not a file written by torch.save (unknown format)"
+        else:
+            why = f"not a readable torch.save archive ({text[:120]})"
+        raise CheckpointError(f"{path}: {why}") from None

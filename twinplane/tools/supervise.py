@@ -16,13 +16,23 @@ Restarts wait `backoff_s`, then twice that, four times, ... capped at `max_backo
 (a bad node, a full disk) does not spin; a child that ran at least `healthy_after_s` resets the wait, since its
 failure is a fresh event, not the same fault repeating. `max_restarts` counts all restarts of the job.
 
-Stopping the job: SIGTERM or SIGINT (and SIGHUP, as SIGTERM, unless ignored as under nohup) sent to the
-supervisor is forwarded to the child, which writes its emergency checkpoint; the supervisor then returns the
+Stopping the job: SIGTERM or SIGINT (and SIGHUP, unless ignored as under nohup) sent to the supervisor is
+forwarded to the child as SIGTERM, on which it writes its emergency checkpoint; the supervisor then returns the
 child's code without restarting, because the whole job is being stopped. A second signal is forwarded again, and
 the child then exits at once. The child runs in its own session so that Ctrl-C on a terminal reaches it once,
 through the supervisor, rather than twice (directly and forwarded), which it would take for "exit at once".
 Launchers that signal every process of the job themselves (systemd, Slurm) still deliver twice; the child should
 treat signals arriving within about a second of each other as one request.
+
+A stop is never lost, whenever it comes. SIGTERM and SIGINT are handled even when inherited as ignored (as
+`twinplane train` handles them), so `kill -INT` stops a job started with `&` in a script. It is forwarded as
+SIGTERM because a child still starting up cannot lose that one: CPython sets no handler for it, so the child dies
+of it (the supervisor returns 143), whereas a SIGINT in an interpreter's first milliseconds can end it with 1
+("Fatal Python error" while it initialises) or be swallowed (CPython catches what interrupts site's .pth files or
+a script's import-path check). Once the child's handlers are in place, its code is returned (75 from `twinplane
+train`). A stop that arrives before any child runs ends the supervisor with 128+N, nothing started and nothing to
+save, except in the supervisor's own first milliseconds, before any of its code runs, where CPython behaves as
+just said.
 """
 
 from __future__ import annotations
@@ -103,7 +113,7 @@ class _StopRequests:
     def __enter__(self) -> _StopRequests:
         if threading.current_thread() is threading.main_thread():  # Python only lets the main thread set handlers
             for sig in STOP_SIGNALS:
-                if signal.getsignal(sig) is not signal.SIG_IGN:  # respect nohup and `&` in scripts
+                if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # respect nohup
                     self._previous[sig] = signal.signal(sig, self)
         return self
 
@@ -123,14 +133,15 @@ class _StopRequests:
 
     def wait(self, proc: subprocess.Popen, log: Callable[[str], object]) -> int:
         """Wait for the child, forwarding every stop signal received since it was launched (one that arrived
-        while it was being launched included). SIGHUP goes on as SIGTERM: the child checkpoints on SIGTERM."""
+        while it was being launched included) as SIGTERM: the child checkpoints on it, and cannot lose it."""
         forwarded = 0
         while True:
-            pending, forwarded = self.received[forwarded:], len(self.received)
+            pending = self.received[forwarded:]  # (counted from this copy: one arriving meanwhile waits its turn)
+            forwarded += len(pending)
             for sig in pending:
-                log(f"supervise: received {signal.Signals(sig).name}; forwarding to the child and waiting for it "
-                    "to exit (a second signal stops it at once)")
-                proc.send_signal(signal.SIGTERM if sig == signal.SIGHUP else sig)
+                log(f"supervise: received {signal.Signals(sig).name}; asking the child to stop (SIGTERM) and "
+                    "waiting for it to exit (a second signal stops it at once)")
+                proc.send_signal(signal.SIGTERM)
             try:
                 return proc.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:
@@ -139,14 +150,18 @@ class _StopRequests:
 
 def supervise(cmd: list[str], max_restarts: int, backoff_s: float = 5.0, max_backoff_s: float = 300.0,
               healthy_after_s: float = 600.0, sleep: Callable[[float], object] = time.sleep,
-              log: Callable[[str], object] = _log) -> int:
+              log: Callable[[str], object] = _log, received: tuple[int, ...] = ()) -> int:
     """Run `cmd` (stdio inherited) until it finishes, exits 2, or fails after `max_restarts` restarts; returns
     the exit code to report (see the module docstring for the contract). `sleep` and `log` are injectable so
-    tests check the backoff without waiting."""
+    tests check the backoff without waiting; `received`: stop signals that arrived before this was called."""
     if max_restarts < 0 or backoff_s < 0 or max_backoff_s < 0:
         raise ValueError("max_restarts, backoff_s and max_backoff_s must be >= 0")
     runs, run, quick_failures, argv = max_restarts + 1, 0, 0, list(cmd)
     with _StopRequests() as stops:
+        stops.received[:0] = received
+        if stops.received:  # before anything started: nothing to forward it to or save
+            log(f"supervise: received {signal.Signals(stops.received[0]).name} before starting; not starting")
+            return 128 + stops.received[0]
         while True:
             run += 1
             started = time.monotonic()
@@ -179,7 +194,13 @@ def supervise(cmd: list[str], max_restarts: int, backoff_s: float = 5.0, max_bac
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:  # a Ctrl-C before the handlers are in place: no child started, nothing to save
+        return 128 + signal.SIGINT
+
+
+def _main(argv: list[str]) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(
         prog="python -m twinplane.tools.supervise", usage="%(prog)s [options] -- COMMAND ...",
