@@ -12,6 +12,7 @@ import keyword
 import math
 import os
 import re
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,9 +21,31 @@ from pathlib import Path
 import yaml
 
 from twinplane.algos import AGG_MODES, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
-from twinplane.data.formatting import plain_template_problem
 from twinplane.errors import InputError
 from twinplane.model.lora import TARGETS as LORA_TARGETS
+
+PLAIN_FIELDS = ("prompt", "raw_prompt", "suffix", "system")  # data.plain_template's fields
+
+
+def plain_template_problem(template: str) -> str | None:
+    """What is wrong with a plain template, or None. Found by parsing, never by rendering: a width such as
+    `{prompt:>99999999999}` would allocate that many characters. Fields are substituted as they are: no
+    positional `{}`, no `{prompt.attr}` or `{prompt[0]}` access, no conversions or format specs."""
+    try:
+        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        return f"is not a str.format template ({e})"
+    for name, conv, spec in fields:
+        if name not in PLAIN_FIELDS:
+            return (f"field {{{name}}} is not one of {', '.join('{' + f + '}' for f in PLAIN_FIELDS)} "
+                    "(use {{ }} for literal braces)")
+        if conv or spec:
+            written = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            return (f"field {written} has a {'conversion' if conv else 'format spec'}: fields are substituted as "
+                    f"they are, write {{{name}}}")
+    if not any(name in ("prompt", "raw_prompt") for name, _, _ in fields):
+        return "has no {prompt} field (the record's prompt would be left out)"
+    return None
 
 
 class ConfigError(InputError):

@@ -11,15 +11,14 @@ Nothing is ever `eval`ed: templates run in Jinja's sandbox, and plain templates 
 from __future__ import annotations
 
 import json
-import string
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
+from twinplane.config import plain_template_problem
 from twinplane.data.records import DataError, Record
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-PLAIN_FIELDS = ("prompt", "raw_prompt", "suffix", "system")
 
 
 def _token_text(tok) -> str | None:
@@ -62,27 +61,6 @@ def _compile_chat_template(source: str):
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise DataError(f"chat template syntax error at template line {e.lineno}: {e.message}") from None
-
-
-def plain_template_problem(template: str) -> str | None:
-    """What is wrong with a plain template, or None. Found by parsing, never by rendering: a width such as
-    `{prompt:>99999999999}` would allocate that many characters. Fields are substituted as they are: no
-    positional `{}`, no `{prompt.attr}` or `{prompt[0]}` access, no conversions or format specs."""
-    try:
-        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
-    except ValueError as e:
-        return f"is not a str.format template ({e})"
-    for name, conv, spec in fields:
-        if name not in PLAIN_FIELDS:
-            return (f"field {{{name}}} is not one of {', '.join('{' + f + '}' for f in PLAIN_FIELDS)} "
-                    "(use {{ }} for literal braces)")
-        if conv or spec:
-            written = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
-            return (f"field {written} has a {'conversion' if conv else 'format spec'}: fields are substituted as "
-                    f"they are, write {{{name}}}")
-    if not any(name in ("prompt", "raw_prompt") for name, _, _ in fields):
-        return "has no {prompt} field (the record's prompt would be left out)"
-    return None
 
 
 class PromptFormatter:
