@@ -41,8 +41,8 @@ def bench_sync(hidden: int, layers: int, repeats: int, bucket_mb: int) -> None:
 
     from twinplane.cluster.ray_planes import RayPlanes
     from twinplane.config import load_config
+    from twinplane.data.tasks import ALPHABET
     from twinplane.model import ModelConfig, Transformer
-    from twinplane.tasks import ALPHABET
     from twinplane.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(ALPHABET)

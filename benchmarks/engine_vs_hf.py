@@ -1,6 +1,6 @@
 """Rollout engine vs Hugging Face `generate` on RL-shaped sampling, same weights.
 
-The work (issue 10): a random Qwen2-shaped model (6 layers x 512 hidden, GQA 8/2 heads of 64, ffn 1536, vocab
+The work: a random Qwen2-shaped model (6 layers x 512 hidden, GQA 8/2 heads of 64, ffn 1536, vocab
 4096, fp32), 16 prompts (random ids, 16-128 tokens) x 8 samples, temperature 1, no top-k/top-p, 64 of the 4096
 ids as stop tokens (so with near-uniform random logits, lengths are geometric with mean ~64) and at most 256 new
 tokens. HF gets the 16 prompts left-padded with `num_return_sequences=8`; twinplane gets them as requests with n=8.
@@ -10,7 +10,7 @@ Reported: median over `--runs` of generated tokens/s (stop tokens included) for 
 for it (128 rows x (longest prompt + 256) tokens): it checks that the greedy outputs and the seeded samples equal
 an unconstrained run's, and reports the preemptions.
 
-`--preset qwen2.5-0.5b` is the GPU work of issue 10: a Qwen2.5-0.5B-shaped model (24 layers x 896 hidden, GQA
+`--preset qwen2.5-0.5b` is the GPU work: a Qwen2.5-0.5B-shaped model (24 layers x 896 hidden, GQA
 14/2, ffn 4864, vocab 151936, tied embeddings, q/k/v biases; random weights, bf16), 64 prompts of 256 tokens x 8
 samples, up to 1024 new tokens, 1/256 of the vocabulary as stop tokens (geometric lengths, mean ~256, ~2% reach
 the cap). twinplane runs with decode graphs on and off (same seeds), and each decode-only engine step is timed
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import twinplane  # noqa: E402
-from twinplane import platform  # noqa: E402
+from twinplane.platform import platform  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from twinplane.rollout.scheduler import Scheduler  # noqa: E402
 

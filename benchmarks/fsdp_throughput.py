@@ -32,10 +32,10 @@ SHAPES = {  # Qwen2-0.5B's published config.json shape; tiny for CPU smoke runs
 
 
 def worker(rank: int, a: argparse.Namespace, rdzv: str) -> None:
-    from twinplane import platform
     from twinplane.config import AlgoSection, TrainSection
-    from twinplane.flops import train_flops_per_token
     from twinplane.model import ModelConfig, Transformer
+    from twinplane.model.flops import train_flops_per_token
+    from twinplane.platform import platform
     from twinplane.train import Batch, Trainer
     from twinplane.train.fsdp import shard_model
 

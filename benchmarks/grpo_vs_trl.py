@@ -39,15 +39,15 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import twinplane  # noqa: E402
-from twinplane import platform  # noqa: E402
 from twinplane.config import AlgoSection, TrainSection  # noqa: E402
 from twinplane.controller import Controller  # noqa: E402
-from twinplane.platform import measure_cpu_flops  # noqa: E402
-from twinplane.prompts import Prompt  # noqa: E402
+from twinplane.data.prompts import Prompt  # noqa: E402
+from twinplane.data.tasks import ALPHABET, ArithmeticTask, PromptStream  # noqa: E402
+from twinplane.platform import platform  # noqa: E402
+from twinplane.platform.platform import measure_cpu_flops  # noqa: E402
 from twinplane.rewards import exact_int  # noqa: E402
 from twinplane.rewards.runner import RewardRunner  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from twinplane.tasks import ALPHABET, ArithmeticTask, PromptStream  # noqa: E402
 from twinplane.train import Reference, Trainer  # noqa: E402
 
 PHASES = ("rollout", "reward", "ref", "train", "other")

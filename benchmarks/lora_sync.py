@@ -18,11 +18,11 @@ import time
 
 import torch
 
+from twinplane.cluster.sync import sync_in_process
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
 from twinplane.model.lora import adapter_numel, apply_lora, merge_lora
 from twinplane.rollout import RolloutEngine
-from twinplane.sync import sync_in_process
 from twinplane.train import Batch, Trainer
 
 

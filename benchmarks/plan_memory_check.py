@@ -1,4 +1,4 @@
-"""Check `twinplane.plan`'s memory estimates against measured peaks on the CPU (fp32, no sharding).
+"""Check `twinplane.tools.plan`'s memory estimates against measured peaks on the CPU (fp32, no sharding).
 
 Each measurement runs in a fresh subprocess and reports the increase of the process's peak RSS
 (`ru_maxrss`) over its baseline after imports: building the model, then either two training steps (Adam state
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from twinplane.model import ModelConfig
-from twinplane.plan import CPU, Workload, rollout_memory, training_memory
+from twinplane.tools.plan import CPU, Workload, rollout_memory, training_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {

@@ -2,7 +2,7 @@
 per program) against the same programs run as bare `python -I` subprocesses, with the same parallelism,
 side by side in one invocation (alternating, so machine load hits both alike). Prints each run and the medians.
 
-    python benchmarks/sandbox_speed.py [--data ../shared/data/humaneval/HumanEval.jsonl.gz] [--runs 3]
+    python benchmarks/sandbox_speed.py [--data PATH/HumanEval.jsonl.gz] [--runs 3]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from twinplane.rewards.code import CodeScorer
 
-DEFAULT = Path(__file__).resolve().parents[2] / "shared/data/humaneval/HumanEval.jsonl.gz"
+DEFAULT = Path(os.environ.get("TWINPLANE_DATA", "data")) / "humaneval/HumanEval.jsonl.gz"  # (or --data)
 
 
 def bare(programs: list[str], workers: int, flags: tuple[str, ...] = ("-I",)) -> float:

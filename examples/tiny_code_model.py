@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from twinplane.model import ModelConfig, Transformer
-from twinplane.prepare import save_hf_folder
+from twinplane.run.prepare import save_hf_folder
 from twinplane.tokenizer import build_char_tokenizer
 
 

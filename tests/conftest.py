@@ -1,8 +1,69 @@
+"""What several test files build on: tiny models, a training batch, the engine's reference decode and cases,
+simulated GPUs, spawned ranks, and `twinplane train` runs on tiny settings (in this process, or on a Ray cluster).
+The `gpu` marker skips a test where torch sees no CUDA/HIP device."""
+
+import copy
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import device_only
 import pytest
 import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
-from twinplane.model import ModelConfig, Transformer, load_model, save_pretrained
+from twinplane.cli import main
+from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_model, save_pretrained
+from twinplane.platform import platform
+from twinplane.rollout.paged_attention import PagedKV, paged_attention
+from twinplane.train import Batch
+from twinplane.train.logprobs import response_logprobs
 
+# Collectives here, in the spawned multi-rank workers (they import this module by name) and in Ray's workers
+# (`ray_init`) refuse host tensors where NCCL/RCCL would.
+device_only.install()
+
+
+def ray_init(num_cpus: int) -> None:
+    """A local Ray cluster whose workers' collectives are device-only too."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(device_only)  # Ray's workers do not see tests/
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": device_only.install})
+
+
+def pytest_addoption(parser):
+    parser.addoption("--data-dir", help="folder holding the real datasets (gsm8k/, humaneval/); else $TWINPLANE_DATA. "
+                     "The tests on real data skip without either")
+
+
+def pytest_configure(config):
+    if config.getoption("--data-dir"):
+        os.environ["TWINPLANE_DATA"] = str(config.getoption("--data-dir"))
+
+
+def data_path(relative: str) -> Path:
+    """A file or folder of the real datasets, under --data-dir / $TWINPLANE_DATA (a path that does not exist
+    without them, so `.is_file()` decides whether a test runs)."""
+    root = os.environ.get("TWINPLANE_DATA")
+    return Path(root).resolve() / relative if root else Path("/nonexistent/TWINPLANE_DATA") / relative
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (CUDA or ROCm)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# --- tiny models -----------------------------------------------------------------------------------------------------
 
 def tiny_model(seed: int = 0, **over) -> Transformer:
     cfg = dict(vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -44,3 +105,193 @@ def saved_and_reloaded(src, tmp_path, max_shard_bytes: int):
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     return ours, back, load_model(tmp_path / "out")
+
+
+QWEN25_7B = {  # published Qwen/Qwen2.5-7B config.json shape
+    "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+}
+
+
+# --- the training plane ----------------------------------------------------------------------------------------------
+
+def make_batch(model, seed=0, n=6, tool_masks=False):
+    """Random prompts and responses; `tool_masks`: responses are longer and have a middle stretch excluded from
+    the loss (a multi-turn tool output the model attends to but is not trained on)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 50, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    hi = 12 if tool_masks else 6
+    responses = [torch.randint(4, 50, (int(torch.randint(1, hi, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(n)]
+    loss_masks = None
+    if tool_masks:
+        loss_masks = [[0 if len(r) > 4 and 2 <= j < len(r) - 2 else 1 for j in range(len(r))] for r in responses]
+    batch = Batch.collate(prompts, responses, 0, loss_masks=loss_masks)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch, 1.0)
+    batch.rollout_logprobs = (lp + 0.1 * torch.randn(lp.shape, generator=g)) * batch.response_mask
+    batch.advantages = torch.randn(n, 1, generator=g) * batch.response_mask
+    batch.ref_logprobs = (lp - 0.2 * torch.rand(lp.shape, generator=g)) * batch.response_mask
+    return batch
+
+
+def spawn(fn, args, nprocs, timeout=90.0):
+    """Run fn(rank, *args) on nprocs spawned processes; kill them and fail past `timeout` seconds."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"workers still running after {timeout} s")
+
+
+# --- the rollout engine ----------------------------------------------------------------------------------------------
+
+EOS = 3
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]  # mixed lengths
+
+
+def greedy_no_cache(model, prompt, max_new):
+    """Reference decoding: recompute the whole sequence every token, no KV cache, no padding."""
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            tok = int(model(torch.tensor([ids]))[0, -1].argmax())
+            out.append(tok)
+            ids.append(tok)
+            if tok == EOS:
+                break
+    return out
+
+
+def assert_same(got, want, atol=1e-5):
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=atol, rtol=0)
+
+
+def paged_case(window=None, bs=8, lockstep=False):
+    """Six sequences in a pool of `bs`-token blocks: two decodes (contexts bs - 3 and 2 bs + 3, or both 2 bs + 3
+    with `lockstep`), a later prefill chunk of 4 tokens (context bs + 1), then three prompts prefilled whole (3, 3
+    and bs + 2 tokens: the fresh run, which attends within the row)."""
+    g = torch.Generator().manual_seed(0)
+    L, N, Hkv, H, D = 1, 12, 2, 4, 16
+    kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
+    tables = [[3, 0, 11] if lockstep else [3, 0], [5, 1, 7], [2, 9], [4], [6], [8, 10]]
+    ctx, qlens = [2 * bs + 3 if lockstep else bs - 3, 2 * bs + 3, bs + 1, 3, 3, bs + 2], [1, 1, 4, 3, 3, bs + 2]
+    slots = []
+    for t, c, q in zip(tables, ctx, qlens, strict=True):
+        slots += [t[p // bs] * bs + p % bs for p in range(c - q, c)]
+    T = sum(qlens)
+    q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D,
+                                                                                                      generator=g)
+    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
+    paged = PagedKV(kc, vc, torch.tensor(slots), torch.tensor([t + [0] * (3 - len(t)) for t in tables],
+                                                                dtype=torch.int32),
+                    torch.tensor(ctx, dtype=torch.int32), cu, qlens, 2, max(ctx))
+    assert paged.fresh_start == 3
+    return q, k, v, paged, tables, ctx, qlens, window
+
+
+# --- the platform ----------------------------------------------------------------------------------------------------
+
+def run_paged(case, backend):
+    """paged_attention of `case` (from paged_case or static_case) with `backend`, on its own copy of the pool."""
+    q, k, v, paged, *_, window = case
+    paged = copy.copy(paged)
+    paged.k_cache, paged.v_cache = paged.k_cache.clone(), paged.v_cache.clone()
+    meta = AttentionMetadata(torch.zeros(1, q.shape[2], dtype=torch.long), window=window, backend=backend,
+                             paged=paged)
+    return paged_attention(q, k, v, meta, 0), paged
+
+
+def static_case(bs, window=None):
+    """The static decode's inputs: 5 decodes (contexts 1, bs, bs + 3, 3 bs - 1, 2 bs + 1: a lone token, exactly
+    full blocks, partly filled last blocks) and 2 padding rows, fixed-width tables padded with the reserved last
+    block of the pool; each padding row reads and writes only that block."""
+    g = torch.Generator().manual_seed(1)
+    L, N, Hkv, H, D, width = 1, 14, 2, 4, 16, 4
+    pad = N - 1
+    kc, vc = torch.randn(L, N, bs, Hkv, D, generator=g), torch.randn(L, N, bs, Hkv, D, generator=g)
+    tables = [[8], [2], [11, 0], [4, 9, 6], [1, 12, 3]] + [[]] * 2
+    ctx = [1, bs, bs + 3, 3 * bs - 1, 2 * bs + 1] + [1] * 2
+    slots = [(t[(c - 1) // bs] if t else pad) * bs + (c - 1) % bs for t, c in zip(tables, ctx, strict=True)]
+    d = len(ctx)
+    q, k, v = (torch.randn(1, h, d, D, generator=g) for h in (H, Hkv, Hkv))
+    k[:, :, -2:], v[:, :, -2:] = k[:, :, -1:], v[:, :, -1:]  # padding rows write the same k/v to one slot
+    paged = PagedKV(kc, vc, torch.tensor(slots), torch.tensor([t + [pad] * (width - len(t)) for t in tables],
+                                                                dtype=torch.int32),
+                    torch.tensor(ctx, dtype=torch.int32), torch.arange(d + 1, dtype=torch.int32), [1] * d, d,
+                    width * bs, static=True)
+    return q, k, v, paged, tables, ctx, [1] * d, window
+
+
+def simulate_gpu(monkeypatch, name, *, hip=None, count=2, memory=80 * 2**30, cc=(9, 0), arch=None, installed=()):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
+    props = SimpleNamespace(total_memory=memory, major=cc[0], minor=cc[1], name=name)
+    if arch:
+        props.gcnArchName = arch
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.version, "cuda", None if hip else "12.4")
+    monkeypatch.setattr(platform, "_has_module", lambda m: m in installed)
+
+
+# --- `twinplane train` on tiny settings ------------------------------------------------------------------------------
+
+TINY_RUN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
+            "train.steps=6", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=12",
+            "train.mini_batches=2", "train.micro_batch_size=6", "algo.kl_coef=0.05", "log.progress=false",
+            "checkpoint.every=2", "checkpoint.keep=2", "eval.every=3", "eval.n=2"]
+
+
+def train(run_dir, *extra, fault=None, args=TINY_RUN):
+    """`twinplane train` on `run_dir` with `args` then `extra`, optionally with a TWINPLANE_FAULT spec."""
+    os.environ.pop("TWINPLANE_FAULT", None)
+    if fault:
+        os.environ["TWINPLANE_FAULT"] = fault
+    try:
+        return main(["train", "--run-dir", str(run_dir), *args, *extra])
+    finally:
+        os.environ.pop("TWINPLANE_FAULT", None)
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def computed(row):
+    """A metrics row without its measurements (timings, throughput, memory): what a rerun must give exactly."""
+    return {k: v for k, v in row.items()
+            if not k.startswith(("time/", "perf/", "mem/", "sync/gb_per_s", "rollout/engine_busy_s"))}
+
+
+def outcome(run_dir):
+    """The final weights' bytes and the computed metrics of every step."""
+    return (run_dir / "final" / "model.safetensors").read_bytes(), [computed(r) for r in rows(run_dir)]
+
+
+def weights(run_dir):
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+CLUSTER_RUN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
+               "train.steps=2", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=8",
+               "eval.before=false", "log.progress=false", "checkpoint.every=1", "threads=1",
+               "train.micro_batch_size=6", "algo.kl_coef=0.05", "cluster.sync_bucket_mb=1", "cluster.timeout_s=60"]
+RAY = ["cluster.backend=ray"]
+
+
+def cluster_train(run_dir, *extra, fault=None, monkeypatch=None):
+    """`twinplane train` with CLUSTER_RUN (one CPU thread, as in the 1-CPU Ray actors) then `extra`."""
+    if fault:
+        monkeypatch.setenv("TWINPLANE_FAULT", fault)
+    return main(["train", "--run-dir", str(run_dir), *CLUSTER_RUN, *extra])

@@ -15,9 +15,8 @@ import traceback
 from pathlib import Path
 
 from twinplane import __version__
-from twinplane.config import ConfigError, config_help, load_config
 from twinplane.errors import EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PREEMPTED, InputError, Preempted
-from twinplane.signals import StopRequests
+from twinplane.run.signals import StopRequests
 
 DESCRIPTION = "twinplane: RL post-training (GRPO, PPO, RLOO, REINFORCE++, GSPO, DAPO) of LLMs on CUDA, ROCm and CPU."
 EXIT_CODES = """exit codes: 0 done · 2 bad input (config, data, model folder, checkpoint, reward function, arguments;
@@ -87,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    from twinplane.config import config_help  # (imports torch: after the signal handlers, see `main`)
+
     parser = argparse.ArgumentParser(prog="twinplane", description=DESCRIPTION, epilog=EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"twinplane {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -130,13 +131,19 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
 
 
 def _main(argv: list[str], stop: StopRequests) -> int:
+    from twinplane.config import ConfigError, load_config
+
     parser, _ = _parser()
     if argv[:1] == ["supervise"] or (argv and argv[0] in TOOLS):
         # These own their argument parsing (supervise's options precede `--`, which sub-parsers can't express).
         import importlib
 
-        return importlib.import_module(f"twinplane.{argv[0]}").main(argv[1:])
-    ns = parser.parse_args(argv)
+        return importlib.import_module(f"twinplane.tools.{argv[0]}").main(argv[1:])
+    ns, extra = parser.parse_known_args(argv)
+    if extra and ns.command in ("train", "eval") and not any(a.startswith("-") for a in extra):
+        ns.args += extra  # key=value after an option (argparse takes one run of positionals: CONFIG --run-dir R k=v)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command is None:
         parser.print_help()
         return 0
@@ -145,12 +152,13 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     if ns.command == "train" and ns.max_restarts != 0:
         if ns.max_restarts < 0:
             raise ConfigError(f"--max-restarts: must be >= 0, got {ns.max_restarts}")
-        from twinplane.supervise import supervise
+        from twinplane.tools.supervise import supervise
 
         child = [a for i, a in enumerate(argv) if not a.startswith("--max-restarts")
                  and not (i > 0 and argv[i - 1] == "--max-restarts")]
-        stop.restore()  # the supervisor forwards signals to the child
-        return supervise([sys.executable, "-m", "twinplane.cli", *child], ns.max_restarts)
+        stop.restore()  # the supervisor forwards signals to the child; one received until now is handed over
+        return supervise([sys.executable, "-m", "twinplane.cli", *child], ns.max_restarts,
+                         received=(stop.signum,) if stop.requested else ())
     args = list(ns.args)
     path = None
     if ns.command == "train":
@@ -167,8 +175,8 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         args = [f"model.path={ns.model}", *data, f"reward.name={ns.reward}", f"eval.n={ns.n}",
                 f"eval.temperature={ns.temperature}", *args]
     cfg = load_config(path, args)
-    from twinplane import run
-    from twinplane.prepare import prepare
+    from twinplane.run import loop
+    from twinplane.run.prepare import prepare
 
     try:
         setup = prepare(cfg, ns.resume if ns.command == "train" else None, own_run_dir=ns.command == "train",
@@ -180,17 +188,17 @@ def _main(argv: list[str], stop: StopRequests) -> int:
             raise
         raise InputError(e.args[0] if isinstance(e, KeyError) and e.args else e) from None
     if ns.command == "train":
-        run.train(setup)
+        loop.train(setup)
         return 0
-    return _eval(run, setup, cfg, ns)
+    return _eval(loop, setup, cfg, ns)
 
 
-def _eval(run, setup, cfg, ns) -> int:
+def _eval(loop, setup, cfg, ns) -> int:
     from twinplane.cluster import build_engine, build_rollout
 
     try:
         engine = build_engine(cfg, setup.model, setup.tokenizer)
-        result = run.run_eval(setup, build_rollout(cfg, engine, setup.tokenizer), ns.n, ns.temperature)
+        result = loop.run_eval(setup, build_rollout(cfg, engine, setup.tokenizer), ns.n, ns.temperature)
     finally:
         setup.scorer.close()
     data = ns.data or f"built-in task {cfg.task.name} (held-out, seed {cfg.seed})"
@@ -215,7 +223,7 @@ def _check_writable(out: Path) -> None:
 
 
 def _export(source: Path, out: Path, fmt: str) -> int:
-    from twinplane.export import export
+    from twinplane.tools.export import export
 
     try:
         out = export(source, out, fmt)

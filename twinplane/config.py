@@ -10,7 +10,9 @@ import difflib
 import functools
 import keyword
 import math
+import os
 import re
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +23,29 @@ import yaml
 from twinplane.algos import AGG_MODES, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
 from twinplane.errors import InputError
 from twinplane.model.lora import TARGETS as LORA_TARGETS
+
+PLAIN_FIELDS = ("prompt", "raw_prompt", "suffix", "system")  # data.plain_template's fields
+
+
+def plain_template_problem(template: str) -> str | None:
+    """What is wrong with a plain template, or None. Found by parsing, never by rendering: a width such as
+    `{prompt:>99999999999}` would allocate that many characters. Fields are substituted as they are: no
+    positional `{}`, no `{prompt.attr}` or `{prompt[0]}` access, no conversions or format specs."""
+    try:
+        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        return f"is not a str.format template ({e})"
+    for name, conv, spec in fields:
+        if name not in PLAIN_FIELDS:
+            return (f"field {{{name}}} is not one of {', '.join('{' + f + '}' for f in PLAIN_FIELDS)} "
+                    "(use {{ }} for literal braces)")
+        if conv or spec:
+            written = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            return (f"field {written} has a {'conversion' if conv else 'format spec'}: fields are substituted as "
+                    f"they are, write {{{name}}}")
+    if not any(name in ("prompt", "raw_prompt") for name, _, _ in fields):
+        return "has no {prompt} field (the record's prompt would be left out)"
+    return None
 
 
 class ConfigError(InputError):
@@ -39,7 +64,7 @@ class ModelSection:
     num_experts_per_tok: int = 2  # demo MoE only: experts each token runs (top-k)
     moe_intermediate_size: int = 128  # demo MoE only: each expert's hidden size
     dtype: str = "float32"  # training-plane dtype (master weights)
-    rollout_dtype: str | None = None  # engine dtype; unset = same as dtype
+    rollout_dtype: str | None = None  # engine dtype; unset = bfloat16 on GPUs when dtype is float32, else dtype
 
 
 @dataclass
@@ -50,7 +75,7 @@ class DataSection:
     answer_field: str = "answer"  # field holding the reference answer
     system_field: str | None = None  # per-record system prompt
     template: str = "auto"  # chat | plain | auto (chat when the tokenizer has a chat template)
-    plain_template: str = "{prompt}"  # for template=plain: str.format with {prompt} and {system}
+    plain_template: str = "{prompt}"  # for template=plain: text with {prompt} {raw_prompt} {suffix} {system} fields
     system_prompt: str | None = None  # system message for every prompt
     instruction_suffix: str | None = None  # appended to each question, e.g. asking for '#### <answer>'
     max_prompt_tokens: int = 512  # longer prompts are dropped and counted, never truncated
@@ -99,7 +124,9 @@ class RolloutSection:
     kv_cache_gb: float = 0.0  # KV block pool budget in GiB; 0 = automatic (GPU: gpu_memory_utilization, CPU: 1 GiB)
     gpu_memory_utilization: float = 0.9  # automatic KV budget on GPUs: this fraction of the memory free after weights
     graphs: bool = True  # decode steps as CUDA/HIP graphs at bucketed batch sizes where the device can (false = eager)
-    graph_max_batch: int = 256  # largest captured decode batch; larger decode steps run eagerly
+    graph_max_batch: int = 0  # largest captured decode batch (0 = max_num_seqs); larger decode steps run eagerly
+    batch_invariant: bool = False  # CPU fp32: every engine GEMM via oneDNN, whose rows do not depend on the batch
+    kernels: str = "auto"  # decode-path kernels: auto (Triton on GPUs where its self-check passes) | triton | torch
     tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
     max_turns: int = 1  # model turns per sample when tools are on
     tp: int = 1  # tensor-parallel size of one engine (1 in this version: engines are data parallel)
@@ -251,6 +278,8 @@ class Config:
             value = _get(self, key)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        if (problem := plain_template_problem(self.data.plain_template)) is not None:
+            raise ConfigError(f"data.plain_template: {problem}")
         checks = [
             (self.rollout.n >= 1, "rollout.n", "must be >= 1"),
             (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
@@ -316,7 +345,9 @@ class Config:
              "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
             (self.rollout.kv_cache_gb >= 0, "rollout.kv_cache_gb", "must be >= 0 (0 = automatic)"),
             (0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]"),
-            (1 <= self.rollout.graph_max_batch <= 1024, "rollout.graph_max_batch", "must be in 1..1024"),
+            (0 <= self.rollout.graph_max_batch <= 1024, "rollout.graph_max_batch",
+             "must be in 0..1024 (0 = max_num_seqs)"),
+            (self.rollout.kernels in ("auto", "triton", "torch"), "rollout.kernels", "must be auto, triton or torch"),
             (self.eval.n >= 1 and self.eval.every >= 0, "eval", "needs eval.n >= 1 and eval.every >= 0"),
             (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),
             (0 <= self.task.teacher_carry_error <= 1, "task.teacher_carry_error", "must be in [0, 1]"),
@@ -381,8 +412,6 @@ class Config:
              "must not be empty"),
             (self.data.prompt_field != "" and self.data.answer_field != "", "data.prompt_field",
              "and data.answer_field must not be empty"),
-            (_renders(self.data.plain_template), "data.plain_template",
-             "must be a str.format template using only {prompt} and {system}"),
             (self.data.val_size >= 0, "data.val_size", "must be >= 0 (0 = all)"),
             (self.reward.name.strip() != "", "reward.name", "must not be empty"),
             (self.reward.step_timeout_s >= 0, "reward.step_timeout_s", "must be >= 0 (0 = no deadline)"),
@@ -423,15 +452,6 @@ class Config:
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def _renders(template: str) -> bool:
-    """The plain template renders on a sample prompt (checked once, before any data is read)."""
-    try:
-        template.format(prompt="1+1=", system="")
-    except (KeyError, IndexError, ValueError, AttributeError):
-        return False
-    return "{prompt}" in template or "{prompt!" in template or "{prompt:" in template
 
 
 def _attr(key: str) -> str:
@@ -498,6 +518,74 @@ def _coerce(value, t, key: str):
     raise ConfigError(f"{key}: unsupported type {t}")
 
 
+# What a bare name most likely means, and other RL trainers' names (TRL, verl) -> (twinplane's key, a note where
+# the meaning differs).
+_UPPER = "algo.clip_high bounds the ratio above 1"
+ALIASES = {
+    "steps": ("train.steps", ""), "lr": ("train.lr", ""), "temperature": ("rollout.temperature", ""),
+    "n": ("rollout.n", ""), "learning_rate": ("train.lr", ""), "max_steps": ("train.steps", ""),
+    "total_training_steps": ("train.steps", ""),
+    "num_train_epochs": ("train.steps", "twinplane counts RL steps, not epochs"),
+    "total_epochs": ("train.steps", "twinplane counts RL steps, not epochs"),
+    "per_device_train_batch_size": ("train.micro_batch_size", ""),
+    "ppo_micro_batch_size_per_gpu": ("train.micro_batch_size", ""),
+    "gradient_accumulation_steps": ("train.micro_batch_size", "micro-batches of this size are accumulated into "
+                                    "each optimizer step"),
+    "ppo_mini_batch_size": ("train.mini_batches", "a number of mini-batches per rollout batch, not a size"),
+    "ppo_max_token_len_per_gpu": ("train.max_tokens_per_micro_batch", ""),
+    "train_batch_size": ("rollout.prompts_per_step", ""), "num_generations": ("rollout.n", ""),
+    "max_completion_length": ("rollout.max_new_tokens", ""), "max_response_length": ("rollout.max_new_tokens", ""),
+    "response_length": ("rollout.max_new_tokens", ""), "max_prompt_length": ("data.max_prompt_tokens", ""),
+    "beta": ("algo.kl_coef", ""), "kl_loss_coef": ("algo.kl_coef", ""), "kl_loss_type": ("algo.kl_estimator", ""),
+    "use_kl_in_reward": ("algo.kl_in_reward", ""), "epsilon": ("algo.clip_low", _UPPER),
+    "epsilon_high": ("algo.clip_high", ""), "clip_ratio": ("algo.clip_low", _UPPER),
+    "clip_ratio_low": ("algo.clip_low", ""), "clip_ratio_high": ("algo.clip_high", ""),
+    "clip_ratio_c": ("algo.clip_c", ""), "cliprange": ("algo.clip_low", _UPPER),
+    "cliprange_value": ("critic.value_clip", ""), "entropy_coeff": ("algo.entropy_coef", ""),
+    "loss_agg_mode": ("algo.loss_agg", ""), "loss_type": ("algo.name", ""),
+    "scale_rewards": ("algo.norm_adv_by_std", ""), "norm_adv_by_std_in_grpo": ("algo.norm_adv_by_std", ""),
+    "mask_truncated_completions": ("algo.mask_truncated", ""), "importance_sampling_level": ("algo.policy_loss", ""),
+    "max_grad_norm": ("train.grad_clip", ""), "lr_scheduler_type": ("train.schedule", ""),
+    "gradient_checkpointing": ("train.activation_checkpointing", ""),
+    "enable_gradient_checkpointing": ("train.activation_checkpointing", ""), "bf16": ("train.compute_dtype", ""),
+    "model_name_or_path": ("model.path", ""), "train_files": ("data.train_file", ""),
+    "val_files": ("data.val_file", ""), "prompt_key": ("data.prompt_field", ""), "reward_funcs": ("reward.name", ""),
+    "output_dir": ("run_dir", ""), "save_steps": ("checkpoint.every", ""), "save_freq": ("checkpoint.every", ""),
+    "save_total_limit": ("checkpoint.keep", ""), "logging_steps": ("log.every", ""), "eval_steps": ("eval.every", ""),
+    "test_freq": ("eval.every", ""), "val_before_train": ("eval.before", ""), "report_to": ("log.backends", ""),
+    "vllm_gpu_memory_utilization": ("rollout.gpu_memory_utilization", ""),
+    "tensor_model_parallel_size": ("rollout.tp", ""), "n_gpus_per_node": ("cluster.train_devices", ""),
+    "lora_r": ("train.lora.rank", ""), "lora_rank": ("train.lora.rank", ""), "lora_alpha": ("train.lora.alpha", ""),
+    "lora_dropout": ("train.lora.dropout", ""), "lora_target_modules": ("train.lora.targets", ""),
+    "target_modules": ("train.lora.targets", ""),
+}
+
+
+def _did_you_mean(full: str) -> str:
+    """The hint for an unknown key, first found of: twinplane's key with the same last part in a similar section; a
+    near-typo in the same section; what a bare or another trainer's name means here; a close key anywhere."""
+    keys = _all_keys(Config)
+    section, _, leaf = full.rpartition(".")
+
+    def near(key: str) -> float:  # how close a key's section is to the one written
+        return difflib.SequenceMatcher(None, section, key.rpartition(".")[0]).ratio()
+
+    same = sorted((k for k in keys if k.rpartition(".")[2] == leaf), key=near, reverse=True)
+    alias, note = ALIASES.get(leaf, (None, ""))
+    typo = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section],
+                                     n=1, cutoff=0.8)
+    if same and (near(same[0]) >= 0.6 or alias is None):
+        hint = same[0]
+    elif typo:
+        hint = f"{section}.{typo[0]}" if section else typo[0]
+    elif alias is not None:
+        return f" (did you mean {alias}?{' ' + note if note else ''})"
+    else:
+        close = difflib.get_close_matches(full, keys, n=1, cutoff=0.6)
+        hint = close[0] if close else ""
+    return f" (did you mean {hint}?)" if hint else ""
+
+
 def _build(cls, data: dict, prefix: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
@@ -506,12 +594,46 @@ def _build(cls, data: dict, prefix: str = ""):
     for key, value in data.items():
         full, key = prefix + str(key), _attr(str(key))
         if key not in hints:
-            close = difflib.get_close_matches(full, _all_keys(Config), n=1, cutoff=0.5)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"unknown key {full}{hint}")
+            while isinstance(value, dict) and value:  # an unknown section: name the key as written (trian.steps)
+                sub, value = next(iter(value.items()))
+                full += f".{sub}"
+            raise ConfigError(f"unknown key {full}{_did_you_mean(full)}")
         t = hints[key]
         kwargs[key] = _build(t, value, full + ".") if dataclasses.is_dataclass(t) else _coerce(value, t, full)
     return cls(**kwargs)
+
+
+# Keys naming files or folders to read. Relative paths in a config file are taken from the file's folder (so an
+# example runs from any directory), on the command line from the current one; ${VAR} is read from the environment.
+# They are kept absolute: errors, the run's config.yaml and a resume from elsewhere all name the same file.
+PATH_KEYS = ("model.path", "data.train_file", "data.val_file", "reward.model", "critic.model_path")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _absolute(value, key: str, base: Path):
+    """An input path made absolute against `base`, after ${VAR} (a relative value of the variable counts from the
+    current directory) and ~; a reward.name file spec (path/file.py:function) has its path part made absolute."""
+    if not isinstance(value, str) or not value.strip():
+        return value  # a wrong type or an empty path is `_coerce`'s and `validate`'s to report
+
+    def env(m: re.Match) -> str:
+        if m[1] not in os.environ:
+            raise ConfigError(f"{key}: {value} uses ${{{m[1]}}}, which is not set in the environment")
+        return os.path.abspath(os.path.expanduser(os.environ[m[1]]))
+
+    text = _VAR.sub(env, value)
+    target, sep, function = text.rpartition(":") if key == "reward.name" else (text, "", "")
+    if key == "reward.name" and not (target.endswith(".py") or "/" in target):  # a built-in or module:function
+        return text
+    return os.path.normpath(base / os.path.expanduser(target)) + sep + function
+
+
+def _absolute_paths(data: dict, base: Path, skip: set[str]) -> None:
+    """`_absolute` on the input paths of a config file's sections but `skip`, in place."""
+    for key in (*PATH_KEYS, "reward.name"):
+        section, leaf = key.split(".")
+        if key not in skip and isinstance(data.get(section), dict) and leaf in data[section]:
+            data[section][leaf] = _absolute(data[section][leaf], key, base)
 
 
 def _merge(base: dict, dotted: str, value) -> None:
@@ -552,6 +674,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    overridden = set()
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -563,7 +686,12 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
                 value = yaml.safe_load(raw) if raw else ""
             except yaml.YAMLError:
                 value = raw
+        if key.strip() in (*PATH_KEYS, "reward.name"):
+            value = _absolute(value, key.strip(), Path.cwd())
+            overridden.add(key.strip())
         _merge(data, key.strip(), value)
+    if path is not None:  # the file's own paths (an overridden one may name an unset variable: it is not used)
+        _absolute_paths(data, path.parent.absolute(), skip=overridden)
     cfg = _build(Config, data)
     cfg.validate()
     return cfg

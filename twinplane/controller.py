@@ -15,7 +15,9 @@ recomputed by the trainer, and the trainer corrects the rollout/trainer mismatch
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
@@ -23,14 +25,14 @@ import torch
 from twinplane.algos import Algorithm
 from twinplane.algos.dapo import informative, overlong_buffer, overlong_penalty
 from twinplane.algos.ppo import KLController, kl_in_reward, outcome_token_rewards
+from twinplane.cluster.sync import SyncReport, sync_in_process
 from twinplane.config import AlgoSection
-from twinplane.evaluation import Scorer
-from twinplane.flops import forward_flops_per_token, train_flops_per_token
-from twinplane.metrics import PhaseTimer
-from twinplane.prompts import Prompt
+from twinplane.data.prompts import Prompt
+from twinplane.model.flops import forward_flops_per_token, train_flops_per_token
+from twinplane.platform.platform import peak_memory_bytes, reset_peak_memory, synchronize
+from twinplane.rewards import Scorer
 from twinplane.rollout import Done, RolloutEngine, Sample, SamplingParams, multi_turn_metrics
 from twinplane.rollout.engine import EngineStats
-from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer
 from twinplane.train.critic import explained_variance
@@ -38,6 +40,28 @@ from twinplane.train.critic import explained_variance
 
 class WeightSyncError(RuntimeError):
     pass
+
+
+class PhaseTimer:
+    """`with timer("rollout"): ...` records seconds under `time/rollout` (device work included)."""
+
+    def __init__(self, device: torch.device, on_enter=None):
+        self.device, self.on_enter = device, on_enter  # on_enter(phase): a hook (fault injection in tests)
+        self.times: dict[str, float] = {}
+        self.memory: dict[str, float] = {}  # peak memory per phase (device memory on GPU, process RSS on CPU)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self.on_enter is not None:
+            self.on_enter(phase)
+        synchronize(self.device)
+        reset_peak_memory(self.device)
+        t0 = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
+        if phase != "step":  # the step's peak is the max of its phases
+            self.memory[f"mem/peak_gb_{phase}"] = peak_memory_bytes(self.device) / 1e9
 
 
 class Controller:

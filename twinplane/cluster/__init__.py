@@ -12,8 +12,8 @@ from twinplane.cluster.planes import (
 )
 from twinplane.config import Config
 from twinplane.model import Transformer
+from twinplane.model.export import export_weights
 from twinplane.tokenizer import Tokenizer
-from twinplane.train.export import export_weights
 
 
 def build_planes(cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer, log=print):

@@ -16,17 +16,17 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from twinplane import platform
 from twinplane.algos import Algorithm
+from twinplane.cluster.sync import SyncReport, sync_in_process
 from twinplane.config import Config
 from twinplane.model import ModelConfig, Transformer, iter_safetensors
+from twinplane.model.export import export_weights
 from twinplane.model.lora import cast_base, merge_lora
+from twinplane.platform import platform
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, build_tools, engine_options
-from twinplane.sync import SyncReport, sync_in_process
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
 from twinplane.train.critic import Critic, build_value_model
-from twinplane.train.export import export_weights
 from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 
@@ -75,7 +75,7 @@ def reference_is_base(cfg: Config) -> bool:
 def engine_model(cfg: Config, model: Transformer) -> Transformer:
     """The engine's copy of the policy in the rollout dtype (LoRA adapters stay fp32): the same adapted model, or
     with `rollout.lora_merge` a plain model with the adapters folded in."""
-    rollout_dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+    rollout_dtype = platform.rollout_dtype(cfg.model, model.output_weight().device)
     model = copy.deepcopy(model)
     if cfg.rollout.lora_merge:
         merge_lora(model)

@@ -18,14 +18,14 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from twinplane import platform
 from twinplane.cluster.planes import WorkerError, critic_state, load_critic_state, reference_is_base
+from twinplane.cluster.sync import SyncReport
 from twinplane.cluster.workers import CriticWorker, RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config, ConfigError
 from twinplane.model import ModelConfig
+from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
-from twinplane.sync import SyncReport
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch
 from twinplane.train.balance import assign_rows
@@ -69,6 +69,7 @@ class RayPlanes:
         spec = WorkerSpec(cfg, model_config, tokenizer, total_steps, tis_cap)
         self.train_devices, self.rollout_devices = spec.num_train, spec.num_engines
         use_gpu = cfg.device != "cpu" and (cfg.device != "auto" or ray.cluster_resources().get("GPU", 0) > 0)
+        self.gpus = use_gpu
         bundle = {"CPU": c.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
         have = ray.cluster_resources()
         n = spec.num_workers
@@ -119,8 +120,8 @@ class RayPlanes:
         self.trainer = _TrainerProxy(self, model_config)
         self.reference = _ReferenceProxy(self) if reference is not None or reference_is_base(cfg) else None
         self.critic = None if critic is None else _CriticProxy(self, self.critics or self.trainers)
-        self.engine = self.rollout = _EngineProxy(self, platform.resolve_dtype(cfg.model.rollout_dtype
-                                                                               or cfg.model.dtype))
+        engine_dtype = platform.rollout_dtype(cfg.model, "cuda" if self.gpus else "cpu")
+        self.engine = self.rollout = _EngineProxy(self, engine_dtype)
         critics = f" + {spec.num_critics} critic rank(s)" if self.critics else ""
         log(f"ray: {spec.num_train} training rank(s) + {spec.num_engines} engine(s) "
             f"{'colocated' if c.colocate else 'disaggregated'}{critics}, {bundle} each, on {len(ray.nodes())} "

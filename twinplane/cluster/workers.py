@@ -21,18 +21,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from twinplane import platform
 from twinplane.cluster.planes import build_critic, build_engine, build_rollout, reference_is_base, restore_generator
+from twinplane.cluster.sync import broadcast_bucket, bucket_plan
 from twinplane.config import Config, LoraSection
 from twinplane.model import ModelConfig, Transformer, load_weights
+from twinplane.model.checksum import combine_checksums, tensor_checksum
+from twinplane.model.export import export_shapes, exported
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
+from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
-from twinplane.sync import broadcast_bucket, bucket_plan, combine_checksums, tensor_checksum
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
 from twinplane.train.critic import Critic
-from twinplane.train.export import export_shapes, exported
 from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 
@@ -103,7 +104,7 @@ class _Worker:
 
     def _build_engine(self, policy: dict[str, torch.Tensor], index: int) -> None:
         s = self.spec
-        dtype = platform.resolve_dtype(s.cfg.model.rollout_dtype or s.cfg.model.dtype)
+        dtype = platform.rollout_dtype(s.cfg.model, self.device)
         model = build_model(s.model_config, policy, self.device, dtype, s.cfg.train.lora, s.cfg.rollout.lora_merge)
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
         self.engine = build_engine(s.cfg, model, s.tokenizer, seed_offset=1_000_003 * index)
@@ -219,7 +220,7 @@ class TrainWorker(_CriticCalls, _Worker):
         loads its own engine. Returns the sender's checksum of what it sent, bytes and seconds."""
         cfg = self.spec.cfg
         cluster, lora = cfg.cluster, cfg.train.lora
-        dtype = platform.resolve_dtype(cfg.model.rollout_dtype or cfg.model.dtype)
+        dtype = platform.rollout_dtype(cfg.model, self.device)
         # LoRA: only the adapters (fp32) when the engines hold them; merged weights when `rollout.lora_merge`
         adapters, merged = lora.rank > 0 and not cfg.rollout.lora_merge, lora.rank > 0 and cfg.rollout.lora_merge
         shapes = export_shapes(self.trainer.model, adapters, merged)  # a DTensor's shape is the full one

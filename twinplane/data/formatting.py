@@ -11,15 +11,14 @@ Nothing is ever `eval`ed: templates run in Jinja's sandbox, and plain templates 
 from __future__ import annotations
 
 import json
-import string
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
+from twinplane.config import plain_template_problem
 from twinplane.data.records import DataError, Record
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-PLAIN_FIELDS = ("prompt", "raw_prompt", "suffix", "system")
 
 
 def _token_text(tok) -> str | None:
@@ -33,7 +32,7 @@ def _compile_chat_template(source: str):
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise DataError("chat templates need jinja2 (pip install jinja2), or use mode=plain") from None
+        raise DataError("chat templates need jinja2 (pip install jinja2), or use data.template=plain") from None
 
     class GenerationTag(Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text for masks; here it renders its body."""
@@ -62,20 +61,6 @@ def _compile_chat_template(source: str):
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise DataError(f"chat template syntax error at template line {e.lineno}: {e.message}") from None
-
-
-def _check_plain_template(template: str) -> None:
-    """Allow only the documented bare fields: no positional `{}`, no `{prompt.attr}` or `{prompt[0]}` access."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise DataError(f"plain_template {template!r}: {e}") from None
-    for _, name, spec, _ in parsed:
-        if name is not None and name not in PLAIN_FIELDS:
-            raise DataError(f"plain_template field {{{name}}} is not one of "
-                            f"{', '.join('{' + f + '}' for f in PLAIN_FIELDS)} (use {{{{ }}}} for literal braces)")
-        if spec and "{" in spec:
-            raise DataError(f"plain_template {template!r}: nested fields in format specs are not allowed")
 
 
 class PromptFormatter:
@@ -109,11 +94,11 @@ class PromptFormatter:
         self._template = None
         if mode == "chat":
             if not chat_template:
-                raise DataError("mode=chat but no chat template was found (no chat_template in tokenizer_config.json "
-                                "and no chat_template.jinja); pass a chat_template or use mode=plain")
+                raise DataError("no chat template was found (no chat_template in tokenizer_config.json and no "
+                                "chat_template.jinja): use data.template=plain (prompts as data.plain_template)")
             self._template = _compile_chat_template(chat_template)
-        else:
-            _check_plain_template(plain_template)
+        elif (problem := plain_template_problem(plain_template)) is not None:
+            raise DataError(f"plain_template {problem}")
 
     @classmethod
     def from_model_dir(cls, path: str | Path, mode: str = "chat", **kw) -> PromptFormatter:
@@ -134,7 +119,10 @@ class PromptFormatter:
             jinja_file = path / "chat_template.jinja"
             kw["chat_template"] = (jinja_file.read_text(encoding="utf-8") if jinja_file.is_file()
                                    else _default_template(path, config.get("chat_template")))
-        return cls(mode, **kw)
+        try:
+            return cls(mode, **kw)
+        except DataError as e:
+            raise DataError(f"{path.absolute()}: {e}") from None
 
     def messages(self, record: Record) -> list[dict]:
         """The chat the template renders (also useful to log)."""
@@ -153,8 +141,8 @@ class PromptFormatter:
     def format(self, record: Record) -> str:
         if self.mode == "plain":
             if not isinstance(record.prompt, str):
-                raise DataError("mode=plain needs string prompts, but this record's prompt is a message list; "
-                                "use mode=chat")
+                raise DataError("data.template=plain needs string prompts, but this record's prompt is a message "
+                                "list; use data.template=chat")
             system = record.system if record.system is not None else self.system_prompt
             return self.plain_template.format(prompt=record.prompt + self.instruction_suffix,
                                               raw_prompt=record.prompt, suffix=self.instruction_suffix,

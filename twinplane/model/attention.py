@@ -13,25 +13,34 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
   Its tokens then attend to the whole parent segment, then causally to their own. The portable path gathers each
   such segment's keys (parent + own) and masks; "flex" adds the parent to its document mask; flash-attn's varlen
   kernel cannot express it, so the platform never picks it for such rows.
-- paged (the rollout engine; twinplane.model.paged_attention, whose names are re-exported here): one row [1, T]
-  mixing prefill chunks and one-token decodes of many sequences whose earlier keys/values live in a block pool
-  (`PagedKV`). Each layer writes its new k/v to the pool at `slot_mapping` and attends over its sequence's blocks.
+- paged (the rollout engine's layout, twinplane.rollout.paged_attention; the model only knows it as a
+  `PagedLayout`, which attends by itself): one row [1, T] mixing prefill chunks and one-token decodes of many
+  sequences whose earlier keys/values live in a block pool (`PagedKV`). Each layer writes its new k/v to the pool at
+  `slot_mapping` and attends over its sequence's blocks.
   Portable path ("sdpa"): gather each sequence's slots + SDPA. Fused paths reading the pool in place: "flex"
   (GPUs without flash-attn: FlexAttention over the pool with a BlockMask from the block tables, for the decodes;
   prefill chunks as the portable path) and "flash" (flash-attn's `flash_attn_varlen_func(..., block_table=...)`).
 Backends for a layout are chosen by the platform module (stored in `meta.backend`); every fast path keeps the
-portable one and a test that they agree (tests/test_attention.py, tests/test_packing.py, tests/test_paged_engine.py).
+portable one and a test that they agree (tests/model/test_attention.py, tests/train/test_packing.py,
+tests/rollout/test_paged_engine.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from twinplane.model.paged_attention import PagedKV, paged_attention  # the paged layout (names kept here too)
+
+class PagedLayout(Protocol):
+    """A paged layout (the rollout engine's `PagedKV`): it writes the layer's new k/v into its KV pool and
+    attends over the pool itself; the model only hands it q/k/v."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               layer: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -43,7 +52,7 @@ class AttentionMetadata:
     window: int | None = None  # sliding-window size (Mistral/Qwen2 configs), None = full causal
     prefix: list[int] | None = None  # varlen: per sequence, the sequence it continues (-1 = none); see above
     backend: str = "sdpa"  # which kernel runs this layout (decided in twinplane.platform)
-    paged: PagedKV | None = None  # paged layout (B == 1): the KV pool and where each sequence's tokens are
+    paged: PagedLayout | None = None  # paged layout (B == 1): the KV pool and where each sequence's tokens are
     cache: dict = field(default_factory=dict, repr=False)  # per-forward derived data every layer reuses
 
     @property
@@ -75,7 +84,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     """q [B, H, T, D], k/v [B, H_kv, S, D] (GQA when H_kv < H) -> [B, H, T, D]. `layer` picks the paged pool's
     layer (paged layout only)."""
     if meta.paged is not None:
-        return paged_attention(q, k, v, meta, layer)
+        return meta.paged.attend(q, k, v, meta, layer)
     gqa = q.shape[1] != k.shape[1]
     if meta.varlen:
         return VARLEN_BACKENDS[meta.backend](q, k, v, meta)
@@ -208,13 +217,13 @@ def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
 
         block_mask = meta.cache["flex_block_mask"] = create_block_mask(document_causal, None, None, T, T,
                                                                        device=q.device)
-    return _flex(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return flex_attention_for(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 _FLEX: dict[str, object] = {}
 
 
-def _flex(device_type: str):
+def flex_attention_for(device_type: str):
     """flex_attention compiled on GPUs, with dynamic shapes (row lengths, and for the paged decodes the batch and
     pool, change every step); eager elsewhere (a reference implementation, forward only on CPU)."""
     if device_type not in _FLEX:

@@ -58,7 +58,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [N, D], idx [N, k] expert ids, weight [N, k] gate weights -> [N, D] = sum_j weight_j * expert_j(x)."""
-        from twinplane.platform import grouped_mm_ok
+        from twinplane.platform.platform import grouped_mm_ok
 
         N, k = idx.shape
         E = self.gate_proj.shape[0]

@@ -83,7 +83,7 @@ def save_pretrained(model: Transformer, out: str | Path, max_shard_bytes: int | 
     cfg = model.config.to_hf()
     cfg["torch_dtype"] = str(model.output_weight().dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    from twinplane.train.export import export_weights  # lazily: the training package imports this one
+    from twinplane.model.export import export_weights  # lazily: it loads torch.distributed.tensor (seconds)
 
     state = {name: t.contiguous().cpu() for n, p in export_weights(model)
              for name, t in param_to_checkpoint(n, p, model.config.model_type)}
@@ -110,7 +110,7 @@ def save_pretrained(model: Transformer, out: str | Path, max_shard_bytes: int | 
 def load_model(path: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | str | None = None) -> Transformer:
     """Build the model from `path/config.json` and load its safetensors. dtype defaults to fp32."""
-    from twinplane.platform import default_device, resolve_dtype
+    from twinplane.platform.platform import default_device, resolve_dtype
 
     cfg = ModelConfig.from_file(path)
     device = torch.device(device) if device is not None else default_device()

@@ -10,10 +10,10 @@
 """
 
 from twinplane.rewards.registry import RewardFn, get_reward, load_user_fn, resolve, score, to_reward
-from twinplane.rewards.runner import RewardRunner
+from twinplane.rewards.runner import RewardRunner, Scorer
 from twinplane.rewards.verifiers import VERIFIERS, exact_int, format_ok, last_boxed
 
 REWARDS = VERIFIERS  # name -> per-sample built-in verifier
 
 __all__ = ["REWARDS", "RewardFn", "RewardRunner", "exact_int", "format_ok", "get_reward", "last_boxed", "load_user_fn",
-           "resolve", "score", "to_reward"]
+           "resolve", "score", "Scorer", "to_reward"]

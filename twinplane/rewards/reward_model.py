@@ -26,7 +26,7 @@ class RewardModel:
 
     def __init__(self, path: str | Path, device: str | torch.device | None = None,
                  dtype: torch.dtype | str | None = None, batch_size: int = 8):
-        from twinplane.platform import resolve_device, resolve_dtype
+        from twinplane.platform.platform import resolve_device, resolve_dtype
 
         path = Path(path)
         self.device = resolve_device(None if device is None else str(device))

@@ -23,6 +23,7 @@ import math
 import time
 import weakref
 from collections.abc import Sequence
+from typing import Protocol
 
 from twinplane.rewards.code import CodeScorer, code_metrics
 from twinplane.rewards.registry import absolute_spec, is_user_spec, precheck_user_spec, resolve
@@ -30,6 +31,17 @@ from twinplane.rewards.verifiers import CHEAP, VERIFIERS, format_ok
 from twinplane.rewards.worker import Result, Worker, score_one
 
 log = logging.getLogger(__name__)
+
+
+class Scorer(Protocol):
+    """What the controller and evaluation need of a scorer (a `RewardRunner`): (completions, answers, prompts) ->
+    (rewards, metrics), and the verifier's own scores of that call (no format or reward-model bonus), which decide
+    correctness."""
+
+    last_verifier: list[float]
+
+    def __call__(self, completions: Sequence[str], answers: Sequence[str],
+                 prompts: Sequence[str] | None = None) -> tuple[list[float], dict[str, float]]: ...
 
 
 class RewardRunner:

@@ -32,19 +32,22 @@ from dataclasses import dataclass
 
 import torch
 
-from twinplane import platform
 from twinplane.errors import InputError
-from twinplane.model import AttentionMetadata, ModelConfig, PagedKV, Transformer, load_weights
+from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_weights
+from twinplane.model.checksum import weights_checksum
 from twinplane.model.moe import RoutingState
-from twinplane.model.packed import PackedWeight, linear, pack_linears, repack, worth_packing
+from twinplane.platform import platform
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
+from twinplane.rollout.kernels import self_check as kernel_self_check
+from twinplane.rollout.kernels import use as use_kernels
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
+from twinplane.rollout.packed import MIN_PACKED_DIM, PackedWeight, linear, pack_linears, repack, worth_packing
+from twinplane.rollout.paged_attention import PagedKV, flex_decode_agrees
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.rollout.scheduler import ScheduledBatch, Scheduler
 from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.rollout.sequence import Sequence as Seq
-from twinplane.sync import weights_checksum
 
 __all__ = ["Done", "RolloutEngine", "Sample"]
 
@@ -97,17 +100,34 @@ class RolloutEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, pad_token_id: int = 0,
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
                  max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
-                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 256):
+                 record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 0,
+                 kernels: str = "auto", batch_invariant: bool = False):
         """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
         `record_routing`: MoE, keep each token's experts per sparse layer in its sample; `graphs`: decode steps of
-        up to `graph_max_batch` sequences as captured graphs where the platform can (twinplane.rollout.graphs)."""
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and graph_max_batch must be >= 1")
+        up to `graph_max_batch` sequences (0 = max_num_seqs) as captured graphs where the platform can
+        (twinplane.rollout.graphs); `kernels`: auto | triton | torch, the decode path's kernels
+        (`platform.rollout_kernels`, twinplane.rollout.kernels); `batch_invariant`: every GEMM through oneDNN's
+        packed kernels (CPU fp32), whose rows do not depend on how many rows share the call (`F.linear`'s MKL
+        kernels round a row differently with the number of rows on Intel CPUs, ~4e-6, enough to flip a sampled
+        token). Attention is not covered: its masked padding to the step's longest context still rounds a row by
+        the batch (~1e-7). Dense models without separate LoRA adapters (experts and rank-r adapters run
+        `F.linear`)."""
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, graph_max_batch >= 0")
         self.model = model.eval().requires_grad_(False)
         self.device = model.output_weight().device
-        # CPU fp32: the GEMMs from pre-packed weights (twinplane.model.packed); `head` is the LM head's packing
-        self.packed = platform.packed_linear_ok(self.device, self.dtype) and pack_linears(self.model) > 0
-        self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight().shape) else None
+        self.kernels, _ = platform.rollout_kernels(self.device, self.dtype, kernels, check=kernel_self_check)
+        use_kernels(self.model, self.kernels)  # (the reason above is doctor's)
+        # CPU fp32: the GEMMs from pre-packed weights (twinplane.rollout.packed); `head` is the LM head's packing
+        packable = self.kernels == "torch" and platform.packed_linear_ok(self.device, self.dtype)
+        if batch_invariant and not packable:
+            raise InputError(f"rollout.batch_invariant: needs the CPU float32 engine (oneDNN's packed GEMMs), not "
+                             f"{self.device.type} {str(self.dtype).removeprefix('torch.')} with {self.kernels} "
+                             "kernels")
+        min_dim = 1 if batch_invariant else MIN_PACKED_DIM
+        self.packed = packable and pack_linears(self.model, min_dim) > 0
+        self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight().shape, min_dim) \
+            else None
         self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -115,10 +135,13 @@ class RolloutEngine:
         self.kv_cache_bytes, self.gpu_memory_utilization = kv_cache_bytes, gpu_memory_utilization
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
-        # paged attention kernel and the pool's block size (twinplane.model.paged_attention), passed to every forward
-        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim)
+        # paged attention kernel and the pool's block size (twinplane.rollout.paged_attention), passed to every forward
+        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim,
+                                                                         self.kernels, flex_check=flex_decode_agrees)
         # "cuda_graph" | "eager" from the platform; tests set "static" (the graph path's buffers, not captured)
-        self.graph_backend, self.graph_max_batch = platform.decode_graph_backend(self.device, graphs), graph_max_batch
+        self.graph_backend = platform.decode_graph_backend(self.device, graphs)
+        self.graph_max_batch = graph_max_batch or max_num_seqs
+        self.warmth = decode_graphs.Warmth()  # what later captures need not redo (decode_graphs.Warmth)
         self.kv: KVCache | None = None
         self.blocks: BlockManager | None = None
         self.decoder: decode_graphs.DecodeGraphs | None = None  # this call's static decode (None = all eager)
@@ -141,7 +164,7 @@ class RolloutEngine:
         self.weight_version = version
 
     def _repack(self) -> None:
-        """The packed GEMMs' copies (twinplane.model.packed) re-packed where a weight changed since."""
+        """The packed GEMMs' copies (twinplane.rollout.packed) re-packed where a weight changed since."""
         if self.packed:
             repack(self.model)
         if self.head is not None:
@@ -250,7 +273,8 @@ class RolloutEngine:
             self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, bs)  # the reserved block (the pool's last) is never handed out
         self.decoder = decode_graphs.DecodeGraphs(self.model, self.kv, mode, self.backend, need_one,
-                                                  self.graph_max_batch, sum(s.width for s in seqs), self.head) \
+                                                  self.graph_max_batch, sum(s.width for s in seqs), self.head,
+                                                  self.warmth) \
             if reserved else None
 
     def _step(self, batch: ScheduledBatch, sched: Scheduler, sp: SamplingParams) -> list[Seq]:
@@ -313,19 +337,26 @@ class RolloutEngine:
         forks = max(widths) > 1
         if forks:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
-        lp = policy_logprobs(logits, sp.temperature)  # [R, V]
+        # Triton kernels: the token and its log-prob in one kernel, without the [R, V] fp32 log-probs (no top-k/p)
+        fused = self.kernels == "triton" and sp.top_k == 0 and sp.top_p == 1.0
+        lp = None if fused else policy_logprobs(logits, sp.temperature)  # [R, V]
         banned = rows = None
         if sp.min_new_tokens and ready[0].stop_ids:  # stop tokens are banned in the rows short of min_new_tokens
             early = [s.num_generated < sp.min_new_tokens for s in ready]
             if any(early):
-                banned = _id_tensor(ready[0].stop_ids, lp.device)  # [K]
+                banned = _id_tensor(ready[0].stop_ids, logits.device)  # [K]
                 if not all(early):  # [R] (None: all of them)
                     per_row = [e for e, w in zip(early, widths, strict=True) for _ in range(w)] if forks else early
-                    rows = torch.tensor(per_row, device=lp.device)
+                    rows = torch.tensor(per_row, device=logits.device)
         # (float32 as `sample` uses them; Python's doubles rounded once, as .to(float32) would)
-        u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32)
-        tok = sample(lp, sp, u.to(lp.device), banned, rows)  # [R]
-        chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
+        u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32).to(logits.device)
+        if fused:
+            from twinplane.rollout.kernels.sampler import sample_tokens
+
+            tok, chosen = sample_tokens(logits, sp.temperature, u, banned, rows)  # [R], [R]
+        else:
+            tok = sample(lp, sp, u, banned, rows)  # [R]
+            chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
         tok, chosen = tok.tolist(), chosen.tolist()
         if forks:  # the samples of a prompt share its blocks from here on
             rows_of = []
@@ -384,4 +415,5 @@ def engine_options(rollout) -> dict:
     return {"max_num_seqs": rollout.max_num_seqs, "max_num_batched_tokens": rollout.max_num_batched_tokens,
             "kv_cache_bytes": int(rollout.kv_cache_gb * 2**30),
             "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing,
-            "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch}
+            "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch, "kernels": rollout.kernels,
+            "batch_invariant": rollout.batch_invariant}

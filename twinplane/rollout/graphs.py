@@ -12,10 +12,13 @@ the device). Padding rows decode token 0 at position 0, write their k/v into one
 is ever given, and attend to that block only; their logits are dropped.
 
 Modes (the engine's `graph_backend`, from `platform.decode_graph_backend`, then `decode_mode` below):
-- "cuda_graph": a bucket is captured the first time a decode step of its size runs in a `generate` call (warm-up
-  forwards on a side stream, then capture into one memory pool shared by the call's graphs), and replayed after one
-  host-to-device copy of the step's rows. The graphs point at the KV pool, which the engine frees after every call
-  (a colocated trainer gets the memory back), so they are dropped with it and captured again in the next call.
+- "cuda_graph": a bucket is captured the first time a decode step of its size runs in a `generate` call (on the
+  engine's side stream, into one memory pool shared by the call's graphs), and replayed after one host-to-device
+  copy of the step's rows. The graphs point at the KV pool, which the engine frees after every call (a colocated
+  trainer gets the memory back), so they are dropped with it and captured again in the next call. That recapture
+  is kept cheap: warm-up forwards (lazy initialisation: compiled kernels, cuBLAS workspaces) run only for the
+  shapes the engine has not decoded before (`Warmth`), and the capture skips `torch.cuda.graph`'s device sync,
+  allocator `empty_cache` and host cache flush, so the pool's memory stays cached for the next bucket.
   They read the weights in place: `load_weights` copies into the same tensors, so a weight sync is always seen.
 - "static": the same buffers, buckets and padded rows, run eagerly (no capture). The CPU tests force it to check
   the graph path's inputs and padding against the eager engine without a GPU.
@@ -27,14 +30,16 @@ Copy-on-write block copies a step needs are made by the engine before the forwar
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
-from twinplane import platform
-from twinplane.model import AttentionMetadata, PagedKV, Transformer
+from twinplane.model import AttentionMetadata, Transformer
 from twinplane.model.moe import Experts
-from twinplane.model.packed import PackedWeight, linear
+from twinplane.platform import platform
 from twinplane.rollout.kv_cache import KVCache
+from twinplane.rollout.packed import PackedWeight, linear
+from twinplane.rollout.paged_attention import PagedKV
 from twinplane.rollout.scheduler import ScheduledBatch
 from twinplane.rollout.sequence import Sequence
 
@@ -66,6 +71,15 @@ def decode_mode(requested: str, model: Transformer, record_routing: bool) -> str
     return requested
 
 
+@dataclass
+class Warmth:
+    """What an engine's earlier `generate` calls leave to its later captures: the side stream they capture on (one
+    stream, so its cuBLAS workspace is made once) and the (bucket, table width) shapes already decoded on it."""
+
+    stream: torch.cuda.Stream | None = None
+    shapes: set[tuple[int, int]] = field(default_factory=set)
+
+
 class DecodeGraphs:
     """Static (and on GPUs captured) decode steps for one `generate` call over `kv`, whose last block is reserved
     for padding rows. `max_blocks`: the block-table width (the longest sequence of the call, in blocks);
@@ -73,10 +87,11 @@ class DecodeGraphs:
     once (buckets above the first one that holds them are never needed)."""
 
     def __init__(self, model: Transformer, kv: KVCache, mode: str, backend: str, max_blocks: int, max_batch: int,
-                 limit: int, head: PackedWeight | None = None):
+                 limit: int, head: PackedWeight | None = None, warmth: Warmth | None = None):
         if mode not in ("cuda_graph", "static"):
             raise ValueError(f"DecodeGraphs runs the static or cuda_graph mode, not {mode!r}")
         self.model, self.kv, self.mode, self.backend, self.head = model, kv, mode, backend, head
+        self.warmth = Warmth() if warmth is None else warmth
         self.window = model.config.sliding_window
         self.block_size, self.max_blocks = kv.block_size, max_blocks
         self.pad_block = kv.num_blocks - 1  # the engine's block manager never hands it out
@@ -135,20 +150,25 @@ class DecodeGraphs:
     def _capture(self, size: int) -> bool:
         """Capture the bucket `size` (inputs all padding rows meanwhile: the warm-up forwards run for real and
         must write into the reserved block only). False, with a warning, when the capture fails."""
-        dev = self.inputs.device
+        dev, shape = self.inputs.device, (size, self.max_blocks)
         self.inputs[:size].copy_(torch.tensor([self.pad_row] * size, dtype=torch.long))
         try:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
+            if self.warmth.stream is None:
+                self.warmth.stream = torch.cuda.Stream(dev)
+            side, main = self.warmth.stream, torch.cuda.current_stream(dev)
+            side.wait_stream(main)
             with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
+                for _ in range(0 if shape in self.warmth.shapes else WARMUP_RUNS):
                     self.forward(size)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self.forward(size)
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(self.pool, capture_error_mode="thread_local")
+                try:
+                    logits = self.forward(size)
+                finally:
+                    graph.capture_end()
+            main.wait_stream(side)
         except (RuntimeError, ValueError) as e:  # CUDA's errors, and ValueError for a tensor off the GPU
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             warnings.warn(f"rollout engine: capturing the decode graph of batch {size} failed ({first}); decoding "
@@ -157,4 +177,5 @@ class DecodeGraphs:
             self.graphs.clear()
             return False
         self.graphs[size] = graph, logits
+        self.warmth.shapes.add(shape)
         return True

@@ -79,8 +79,8 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     sum over the chunks, then a cumulative sum within the chosen chunk only. The same inverse CDF summed in another
     order (identical where the sums are exact, tested), and each row still depends on its own probabilities and
     uniform only. Why: a scan along a 150k-token row is a serial loop per row in torch (~40 GB/s on GPUs,
-    pytorch#37487; vLLM measured its top-p cumsum over 32k tokens at 6.8 ms on an A100; 15 ms for 64 rows on this
-    project's 2-core CPU), while a reduction and short scans are not. (top-p still sorts and scans the whole row.)"""
+    pytorch#37487; vLLM measured its top-p cumsum over 32k tokens at 6.8 ms on an A100; 15 ms for 64 rows on a
+    2-vCPU AMD EPYC), while a reduction and short scans are not. (top-p still sorts and scans the whole row.)"""
     B, V = probs.shape
     if V <= CDF_CHUNK:
         row = probs.cumsum(-1)  # [B, V]

@@ -15,9 +15,9 @@ from torch import nn
 
 from twinplane.algos import value_loss
 from twinplane.model import ModelConfig, Transformer, load_weights
+from twinplane.model.export import export_weights
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
-from twinplane.train.export import export_weights
 from twinplane.train.optim import build_optimizer, load_named_optimizer_state, named_optimizer_state
 
 

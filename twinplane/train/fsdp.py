@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from twinplane import platform
 from twinplane.model import Transformer
+from twinplane.model.export import export_weights
+from twinplane.platform import platform
 from twinplane.train.balance import assign_rows
 from twinplane.train.batch import Batch
-from twinplane.train.export import export_weights
 
 
 def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
@@ -66,7 +66,8 @@ def split_for_rank(batch: Batch, rank: int, world: int) -> Batch:
 
 
 def all_reduce(x: float | int, group=None, op=dist.ReduceOp.SUM) -> float:
-    t = torch.tensor(float(x), dtype=torch.float64)
+    """`x` reduced over `group`'s ranks in fp64 (token counts stay exact), on the device its backend takes."""
+    t = platform.collective_tensor(torch.tensor(float(x), dtype=torch.float64), group)
     dist.all_reduce(t, op=op, group=group)
     return float(t)
 

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from twinplane import platform
 from twinplane.model import AttentionMetadata, Transformer
 from twinplane.model.moe import RoutingState
+from twinplane.platform import platform
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.chunked_logprobs import token_logprobs

@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from twinplane import platform
 from twinplane.algos import Algorithm, token_sum, truncated_is_weights
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
+from twinplane.model.checksum import tensor_checksum
+from twinplane.model.export import export_weights
 from twinplane.model.lora import adapters_disabled, has_lora, is_adapter
-from twinplane.sync import tensor_checksum
+from twinplane.platform import platform
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
-from twinplane.train.export import export_weights
 from twinplane.train.logprobs import packed_layout, response_logprobs, score
 from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
@@ -89,7 +89,7 @@ class Trainer:
 
     def named_weights(self, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
                       merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors by name (`twinplane.train.export.export_weights`)."""
+        """Full tensors by name (`twinplane.model.export.export_weights`)."""
         return export_weights(self.model, dtype, adapters_only=adapters_only, merged=merged)
 
     def frozen_checksums(self, dtype: torch.dtype) -> dict[str, int]:

@@ -1,0 +1,604 @@
+"""One prepared probe of the rollout engine and the training plane on a GPU (or, with --smoke, a tiny CPU run).
+
+    python benchmarks/gpu_probe.py OUT_DIR                  # on a GPU: ~6 minutes, stops new sections at --deadline
+    python benchmarks/gpu_probe.py OUT_DIR --smoke          # tiny shapes on CPU (the test suite runs this)
+
+Each section is written to OUT_DIR/probe.json as soon as it ends (and its lines to OUT_DIR/probe.log), so a run cut
+off by a time limit still reports what it measured; a section that raises records its error and the next one runs.
+Sections, in order:
+
+- env: torch / Triton / CUDA or HIP versions, the device, and what `twinplane.platform` chose (rollout kernels,
+  paged attention backend and block size, decode graph mode, training precision, distributed backend).
+- copy: device-to-device copy bandwidth (bytes read + written per second) and one tiny kernel's cost, launched
+  eagerly and replayed from a graph: the floor under a step of a thousand small kernels.
+- decode: one static decode forward (the engine's `DecodeGraphs`) per batch size at a fixed context, Qwen2.5-0.5B
+  shape in bf16: capture seconds, replay ms, and the memory roofline (every weight and every context token's k/v
+  read once, at the measured copy bandwidth); kernels per forward from the profiler.
+- profile: the profiler's top kernels and per-category device time of one decode forward at batch 128.
+- sampling: the engine's sampler alone (policy log-probs, inverse-CDF choice, chosen log-prob, one readback) on
+  [B, V] logits.
+- decode_sdpa, decode_torch, decode_triton: the decode section at every other batch size with the portable paged
+  attention and torch kernels, with torch kernels and the platform's attention (flex on GPUs without flash-attn),
+  and with the Triton kernels (`rollout.kernels=triton`, twinplane.rollout.kernels) and their paged attention.
+- kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
+  decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
+  the paged decode's KV read rate and its time per split count, and one layer's paged attention (pool write
+  included) per backend.
+- engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
+  the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
+  step time went; then Hugging Face `generate` on the same work and weights for the ratio.
+- train: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over packed
+  micro-batches of an RL-like length mix: tokens/s, MFU against the device's dense bf16 peak, peak memory, the
+  profiler's per-category time; then the same with each decoder layer compiled (`torch.compile`, regional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import platform as host
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from twinplane.platform import platform  # noqa: E402
+
+# Qwen2.5-0.5B and -1.5B's published shapes; "tiny" for --smoke
+SHAPES = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                         num_heads=14, num_kv_heads=2, head_dim=64, qkv_bias=True, rope_theta=1e6,
+                         tie_word_embeddings=True, max_position_embeddings=32768),
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, qkv_bias=True, rope_theta=1e6,
+                         tie_word_embeddings=True, max_position_embeddings=32768),
+    "tiny": dict(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, tie_word_embeddings=True,
+                 max_position_embeddings=2048),
+}
+CATEGORIES = (  # kernel name fragments -> category, first match wins
+    ("attention", ("flash", "flex", "attention", "attn", "sdpa", "fmha")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul", "_mm_", "splitk", "ampere_", "hopper_")),
+    ("norm", ("norm", "rsqrt")),
+    ("reduce", ("reduce", "softmax", "logsumexp", "cumsum", "scan", "sort", "topk", "argmax")),
+    ("copy", ("copy", "memcpy", "memset", "fill", "index", "gather", "scatter", "cat")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "triton_poi", "pointwise")),
+)
+
+
+class Probe:
+    """The report: sections appended to a JSON file and a log as they finish."""
+
+    def __init__(self, out: Path, deadline: float):
+        self.out, self.deadline, self.t0 = out, deadline, time.perf_counter()
+        out.mkdir(parents=True, exist_ok=True)
+        self.result: dict = {}
+        self.log = open(out / "probe.log", "a", buffering=1)
+
+    def say(self, msg: str) -> None:
+        line = f"[{time.perf_counter() - self.t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.log.write(line + "\n")
+
+    def left(self) -> float:
+        return self.deadline - (time.perf_counter() - self.t0)
+
+    def section(self, name: str, fn, *args, need: float = 0.0) -> dict | None:
+        """Run `fn(*args) -> dict` as section `name` unless fewer than `need` seconds are left."""
+        if self.left() < need:
+            self.say(f"{name}: skipped ({self.left():.0f} s left, needs ~{need:.0f})")
+            self.result[name] = {"skipped": f"{self.left():.0f} s left of the deadline"}
+            self.flush()
+            return None
+        t = time.perf_counter()
+        self.say(f"{name}: start")
+        try:
+            res = fn(*args)
+        except Exception as e:  # a failed section is a result too; the next one runs
+            res = {"error": f"{type(e).__name__}: {e}".strip()[:2000], "traceback": traceback.format_exc()[-4000:]}
+            self.say(f"{name}: FAILED {res['error'][:300]}")
+        res["section_seconds"] = round(time.perf_counter() - t, 2)
+        self.result[name] = res
+        self.say(f"{name}: {json.dumps(_short(res))[:1500]}")
+        self.flush()
+        return res
+
+    def flush(self) -> None:
+        tmp = self.out / "probe.json.tmp"
+        tmp.write_text(json.dumps(self.result, indent=1, default=str))
+        tmp.replace(self.out / "probe.json")
+
+
+def _short(res: dict) -> dict:
+    return {k: v for k, v in res.items() if k not in ("traceback", "table")}
+
+
+def sync(device) -> None:
+    platform.synchronize(torch.device(device))
+
+
+def timed(fn, device, reps: int, warmup: int = 2) -> list[float]:
+    """Seconds per call of `fn`, each call between device syncs."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def kernel_table(prof, gpu: bool, top: int = 20) -> dict:
+    """Kernels (device events on GPUs, ops on CPU) of a profile: count, top by time, totals per category."""
+    events = [e for e in prof.events() if (e.device_type.name == "CUDA") == gpu]
+    if gpu:  # a device event's own span (its device_time_total is 0 in some torch versions)
+        times = [(e.name, e.time_range.elapsed_us()) for e in events]
+    else:
+        times = [(e.name, e.self_cpu_time_total) for e in events if not e.cpu_children]
+    by_name: dict[str, list[float]] = {}
+    for name, us in times:
+        by_name.setdefault(name, []).append(us)
+    cats: dict[str, float] = {}
+    for name, us in times:
+        cats[category(name)] = cats.get(category(name), 0.0) + us
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"kernels": len(times), "total_us": round(sum(us for _, us in times), 1),
+            "by_category_us": {k: round(v, 1) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": n[:120], "calls": len(v), "total_us": round(sum(v), 1)} for n, v in ranked]}
+
+
+# --- sections ----------------------------------------------------------------------------------------------------
+def env(device: torch.device, dtype: torch.dtype) -> dict:
+    info = platform.detect()
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+           "python": host.python_version(), "device": info.device_name, "device_count": info.device_count,
+           "compute_capability": info.compute_capability, "arch": info.arch, "peak_flops": info.peak_flops,
+           "peak_source": info.peak_source, "dist_backend": info.dist_backend}
+    with contextlib.suppress(ImportError):
+        import triton
+
+        out["triton"] = triton.__version__
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        out |= {"sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
+                "cudnn": torch.backends.cudnn.version()}
+    from twinplane.rollout.kernels import self_check
+    from twinplane.rollout.paged_attention import flex_decode_agrees
+
+    kernels, why = platform.rollout_kernels(device, dtype, check=self_check)
+    backend, block = platform.paged_attention_backend(device, dtype, SHAPES["qwen2.5-0.5b"]["head_dim"], kernels,
+                                                      flex_check=flex_decode_agrees)
+    prec = platform.train_precision(device, torch.float32)
+    return out | {"rollout_kernels": kernels, "rollout_kernels_why": why, "paged_attention_backend": backend,
+                  "kv_block_size": block,
+                  "decode_graph_backend": platform.decode_graph_backend(device),
+                  "train_precision": {"param": str(prec.param), "compute": str(prec.compute)},
+                  "attention": {k: str(v) for k, v in vars(info.attention).items()}}
+
+
+def copy_section(device: torch.device) -> dict:
+    from engine_vs_hf import copy_bandwidth, kernel_cost
+
+    out = {"copy_bandwidth_bytes_per_s": copy_bandwidth(device)}
+    if device.type == "cuda":
+        out["tiny_kernel"] = kernel_cost(device)
+    return out
+
+
+def decode_setup(a, device, dtype, kernels: str = "auto"):
+    """The Qwen2.5-0.5B-shaped model (random bf16 weights) in an engine with `kernels`, and a static decode over a
+    KV pool that holds `max(batches)` sequences of `a.context` tokens."""
+    from twinplane.model import ModelConfig, Transformer
+    from twinplane.rollout import RolloutEngine
+    from twinplane.rollout.graphs import DecodeGraphs
+    from twinplane.rollout.kv_cache import KVCache
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**SHAPES[a.decode_shape])
+    with torch.device(device):
+        model = Transformer(cfg).to(dtype)
+    engine = RolloutEngine(model, eos_token_id=None, max_num_seqs=max(a.batches), graph_max_batch=max(a.batches),
+                           kernels=kernels)
+    bs = engine.block_size
+    per_seq = -(-a.context // bs)
+    kv = KVCache(cfg, max(a.batches) * per_seq + 1, bs, dtype, device)
+    mode = "cuda_graph" if engine.graph_backend == "cuda_graph" else "static"
+    dg = DecodeGraphs(engine.model, kv, mode, engine.backend, per_seq, max(a.batches), max(a.batches), engine.head)
+    return engine, dg
+
+
+def fill_rows(dg, n: int, context: int, vocab: int) -> None:
+    """Rows of `n` sequences decoding their token at position context - 1, each over blocks of its own."""
+    bs, per_seq, p = dg.block_size, dg.max_blocks, context - 1
+    g = torch.Generator().manual_seed(n)
+    rows = []
+    for i in range(n):
+        table = list(range(i * per_seq, (i + 1) * per_seq))
+        rows.append([int(torch.randint(vocab, (1,), generator=g)), p, table[p // bs] * bs + p % bs, context, *table])
+    dg.inputs[:n].copy_(torch.tensor(rows, dtype=torch.long))
+
+
+def decode_section(a, device, dtype, bw: float, kernels: str = "auto") -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, dg = decode_setup(a, device, dtype, kernels)
+    cfg, gpu = engine.model.config, device.type == "cuda"
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # tied: the head once
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    out = {"shape": a.decode_shape, "context": a.context, "kernels": engine.kernels, "backend": engine.backend,
+           "mode": dg.mode,
+           "block_size": dg.block_size, "weight_bytes": weight_bytes, "batches": {}}
+    for n in a.batches:
+        size = dg.bucket(n)
+        t = time.perf_counter()
+        if dg.mode == "cuda_graph" and size not in dg.graphs and not dg._capture(size):
+            out["batches"][n] = {"error": "capture failed"}
+            continue
+        capture = time.perf_counter() - t
+        fill_rows(dg, size, a.context, cfg.vocab_size)
+        run = dg.graphs[size][0].replay if dg.mode == "cuda_graph" else (lambda s=size: dg.forward(s))
+        ms = [1e3 * s for s in timed(run, device, a.reps)]
+        roof = 1e3 * (weight_bytes + size * a.context * kv_per_token) / bw
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        with profile(activities=acts) as prof:  # eager: one launch per kernel, so this counts them
+            dg.forward(size)
+            sync(device)
+        kernels = kernel_table(prof, gpu, top=0)["kernels"]
+        out["batches"][n] = {"bucket": size, "capture_s": round(capture, 3), "replay_ms_median": statistics.median(ms),
+                             "replay_ms_min": min(ms), "roofline_ms": roof,
+                             "x_roofline": statistics.median(ms) / roof, "kernels_per_forward": kernels}
+    return out
+
+
+def decode_other_backend(a, device, dtype, bw: float, backend: str | None, kernels: str) -> dict:
+    """The decode section at a few batch sizes with `kernels` and the paged attention backend forced to `backend`
+    (None: the platform's choice)."""
+    old = os.environ.get("TWINPLANE_PAGED_BACKEND")
+    if backend is not None:
+        os.environ["TWINPLANE_PAGED_BACKEND"] = backend
+    try:
+        return decode_section(argparse.Namespace(**(vars(a) | {"batches": a.batches[1::2]})), device, dtype, bw,
+                              kernels)
+    finally:
+        if old is None:
+            os.environ.pop("TWINPLANE_PAGED_BACKEND", None)
+        else:
+            os.environ["TWINPLANE_PAGED_BACKEND"] = old
+
+
+def profile_section(a, device, dtype) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, dg = decode_setup(a, device, dtype)
+    gpu, n = device.type == "cuda", dg.bucket(min(128, max(a.batches)))
+    fill_rows(dg, n, a.context, engine.model.config.vocab_size)
+    for _ in range(2):
+        dg.forward(n)
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            dg.forward(n)
+        sync(device)
+    res = kernel_table(prof, gpu)
+    res["forwards"], res["batch"] = 3, n
+    return res
+
+
+def sampling_section(a, device, dtype) -> dict:
+    from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
+
+    vocab, out = SHAPES[a.decode_shape]["vocab_size"], {}
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+    for n in (b for b in a.batches if b >= 8):
+        logits = torch.randn(n, vocab, device=device).to(dtype)
+        u = torch.rand(n)
+
+        def step(logits=logits, u=u):
+            lp = policy_logprobs(logits, sp.temperature)
+            tok = sample(lp, sp, u.to(device), None, None)
+            chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
+            return tok.tolist(), chosen.tolist()
+
+        out[n] = {"ms_median": 1e3 * statistics.median(timed(step, device, a.reps))}
+    return out
+
+
+def device_us(fn, device, calls: int, reps: int) -> float:
+    """Median microseconds per call of `fn`: on GPUs `calls` calls captured in one CUDA graph and replayed (device
+    time, launch costs out, as in the engine's captured decode); elsewhere eager calls."""
+    fn()
+    sync(device)
+    if device.type != "cuda":
+        return 1e6 * statistics.median(timed(fn, device, reps, warmup=0))
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    us = 1e6 * statistics.median(timed(graph.replay, device, reps)) / calls
+    del graph
+    return us
+
+
+def kernels_section(a, device, dtype) -> dict:
+    """Each Triton kernel against its torch reference at the decode shapes, per batch size."""
+    out = {"shape": a.decode_shape, "context": a.context, "dtype": str(dtype), "block_size": platform.TRITON_PAGE_SIZE,
+           "batches": {}}
+    for B in a.kernel_batches:
+        out["batches"][B] = kernel_batch(a, device, dtype, B)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def kernel_batch(a, device, dtype, B: int) -> dict:
+    from twinplane.model import AttentionMetadata
+    from twinplane.rollout.kernels.activation import silu_mul, silu_mul_torch
+    from twinplane.rollout.kernels.norm import rms_norm, rms_norm_torch
+    from twinplane.rollout.kernels.paged_decode import num_splits, paged_decode, paged_decode_torch
+    from twinplane.rollout.kernels.rope import rope_write, rope_write_torch
+    from twinplane.rollout.kernels.sampler import sample_tokens, sample_tokens_torch
+    from twinplane.rollout.paged_attention import PagedKV, paged_attention
+
+    shape, bs, ctx = SHAPES[a.decode_shape], platform.TRITON_PAGE_SIZE, a.context
+    H, H_kv, D, hidden, inter = (shape[k] for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size",
+                                                     "intermediate_size"))
+    calls, reps = (20, a.reps) if device.type == "cuda" else (1, 1)
+    g = torch.Generator().manual_seed(B)
+
+    def rand(*size):
+        return torch.randn(*size, generator=g).to(device, dtype)
+
+    def us(fn) -> float:
+        return device_us(fn, device, calls, reps)
+
+    def pair(tri, ref) -> dict:
+        t, r = us(tri), us(ref)
+        return {"triton_us": t, "torch_us": r, "speedup": r / t}
+
+    per_seq = -(-ctx // bs)
+    k_pool, v_pool = rand(B * per_seq + 1, bs, H_kv, D), rand(B * per_seq + 1, bs, H_kv, D)
+    tables = torch.randperm(B * per_seq, generator=g).view(B, per_seq).to(device, torch.int32)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    q, x, r, w, gate, up = rand(B, H, D), rand(B, hidden), rand(B, hidden), rand(hidden), rand(B, inter), rand(B, inter)
+    qn, kn, vn, cos, sin = rand(B, H, D), rand(B, H_kv, D), rand(B, H_kv, D), rand(B, D), rand(B, D)
+    slots = (tables[:, -1].long() * bs + (ctx - 1) % bs).contiguous()
+    res = {"paged_decode": pair(lambda: paged_decode(q, k_pool, v_pool, tables, lens, None, ctx),
+                                lambda: paged_decode_torch(q, k_pool, v_pool, tables, lens))}
+    res["paged_decode"] |= {"splits": num_splits(B, H_kv, ctx, device), "kv_bytes_per_s":
+                            2 * B * ctx * H_kv * D * dtype.itemsize / (1e-6 * res["paged_decode"]["triton_us"])}
+    res["paged_decode_by_splits_us"] = {s: us(lambda s=s: paged_decode(q, k_pool, v_pool, tables, lens, splits=s))
+                                        for s in a.split_sweep}
+    res["add_rms_norm"] = pair(lambda: rms_norm(x, w, 1e-6, r), lambda: rms_norm_torch(x, w, 1e-6, r))
+    res["silu_mul"] = pair(lambda: silu_mul(gate, up), lambda: silu_mul_torch(gate, up))
+    res["rope_write"] = pair(lambda: rope_write(qn, kn, vn, cos, sin, k_pool, v_pool, slots),
+                             lambda: rope_write_torch(qn, kn, vn, cos, sin, k_pool, v_pool, slots))
+    logits, u = rand(B, shape["vocab_size"]), torch.rand(B, generator=g).to(device)
+    res["sampler"] = pair(lambda: sample_tokens(logits, 1.0, u), lambda: sample_tokens_torch(logits, 1.0, u))
+    # one layer's paged attention as the static decode runs it (its pool write included), per backend
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, kn, vn))
+    res["attention_layer_us"] = {}
+    for backend in ("triton", "flex", "sdpa"):
+        paged = PagedKV(k_pool[None], v_pool[None], slots, tables, lens,
+                        torch.arange(B + 1, device=device, dtype=torch.int32), [1] * B, B, per_seq * bs, static=True)
+        meta = AttentionMetadata(torch.zeros(1, B, dtype=torch.long, device=device), backend=backend, paged=paged)
+        try:
+            res["attention_layer_us"][backend] = us(lambda meta=meta: paged_attention(q4, k4, v4, meta, 0))
+        except Exception as e:  # flex may not compile here: the others still report
+            res["attention_layer_us"][backend] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
+def engine_section(a, device, dtype, bw: float) -> dict:
+    import transformers
+    from engine_vs_hf import FIELDS, PRESETS, Roofline, build, run_hf, run_twinplane
+    from torch._dynamo.utils import counters
+
+    import twinplane
+    from twinplane.rollout import RolloutEngine
+    from twinplane.rollout.graphs import DecodeGraphs
+
+    args = argparse.Namespace(**dict(zip(FIELDS, PRESETS["qwen2.5-0.5b" if device.type == "cuda" else "cpu"],
+                                         strict=True)))
+    if a.smoke:
+        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 512
+        args.prompts, args.samples, args.new_tokens, args.stops, args.prompt_len = 4, 2, 16, 8, 8
+    args.dtype = str(dtype).removeprefix("torch.")
+    captures = {"n": 0, "seconds": 0.0}
+    capture = DecodeGraphs._capture
+
+    def counted(self, size):
+        sync(device)
+        t = time.perf_counter()
+        ok = capture(self, size)
+        sync(device)
+        captures["n"] += 1
+        captures["seconds"] += time.perf_counter() - t
+        return ok
+
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = build(args, tmp)
+        model = twinplane.load_model(tmp, device=device, dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=None, max_num_seqs=512,
+                           max_num_batched_tokens=args.max_num_batched_tokens, graph_max_batch=512)
+    roof = Roofline(engine)
+    Roofline.active = [roof]
+    DecodeGraphs._capture = counted
+    try:
+        run_twinplane(engine, prompts[:8], args, seed=0, new_tokens=32)  # warm-up: compiles, cuBLAS, allocator
+        warm_captures, warm_seconds, frames = captures["n"], captures["seconds"], dict(counters["frames"])
+        roof.reset()
+        n, s, samples, m = run_twinplane(engine, prompts, args, seed=1)
+    finally:
+        DecodeGraphs._capture = capture
+        Roofline.active = []
+    out = {"kernels": engine.kernels, "backend": engine.backend, "tokens": n, "seconds": s, "tokens_per_s": n / s,
+           "captures_warmup": warm_captures,
+           "captures_timed_call": captures["n"] - warm_captures,
+           "capture_seconds_timed_call": captures["seconds"] - warm_seconds,
+           "dynamo_frames_timed_call": {k: v - frames.get(k, 0) for k, v in counters["frames"].items()},
+           "metrics": m, "roofline": roof.summary(bw)}
+    if a.hf and (a.smoke or time.perf_counter() < a.hf_until):
+        run_hf(hf, prompts[:8], args, seed=0, new_tokens=32)
+        hn, hs, _ = run_hf(hf, prompts, args, seed=1)
+        out |= {"hf_tokens": hn, "hf_seconds": hs, "hf_tokens_per_s": hn / hs, "ratio_vs_hf": (n / s) / (hn / hs)}
+    return out
+
+
+def rl_lengths(n: int, prompt: tuple[int, int], mean: int, cap: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Prompt lengths uniform in `prompt`, response lengths geometric with `mean`, capped at `cap` (an RL batch)."""
+    g = torch.Generator().manual_seed(seed)
+    ps = torch.randint(prompt[0], prompt[1] + 1, (n,), generator=g).tolist()
+    u = torch.rand(n, generator=g).clamp_min(1e-9)
+    rs = [min(cap, max(1, int(-mean * math.log(x)))) for x in u.tolist()]
+    return ps, rs
+
+
+def train_section(a, device, compiled: bool) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from twinplane.config import AlgoSection, TrainSection
+    from twinplane.model import ModelConfig, Transformer
+    from twinplane.model.flops import train_flops_per_token
+    from twinplane.train import Batch, Trainer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**SHAPES[a.train_shape])
+    with torch.device(device):
+        model = Transformer(cfg)  # fp32 master weights; bf16 compute on GPUs (platform.train_precision)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    train = TrainSection(micro_batch_size=a.train_rows, max_tokens_per_micro_batch=a.train_tokens, lr=1e-6)
+    trainer = Trainer(model, train, AlgoSection(), 1.0, 100)
+    ps, rs = rl_lengths(a.train_rows, (a.train_prompt // 2, a.train_prompt), a.train_response, 4 * a.train_response)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(cfg.vocab_size, (p,), generator=g).tolist() for p in ps]
+    responses = [torch.randint(cfg.vocab_size, (r,), generator=g).tolist() for r in rs]
+    batch = Batch.collate(prompts, responses, 0, [[-1.0] * r for r in rs])
+    batch.advantages = torch.randn(len(ps), 1, generator=g) * batch.response_mask
+    tokens = sum(ps) + sum(rs)
+    flops = sum(train_flops_per_token(cfg, p + r) * (p + r) for p, r in zip(ps, rs, strict=True))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    trainer.train_step(batch)  # first step: compiles, allocator, cuBLAS
+    sync(device)
+    first = time.perf_counter() - t
+    steps = timed(lambda: trainer.train_step(batch), device, a.train_steps, warmup=1)
+    step = statistics.median(steps)
+    peak = platform.detect().peak_flops
+    out = {"shape": a.train_shape, "params_M": round(cfg.num_params / 1e6, 1), "compiled": compiled,
+           "rows": len(ps), "tokens": tokens, "response_tokens": sum(rs), "max_tokens_per_micro_batch": a.train_tokens,
+           "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
+           "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak}
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            trainer.train_step(batch)
+            sync(device)
+        out["profile"] = kernel_table(prof, True, top=12)
+    return out
+
+
+def isolated(a, name: str) -> dict:
+    """Section `name` in a child process that is killed `--grace` seconds past the deadline (a compile can run
+    for minutes in native code, where nothing in this process could interrupt it)."""
+    out = a.out / name
+    cmd = [sys.executable, __file__, str(out), "--sections", name, "--deadline", "1e9", "--in-child",
+           *(["--smoke"] if a.smoke else []), *([] if a.hf else ["--no-hf"])]
+    try:
+        subprocess.run(cmd, timeout=max(a.until - time.perf_counter(), 1.0), check=False)
+    except subprocess.TimeoutExpired:
+        log = (out / "probe.log").read_text()[-2000:] if (out / "probe.log").exists() else ""
+        return {"error": "cut at the probe's deadline", "log_tail": log}
+    return json.loads((out / "probe.json").read_text())[name]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", type=Path, help="folder for probe.json and probe.log")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU test)")
+    p.add_argument("--deadline", type=float, default=400.0, help="seconds after which no new section starts")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds past the deadline before the compiled training section is cut")
+    p.add_argument("--sections", default="env,copy,decode,profile,sampling,decode_sdpa,decode_torch,decode_triton,"
+                   "kernels,engine,train,train_compiled")
+    p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
+    p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate in the engine section")
+    a = p.parse_args()
+    gpu = torch.cuda.is_available() and not a.smoke
+    if not gpu:  # the Triton sections on CPU: Triton's interpreter (set before any kernel is defined)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device, dtype = torch.device("cuda" if gpu else "cpu"), torch.bfloat16 if gpu else torch.float32
+    a.decode_shape, a.train_shape = ("qwen2.5-0.5b", "qwen2.5-1.5b") if gpu else ("tiny", "tiny")
+    a.batches = [1, 8, 32, 128, 256, 512] if gpu else [1, 3, 8]
+    a.context, a.reps = (640, 20) if gpu else (40, 2)
+    a.kernel_batches, a.split_sweep = ([8, 128, 512], [1, 2, 4, 8, 16]) if gpu else ([3], [1, 2])
+    a.train_rows, a.train_prompt, a.train_response, a.train_tokens, a.train_steps = \
+        (64, 512, 400, 16384, 3) if gpu else (4, 16, 8, 64, 1)
+    probe = Probe(a.out, a.deadline)
+    a.until = probe.t0 + a.deadline + a.grace
+    a.hf_until = probe.t0 + a.deadline - 60  # HF generate only while a minute is left for the training sections
+    probe.say(f"gpu_probe: device {device}, dtype {dtype}, deadline {a.deadline:.0f} s, sections {a.sections}")
+    want = a.sections.split(",")
+    bw = 1e12
+    if "env" in want:
+        probe.section("env", env, device, dtype)
+        probe.result["env"]["commit"] = a.commit
+    if "copy" in want:
+        res = probe.section("copy", copy_section, device)
+        bw = (res or {}).get("copy_bandwidth_bytes_per_s", bw)
+    for name, fn, args, need in (("decode", decode_section, (a, device, dtype, bw), 60),
+                                 ("profile", profile_section, (a, device, dtype), 20),
+                                 ("sampling", sampling_section, (a, device, dtype), 10),
+                                 ("decode_sdpa", decode_other_backend, (a, device, dtype, bw, "sdpa", "torch"), 40),
+                                 ("decode_torch", decode_other_backend, (a, device, dtype, bw, None, "torch"), 40),
+                                 ("decode_triton", decode_other_backend, (a, device, dtype, bw, "triton", "triton"),
+                                  40),
+                                 ("kernels", kernels_section, (a, device, dtype), 40),
+                                 ("engine", engine_section, (a, device, dtype, bw), 90),
+                                 ("train", train_section, (a, device, False), 40),
+                                 ("train_compiled", *((train_section, (a, device, True)) if a.in_child else
+                                                      (isolated, (a, "train_compiled"))), 90)):
+        if name in want:
+            probe.section(name, fn, *args, need=0 if a.smoke else need)
+            if gpu:  # what the section held goes back before the next one
+                torch.cuda.empty_cache()
+    probe.say(f"gpu_probe: done in {time.perf_counter() - probe.t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

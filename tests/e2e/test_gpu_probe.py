@@ -1,0 +1,39 @@
+"""benchmarks/gpu_probe.py runs end to end on CPU with tiny shapes, so the prepared GPU probe cannot rot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ("env", "copy", "decode", "profile", "sampling", "decode_sdpa", "decode_torch", "decode_triton", "kernels",
+            "engine", "train")
+
+
+@pytest.mark.slow
+def test_gpu_probe_smoke_writes_every_section(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_probe.py"), str(tmp_path), "--smoke",
+           "--sections", ",".join(SECTIONS), "--commit", "abc"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    res = json.loads((tmp_path / "probe.json").read_text())
+    for name in SECTIONS:
+        assert "error" not in res[name], (name, res[name].get("traceback"))
+    assert res["env"]["commit"] == "abc" and res["env"]["paged_attention_backend"] == "sdpa"
+    assert res["env"]["rollout_kernels"] == "torch"  # auto on CPU
+    for n, row in res["decode"]["batches"].items():
+        assert row["bucket"] >= int(n) and row["kernels_per_forward"] > 0 and row["roofline_ms"] > 0
+    assert (res["decode_sdpa"]["backend"], res["decode_sdpa"]["kernels"]) == ("sdpa", "torch")
+    assert (res["decode_torch"]["kernels"], res["decode_triton"]["kernels"]) == ("torch", "triton")
+    assert res["decode_triton"]["backend"] == "triton"  # (Triton's interpreter on CPU)
+    for row in res["kernels"]["batches"].values():  # each kernel and its torch reference timed
+        for name in ("paged_decode", "add_rms_norm", "silu_mul", "rope_write", "sampler"):
+            assert row[name]["triton_us"] > 0 and row[name]["torch_us"] > 0, name
+        assert set(row["paged_decode_by_splits_us"]) == {"1", "2"}
+        assert all(isinstance(row["attention_layer_us"][b], float) for b in ("triton", "flex", "sdpa"))
+    # the engine's tokens are the samples' own: 4 prompts x 2 samples, at most 16 new tokens each
+    assert 8 <= res["engine"]["tokens"] <= 4 * 2 * 16 and res["engine"]["hf_tokens"] > 0
+    train = res["train"]
+    assert train["response_tokens"] < train["tokens"] and 0 < train["mfu"] < 1
+    assert (tmp_path / "probe.log").read_text().count(": start") == len(SECTIONS)

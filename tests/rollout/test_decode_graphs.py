@@ -1,0 +1,265 @@
+"""Graph-captured decode (twinplane.rollout.graphs): the static path (fixed buffers, padded buckets) forced on CPU
+equals the eager engine, before and after a weight sync; padding rows never touch a sequence's blocks; options
+and fallbacks. The capture itself (CUDA/HIP graphs) is tested at the end, on GPUs only."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from conftest import EOS, PROMPTS, assert_same, greedy_no_cache, tiny_model, tiny_moe
+
+from twinplane.config import ConfigError, load_config
+from twinplane.rollout import RolloutEngine, SamplingParams, engine_options
+from twinplane.rollout import graphs as decode_graphs
+from twinplane.rollout.graphs import DecodeGraphs, buckets
+from twinplane.rollout.kv_cache import bytes_per_block
+
+
+def engine(model, mode="static", **kw):
+    e = RolloutEngine(copy.deepcopy(model), **{"eos_token_id": EOS, **kw})
+    e.graph_backend = mode  # "static": the graph path's buffers and buckets, run without capture
+    return e
+
+
+def test_buckets():
+    assert buckets(256) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256]
+    assert buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 100]
+    assert buckets(3) == [1, 2, 3] and buckets(1) == [1]
+    with pytest.raises(ValueError, match="graph_max_batch"):
+        buckets(0)
+
+
+@pytest.mark.parametrize("over", [{}, {"tie_word_embeddings": True, "num_kv_heads": 4},
+                                  {"model_type": "qwen3", "qk_norm": True}, {"sliding_window": 4}, "moe"])
+def test_static_greedy_equals_eager(over):  # (the eager engine is checked against full recompute in test_engine)
+    model = tiny_moe() if over == "moe" else tiny_model(**over)
+    sp = SamplingParams(temperature=0, max_new_tokens=12, n=3)
+    static = engine(model)
+    got = static.generate(PROMPTS, sp)
+    assert static.pop_metrics()["rollout/engine_steps_graphed"] > 5
+    assert_same(got, engine(model, "eager").generate(PROMPTS, sp))
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0, max_new_tokens=16, n=3, seed=7),
+                                SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, n=2,
+                                               min_new_tokens=4, seed=3)])
+def test_static_seeded_sampling_equals_eager(sp):
+    model = tiny_model()
+    static, eager = engine(model), engine(model, "eager")
+    got = static.generate(PROMPTS, sp)
+    assert static.pop_metrics()["rollout/engine_steps_graphed"] > 5
+    want = eager.generate(PROMPTS, sp)
+    assert_same(got, want)
+    assert len({tuple(s.token_ids) for s in got}) > 4  # sampled, not one sequence repeated
+
+
+def test_static_and_eager_steps_mixed_with_preemption_and_chunked_prefill():
+    """Decode batches above graph_max_batch run eagerly, prefill steps always do; a tight pool preempts."""
+    model = tiny_model()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, n=3, seed=5)
+    want = engine(model, "eager", eos_token_id=None).generate(PROMPTS, sp)
+    per_block = bytes_per_block(model.config, 16, torch.float32)
+    # 4 blocks' budget: 3 for sequences (as the eager engine's tight test) + the reserved padding block
+    tight = engine(model, eos_token_id=None, kv_cache_bytes=4 * per_block, max_num_batched_tokens=8,
+                   graph_max_batch=2)
+    got = tight.generate(PROMPTS, sp)
+    m = tight.pop_metrics()
+    assert m["rollout/preemptions"] > 0 and 0 < m["rollout/engine_steps_graphed"] < m["rollout/engine_steps"]
+    assert_same(got, want)
+    assert tight.blocks.num_free == tight.blocks.num_blocks == 3
+
+
+def test_padding_rows_write_only_the_reserved_block(monkeypatch):
+    model = tiny_model()
+    e = engine(model)
+    step, seen = DecodeGraphs.step, []
+
+    def checked(self, seqs):
+        bs, pad = self.block_size, self.pad_block
+        assert all(pad not in s.block_table for s in seqs)
+        written = {s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in seqs}
+        before = self.kv.k.clone(), self.kv.v.clone()
+        out = step(self, seqs)
+        changed = ((self.kv.k != before[0]).flatten(3).any(-1) | (self.kv.v != before[1]).flatten(3).any(-1))
+        changed = set(changed.any(0).flatten().nonzero().flatten().tolist())  # pool slots written in any layer
+        assert changed - written <= set(range(pad * bs, (pad + 1) * bs))  # nothing else but the padding block
+        seen.append((len(seqs), self.bucket(len(seqs)), len(changed & written) == len(written)))
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "step", checked)
+    e.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=1))
+    assert any(n < size for n, size, _ in seen)  # some steps had padding rows
+    assert all(ok for _, _, ok in seen)  # and every real row's k/v landed in its own slot
+
+
+def test_weight_sync_in_place_and_outputs_follow_the_new_weights():
+    a, b = tiny_model(seed=0), tiny_model(seed=1)
+    static, eager = engine(a), engine(b, "eager")
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, n=2)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=9)
+    before = static.generate(PROMPTS, greedy)
+    ptrs = [p.data_ptr() for p in static.model.parameters()]
+    static.load_weights(b.named_parameters(), version=3)
+    assert [p.data_ptr() for p in static.model.parameters()] == ptrs  # copied in place: graphs' pointers stay valid
+    after = static.generate(PROMPTS, greedy)
+    assert [s.token_ids for s in after] != [s.token_ids for s in before]
+    assert_same(after, eager.generate(PROMPTS, greedy))
+    assert all(s.weight_version == 3 for s in after)
+    for s in after:
+        assert s.token_ids == greedy_no_cache(b, PROMPTS[s.request_index], 10)
+    assert_same(static.generate(PROMPTS, sampled), eager.generate(PROMPTS, sampled))
+    assert static.pop_metrics()["rollout/engine_steps_graphed"] > 10
+
+
+def test_options_platform_choice_and_fallbacks(monkeypatch):
+    cfg = load_config(None, ["rollout.graphs=false", "rollout.graph_max_batch=64"])
+    opts = engine_options(cfg.rollout)
+    assert opts["graphs"] is False and opts["graph_max_batch"] == 64
+    model = tiny_model()
+    assert RolloutEngine(model, EOS, **opts).graph_backend == "eager"
+    if not torch.cuda.is_available():  # CPU: no graphs, so no block reserved for padding rows
+        e = RolloutEngine(model, EOS, kv_cache_bytes=3 * bytes_per_block(model.config, 16, torch.float32))
+        assert e.graph_backend == "eager"
+        e.generate(PROMPTS, SamplingParams(max_new_tokens=24))
+        assert e.blocks.num_blocks == 3
+    for bad, msg in ((["rollout.graph_max_batch=-1"], r"rollout.graph_max_batch: must be in 0..1024 \(0 = "),
+                     (["rollout.graphs=maybe"], "rollout.graphs: expected true/false")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, bad)
+    with pytest.raises(ValueError, match="graph_max_batch"):
+        RolloutEngine(model, EOS, graph_max_batch=-1)
+    assert RolloutEngine(model, EOS, max_num_seqs=48).graph_max_batch == 48  # the default follows max_num_seqs
+    moe = tiny_moe()
+    assert decode_graphs.decode_mode("static", moe, record_routing=False) == "static"
+    assert decode_graphs.decode_mode("static", moe, record_routing=True) == "eager"  # the record is host-side
+    monkeypatch.setattr(decode_graphs.platform, "grouped_mm_ok", lambda *a, **k: False)
+    assert decode_graphs.decode_mode("cuda_graph", moe, record_routing=False) == "eager"  # the loop reads counts
+    assert decode_graphs.decode_mode("cuda_graph", model, record_routing=False) == "cuda_graph"
+    with pytest.raises(ValueError, match="decode graph mode"):
+        decode_graphs.decode_mode("graphs", model, False)
+
+
+def test_failed_capture_warns_and_decodes_eagerly():
+    """Here a capture fails for want of CUDA; on a GPU an op that cannot be captured would fail the same way."""
+    model = tiny_model()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=2)
+    e = engine(model, "cuda_graph")
+    with pytest.warns(UserWarning, match="capturing the decode graph of batch .* failed"):
+        got = e.generate(PROMPTS, sp)
+    assert e.graph_backend == "eager" and e.pop_metrics()["rollout/engine_steps_graphed"] == 0
+    assert_same(got, engine(model, "eager").generate(PROMPTS, sp))
+
+
+def test_record_routing_stays_eager_and_keeps_its_record():
+    moe = tiny_moe()
+    sp = SamplingParams(temperature=0, max_new_tokens=6)
+    e = engine(moe, record_routing=True)
+    got = e.generate(PROMPTS, sp)
+    assert e.pop_metrics()["rollout/engine_steps_graphed"] == 0
+    assert all(s.routing is not None and (s.routing[:-1] >= 0).all() for s in got)
+
+
+class FakeStream:
+    def __init__(self, device=None):
+        self.waits = 0
+
+    def wait_stream(self, other):
+        self.waits += 1
+
+
+class FakeGraph:
+    """A stand-in for torch.cuda.CUDAGraph on CPU: `replay` re-runs the forward that was captured (set below)."""
+
+    capturing = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        FakeGraph.capturing = self
+
+    def capture_end(self):
+        FakeGraph.capturing = None
+
+
+def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(monkeypatch):
+    """The cuda_graph mode's bookkeeping on CPU: each bucket captured once per call on the engine's one side stream;
+    warm-up forwards only for shapes the engine has not decoded before (none in a second call of the same shapes);
+    replays give the eager engine's outputs."""
+    main = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    forward, calls = DecodeGraphs.forward, {"warmup": 0, "capture": 0}
+
+    def recorded(self, size):
+        graph = FakeGraph.capturing
+        out = forward(self, size)
+        calls["capture" if graph else "warmup"] += 1
+        if graph is not None:
+            graph.replay = lambda: out.copy_(forward(self, size))
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "forward", recorded)
+    captures, capture = [], DecodeGraphs._capture
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, size: captures.append(size) or capture(self, size))
+    model, sp = tiny_model(), SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5)
+    graphed, eager = engine(model, "cuda_graph"), engine(model, "eager")
+    want = eager.generate(PROMPTS, sp)
+    for call in range(2):
+        captures.clear()
+        calls.update(warmup=0, capture=0)
+        assert_same(graphed.generate(PROMPTS, sp), want)
+        assert captures and len(set(captures)) == len(captures) == calls["capture"]
+        assert calls["warmup"] == (decode_graphs.WARMUP_RUNS * len(captures) if call == 0 else 0)
+        assert graphed.pop_metrics()["rollout/engine_steps_graphed"] > 5
+    assert isinstance(graphed.warmth.stream, FakeStream) and graphed.warmth.stream is not main
+
+
+# --- GPUs: the captured graphs ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_captured_graphs_equal_eager_before_and_after_weight_sync(monkeypatch):
+    a, b = tiny_model(seed=0).cuda(), tiny_model(seed=1).cuda()
+    graphed = RolloutEngine(copy.deepcopy(a), eos_token_id=EOS)
+    assert graphed.graph_backend == "cuda_graph"
+    eager = RolloutEngine(copy.deepcopy(a), eos_token_id=EOS, graphs=False)
+    captures, capture = [], DecodeGraphs._capture
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, size: captures.append(size) or capture(self, size))
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, n=3)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=16, n=3, seed=4)
+    for sp in (greedy, sampled):
+        captures.clear()
+        assert_same(graphed.generate(PROMPTS, sp), eager.generate(PROMPTS, sp), atol=1e-4)
+        assert captures and len(set(captures)) == len(captures)  # each bucket once per call, and in every call
+    assert graphed.pop_metrics()["rollout/engine_steps_graphed"] > 10 and graphed.graph_backend == "cuda_graph"
+    for e in (graphed, eager):
+        e.load_weights(b.named_parameters())
+    for sp in (greedy, sampled):
+        assert_same(graphed.generate(PROMPTS, sp), eager.generate(PROMPTS, sp), atol=1e-4)
+    for s in graphed.generate(PROMPTS, greedy):
+        assert s.token_ids == greedy_no_cache(b, PROMPTS[s.request_index], 16)
+
+
+@pytest.mark.gpu
+def test_a_captured_graph_reads_weights_loaded_in_place():
+    from twinplane.rollout.kv_cache import KVCache
+
+    a, b = tiny_model(seed=0).cuda(), tiny_model(seed=1).cuda()
+    model = copy.deepcopy(a)
+    kv = KVCache(model.config, 5, 16, torch.float32, torch.device("cuda"))
+    dec = DecodeGraphs(model, kv, "cuda_graph", "sdpa", 2, 8, 8)
+    assert dec._capture(4)
+    graph, out = dec.graphs[4]
+    rows = torch.tensor([[5 + i, 0, i * 16, 1, i, 4] for i in range(4)], device="cuda")  # 4 one-token sequences
+    dec.inputs[:4].copy_(rows)
+    graph.replay()
+    first = out.clone()
+    torch.testing.assert_close(first, dec.forward(4), atol=1e-5, rtol=0)
+    from twinplane.model import load_weights
+
+    load_weights(model, b.named_parameters())
+    dec.inputs[:4].copy_(rows)
+    graph.replay()
+    torch.testing.assert_close(out, dec.forward(4), atol=1e-5, rtol=0)
+    assert not torch.allclose(out, first)

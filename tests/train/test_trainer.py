@@ -1,0 +1,108 @@
+"""Training plane: gradient accumulation invariance, the loss it optimises, and parameters moving."""
+
+import copy
+
+import pytest
+import torch
+from conftest import make_batch, tiny_model
+
+from twinplane.algos import PRESETS, aggregate, kl_penalty, token_policy_loss
+from twinplane.config import AlgoSection, TrainSection
+from twinplane.train import Reference, Trainer
+from twinplane.train.logprobs import response_logprobs
+
+
+def step(micro, algo=None):
+    model = tiny_model()
+    trainer = Trainer(model, TrainSection(micro_batch_size=micro, lr=1e-2, grad_clip=0.0),
+                      algo or AlgoSection(kl_coef=0.1, entropy_coef=0.01), temperature=1.0, total_steps=10)
+    metrics = trainer.train_step(make_batch(tiny_model()))
+    return model, metrics
+
+
+def test_grad_accumulation_equals_one_batch():
+    big, m1 = step(micro=6)
+    small, m3 = step(micro=2)
+    # after one Adam step at lr 1e-2: a near-zero gradient element moves by ~lr * sign, so summation-order rounding
+    # (different micro-batches pack into different attention groups) can show at ~1e-6; a wrong loss shows at ~lr
+    for (n, a), (_, b) in zip(big.named_parameters(), small.named_parameters(), strict=False):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=n)
+    for k in m1:
+        assert abs(m1[k] - m3[k]) < 1e-5, k
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_grad_accumulation_equals_one_batch_for_every_algorithm(name):
+    """Every preset's loss (its policy loss and aggregation, with KL and entropy terms) is normalised over the
+    global batch: 3 micro-batches give the same gradient and metrics as one. (Gradients, not Adam's update: a
+    near-zero gradient element makes Adam's first step ~lr * sign, which amplifies rounding.)"""
+    algo = AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)
+    batch = make_batch(tiny_model())
+    grads, metrics = [], []
+    for micro in (6, 2):
+        model = tiny_model()
+        trainer = Trainer(model, TrainSection(micro_batch_size=micro, grad_clip=0.0), algo, 1.0, 10, horizon=8)
+        trainer.opt.step = lambda: None
+        trainer.opt.zero_grad = lambda set_to_none=True: None
+        metrics.append(trainer.train_step(batch))
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5, msg=n)
+    assert any(g.abs().max() > 0 for g in grads[0].values())
+    for k in metrics[0]:
+        assert abs(metrics[0][k] - metrics[1][k]) < 1e-5, k
+
+
+@pytest.mark.filterwarnings("ignore:Seems like")
+def test_loss_is_token_mean_of_clipped_objective():
+    """Recompute the objective by hand on the whole batch and compare gradients."""
+    algo = AlgoSection(kl_coef=0.1, kl_estimator="k2", clip_low=0.1, clip_high=0.1)
+    batch = make_batch(tiny_model())
+    model = tiny_model()
+    lp, _ = response_logprobs(model, batch, 1.0)
+    m = batch.response_mask
+    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, clip_low=0.1, clip_high=0.1)
+    loss = ((pg + 0.1 * kl_penalty(lp, batch.ref_logprobs, "k2")) * m).sum() / m.sum()
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model2 = tiny_model()
+    trainer = Trainer(model2, TrainSection(micro_batch_size=4, grad_clip=0.0), algo, 1.0, 10)
+    trainer.opt.step = lambda: None  # keep the grads to inspect
+    trainer.opt.zero_grad = lambda set_to_none=True: None
+    trainer.train_step(batch)
+    for n, p in model2.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_parameters_change_and_reference_is_frozen():
+    model = tiny_model()
+    ref = Reference(copy.deepcopy(model), 1.0, 4)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model, TrainSection(lr=1e-3), AlgoSection(kl_coef=0.05), 1.0, 10)
+    batch = make_batch(tiny_model())
+    ref_before = ref.logprobs(batch)
+    m = trainer.train_step(batch)
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert torch.equal(ref.logprobs(batch), ref_before)
+    assert m["actor/grad_norm"] > 0 and m["actor/kl"] > 0
+
+
+def test_seq_mean_token_sum_norm_loss_by_hand():
+    """dr_grpo's aggregation in the trainer: mean over rows of row sums / the horizon (the generation cap)."""
+    algo = AlgoSection(name="dr_grpo")
+    batch = make_batch(tiny_model())
+    model = tiny_model()
+    lp, _ = response_logprobs(model, batch, 1.0)
+    m = batch.response_mask
+    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, clip_low=0.2, clip_high=0.28)
+    loss = aggregate(pg, m, "seq-mean-token-sum-norm", horizon=8)
+    assert float(loss.detach()) == pytest.approx(float(((pg.detach() * m).sum(-1) / 8).mean()), rel=1e-6)
+    loss.backward()
+    model2 = tiny_model()
+    trainer = Trainer(model2, TrainSection(micro_batch_size=4, grad_clip=0.0), algo, 1.0, 10, horizon=8)
+    trainer.opt.step = lambda: None
+    trainer.opt.zero_grad = lambda set_to_none=True: None
+    trainer.train_step(batch)
+    for n, p in model2.named_parameters():
+        torch.testing.assert_close(p.grad, dict(model.named_parameters())[n].grad, atol=1e-6, rtol=1e-5, msg=n)

@@ -1,0 +1,51 @@
+"""FLOPs per token from the model config: dense matmuls plus the attention quadratic term.
+
+Forward FLOPs per token = 2 * (matmul parameters) + 2 * 2 * L * H * hd * context (QK^T and AV over the keys the
+token attends to; `context` is the mean number of visible keys: about T/2 for causal training over T tokens).
+Training (forward + backward) is 3x the forward. Embedding lookups are not matmuls and are not counted; the LM
+head is. This is the PaLM-appendix accounting, without activation recomputation.
+MoE: a token runs its top-k experts (plus any shared expert and the router), so FLOPs count active parameters;
+memory (`ModelConfig.num_params`) counts every expert.
+"""
+
+from __future__ import annotations
+
+from twinplane.model.config import ModelConfig
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Matmul parameters one token runs through (active experts only)."""
+    d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = sum(cfg.mlp_params(i, cfg.num_experts_per_tok) for i in range(L))
+    return L * attn + mlp + d * cfg.vocab_size  # + LM head
+
+
+def mlp_width(cfg: ModelConfig) -> float:
+    """Per-token MLP hidden width, mean over layers: intermediate_size for dense layers, top-k x the expert's
+    width (+ the shared expert's) for sparse ones. What activation memory scales with."""
+    widths = [cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
+              if cfg.is_moe_layer(i) else cfg.intermediate_size for i in range(cfg.num_layers)]
+    return sum(widths) / cfg.num_layers
+
+
+def decode_read_params(cfg: ModelConfig, batch: int) -> float:
+    """Parameters one decode step over `batch` sequences reads: everything but the routed experts, plus the
+    experts at least one of the batch's tokens picks (expected E * (1 - (1 - k/E)^batch) per sparse layer,
+    assuming balanced independent routing). Active parameters at batch 1, every parameter at large batch."""
+    if not cfg.num_experts:
+        return float(cfg.num_params)
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    routed = len(cfg.moe_layers) * E * expert
+    touched = len(cfg.moe_layers) * E * (1 - (1 - k / E) ** batch) * expert
+    return cfg.num_params - routed + touched
+
+
+def forward_flops_per_token(cfg: ModelConfig, context: float) -> float:
+    return 2.0 * matmul_params(cfg) + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: float) -> float:
+    """Forward + backward per token of a causal training pass over sequences of `seq_len` tokens."""
+    return 3.0 * forward_flops_per_token(cfg, seq_len / 2)

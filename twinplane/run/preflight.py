@@ -1,0 +1,199 @@
+"""Checks that need more than the config: the model folder, the machine's memory, the tokenizer's alphabet.
+
+All run before any weights are loaded or any step is taken, and each failure is an `InputError` whose one-line
+message names the file (and the tensor or line) at fault, so a bad input costs seconds and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from twinplane.config import Config
+from twinplane.errors import InputError
+from twinplane.model import ModelConfig, Transformer, load_model
+from twinplane.model.weights import checkpoint_files
+from twinplane.platform import platform
+from twinplane.rollout.engine import pool_blocks
+from twinplane.rollout.kernels import self_check as kernel_self_check
+from twinplane.rollout.paged_attention import flex_decode_agrees
+from twinplane.tokenizer import Tokenizer, load_tokenizer
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def model_config(path: str) -> ModelConfig:
+    """`path/config.json` as a ModelConfig; a missing folder, bad JSON or a mistyped value names the file."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InputError(f"model.path {path}: no such folder")
+    try:
+        mc = ModelConfig.from_file(folder)
+    except FileNotFoundError as e:
+        raise InputError(str(e)) from None
+    except ValueError as e:  # (from_file names the file)
+        raise InputError(_first_line(e)) from None
+    return mc
+
+
+def check_weight_files(path: str) -> None:
+    """Every safetensors file opens and its data is complete (a truncated download fails here, named)."""
+    try:
+        files = checkpoint_files(Path(path))
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: {_first_line(e)}") from None
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                st.keys()
+        except Exception as e:  # safetensors raises its own error type for every malformed header
+            raise InputError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+
+
+def open_tokenizer(path: str) -> Tokenizer:
+    try:
+        tok = load_tokenizer(path)
+    except FileNotFoundError as e:
+        raise InputError(str(e)) from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}/tokenizer_config.json: invalid JSON ({e})") from None
+    except Exception as e:  # the `tokenizers` library raises a bare Exception for a malformed tokenizer.json
+        raise InputError(f"{Path(path) / 'tokenizer.json'}: not a valid tokenizer ({_first_line(e)})") from None
+    for name in ("eos_token", "bos_token", "pad_token"):  # a named token the vocabulary lacks would be dropped
+        text = getattr(tok, name)
+        if text is not None and tok.token_id(text) is None:
+            raise InputError(f"{Path(path) / 'tokenizer_config.json'}: {name} {text!r} is not in the vocabulary of "
+                             "tokenizer.json")
+    return tok
+
+
+def open_model(path: str, device: torch.device, dtype: torch.dtype) -> Transformer:
+    try:
+        return load_model(path, device=device, dtype=dtype)
+    except (KeyError, ValueError, RuntimeError) as e:  # a tensor missing, extra or of the wrong shape
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else _first_line(e)
+        raise InputError(f"model.path {path}: {msg}") from None
+
+
+def prompt_tokens(cfg: Config) -> int:
+    """The longest prompt a run keeps: data.max_prompt_tokens, or the demo task's ("a+b=", task.digits each)."""
+    return cfg.data.max_prompt_tokens if cfg.model.path else 2 * cfg.task.digits + 2
+
+
+def estimate_bytes(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: torch.device | str = "cpu"
+                   ) -> dict[str, float]:
+    """What the run must hold at once, by part: the training plane's weights, gradients and AdamW moments, the
+    engine's copy when its dtype differs, the reference model, and the KV cache of the sequences in flight.
+    Activations and logits are left out: micro-batching, chunking and checkpointing can shrink them."""
+    p, b = mc.num_params, DTYPE_BYTES[cfg.model.dtype]
+    rb = platform.rollout_dtype(cfg.model, device).itemsize
+    r = cfg.rollout
+    seqs = min(r.max_num_seqs, r.prompts_per_step * r.n)
+    context = prompt_tokens + r.max_new_tokens  # (a multi-turn response, tool tokens too, fits max_new_tokens)
+    parts = {"weights, grads and AdamW": 4.0 * p * b, "KV cache": 2.0 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+             * rb * seqs * context}
+    if rb != b:
+        parts["engine weights"] = float(p * rb)
+    if cfg.algo.kl_coef > 0:
+        parts["reference"] = float(p * b)
+    return parts
+
+
+def check_memory(cfg: Config, mc: ModelConfig, prompt_tokens: int, memory_bytes: int, where: str,
+                 device: torch.device | str = "cpu") -> None:
+    """Refuse a run whose model and KV cache alone exceed the memory of `device`, which it runs on."""
+    parts = estimate_bytes(cfg, mc, prompt_tokens, device)
+    total = sum(parts.values())
+    if memory_bytes and total > memory_bytes:
+        detail = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in parts.items())
+        raise InputError(f"the run needs at least {total / 1e9:.3g} GB ({detail}: model {mc.num_params / 1e6:.4g}M "
+                         f"params, {prompt_tokens}+{cfg.rollout.max_new_tokens} tokens x "
+                         f"{min(cfg.rollout.max_num_seqs, cfg.rollout.prompts_per_step * cfg.rollout.n)} sequences) "
+                         f"but {where} has {memory_bytes / 1e9:.3g} GB; reduce the model, rollout.max_new_tokens or "
+                         "rollout.max_num_seqs")
+
+
+def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: torch.device) -> None:
+    """The rollout engine's KV pool must hold one whole sequence (the longest prompt and max_new_tokens, which a
+    multi-turn response fills with its tool tokens too), or the first such prompt would stop the run. The block
+    size and the reserved padding block are the platform's choices for the engine (which checks each call's own
+    sequences again); on GPUs with an automatic budget the memory free now is more than the engine will find, so
+    this only refuses what can never fit."""
+    r = cfg.rollout
+    dtype = platform.rollout_dtype(cfg.model, device)
+    kernels, _ = platform.rollout_kernels(device, dtype, r.kernels, check=kernel_self_check)
+    _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim, kernels, flex_check=flex_decode_agrees)
+    reserved = int(platform.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
+    pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,
+                prompt_tokens + r.max_new_tokens)
+
+
+def check_vocab(tokenizer: Tokenizer, mc: ModelConfig, path: str) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding and LM head."""
+    why = tokenizer.vocab_mismatch(mc.vocab_size)
+    if why:
+        raise InputError(f"model.path {path}: {why}")
+
+
+# What makes two decoders' weights interchangeable: the critic is built with the policy's config.
+ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "num_experts",
+                "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def check_critic(path: str, mc: ModelConfig) -> None:
+    """`critic.model_path` (PPO's value model's starting weights): a readable model folder whose decoder has the
+    policy's shape, since the critic is the policy's architecture with a value head."""
+    if not Path(path).is_dir():
+        raise InputError(f"critic.model_path {path}: no such folder")
+    critic = model_config(path)
+    check_weight_files(path)
+    for name in ARCHITECTURE:
+        if getattr(critic, name) != getattr(mc, name):
+            raise InputError(f"critic.model_path {path}: {name} {getattr(critic, name)!r} differs from the policy's "
+                             f"{getattr(mc, name)!r} (the critic is the policy's architecture with a value head)")
+
+
+def check_tools(tools: list[str], tokenizer: Tokenizer, path: str) -> None:
+    """Tool calls must survive the tokenizer: the markup the engine looks for has to come back out of decode."""
+    sample = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>' \
+             '<tool_response>5</tool_response>'
+    if not tools:
+        return
+    try:
+        back = tokenizer.decode(tokenizer.encode(sample), skip_special_tokens=False)
+    except Exception as e:  # a vocabulary without these characters raises inside `tokenizers`
+        raise InputError(f"rollout.tools: the tokenizer of {path} cannot encode a tool call ({_first_line(e)})") \
+            from None
+    if back.replace(" ", "") != sample.replace(" ", ""):
+        raise InputError(f"rollout.tools: the tokenizer of {path} cannot spell a tool call (it decodes "
+                         f"{back[:60]!r})")
+
+
+def unencodable(text: str, tokenizer: Tokenizer) -> str | None:
+    """The first character the tokenizer cannot encode (tokenizers without an unknown token raise on it)."""
+    for ch in dict.fromkeys(text):
+        try:
+            tokenizer.encode(ch)
+        except Exception:
+            return ch
+    return None
+
+
+def locate(path: str, ch: str) -> str:
+    """`file:line` of the first line holding `ch` (JSON Lines and other text files), else the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if ch in line:
+                    return f"{path}:{i}"
+    except (OSError, UnicodeDecodeError):
+        pass
+    return path

@@ -1,4 +1,0 @@
-from twinplane.data.stream import PromptStream
-from twinplane.tasks.arithmetic import ALPHABET, ArithmeticTask, Problem, teacher_answer
-
-__all__ = ["ALPHABET", "ArithmeticTask", "Problem", "PromptStream", "teacher_answer"]

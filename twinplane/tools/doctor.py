@@ -1,0 +1,196 @@
+"""`twinplane doctor`: what this machine is and what it can do, on one screen (or as JSON with --json).
+
+Everything hardware-specific comes from `twinplane.platform`; this module only measures and formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform as host
+import statistics
+import sys
+import time
+
+import torch
+
+import twinplane
+from twinplane.platform import platform
+from twinplane.rollout.kernels import self_check as kernel_self_check
+from twinplane.rollout.paged_attention import flex_decode_agrees
+
+
+def measure_bandwidth(device: torch.device, mbytes: int = 64, runs: int = 5) -> float:
+    """Median GB/s of copying an `mbytes` MB tensor (one read + one write per byte)."""
+    src = torch.empty(mbytes * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    platform.synchronize(device)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        platform.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() / max(statistics.median(times), 1e-9) / 1e9
+
+
+def _collective_version(info: platform.PlatformInfo) -> str | None:
+    if info.device_type != "cuda":
+        return None
+    try:
+        v = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def sandbox_report() -> dict:
+    """Which sandbox backend can run model-written code here (the python tool, the code reward)."""
+    from twinplane.sandbox import SandboxUnavailable, get_sandbox
+
+    try:
+        get_sandbox("bwrap")
+        return {"backend": "bwrap", "isolated": True, "detail": "bwrap works (user, pid and network namespaces)"}
+    except SandboxUnavailable as e:
+        return {"backend": None, "isolated": False, "detail": str(e)}
+
+
+def rollout_report(info: platform.PlatformInfo) -> dict:
+    """What the rollout engine would run here, and why: its kernels (`rollout.kernels=auto`; on a GPU this runs
+    the Triton self-check), the paged attention backend and block size, and how decode steps run."""
+    device = info.device
+    dtype = torch.bfloat16 if device.type == "cuda" and info.bf16 else torch.float32
+    kernels, kernels_why = platform.rollout_kernels(device, dtype, check=kernel_self_check)
+    backend, block = platform.paged_attention_backend(device, dtype, 64, kernels, flex_check=flex_decode_agrees)
+    forced = os.environ.get("TWINPLANE_PAGED_BACKEND")
+    prefill = "; prefill chunks: gather + SDPA"
+    why = f"TWINPLANE_PAGED_BACKEND={forced}" if forced else {
+        "flash": "flash-attn is installed and eligible here",
+        "triton": "the Triton paged decode kernel reads the pool in place" + prefill,
+        "flex": "FlexAttention passed its self-check here" + prefill,
+        "sdpa": "the portable gather + SDPA" + (": no fused path passed its check" if device.type == "cuda" else
+                                               f": the engine runs on {device.type}")}[backend]
+    graphs = platform.decode_graph_backend(device)
+    graphs_why = ("decode steps captured per batch bucket and replayed (HIP graphs on ROCm)" if graphs != "eager"
+                  else f"decode steps run eagerly on {device.type}")
+    return {"dtype": str(dtype)[6:], "kernels": kernels, "kernels_why": kernels_why, "paged_attention": backend,
+            "kv_block_size": block, "paged_attention_why": why, "graphs": graphs, "graphs_why": graphs_why}
+
+
+def report() -> dict:
+    info = platform.detect()
+    gpu = info.device_type == "cuda"
+    if gpu:
+        gemm_dtype, gemm = "bfloat16", platform.measure_gemm_flops(info.device, torch.bfloat16, 8192, 10)
+        bandwidth = measure_bandwidth(info.device, 1024, 10)
+    else:
+        gemm_dtype, gemm = "float32", platform.measure_gemm_flops("cpu", torch.float32, 1024, 5)
+        bandwidth = measure_bandwidth(info.device)
+    peak = info.peak_flops
+    if not gpu and peak:  # the CPU peak is the best GEMM seen so far, this run's included: MFU never above 100%
+        peak = max(peak, platform.measure_gemm_flops("cpu", torch.float32, 1024, 5, best=True), gemm)
+    build = f"rocm {info.hip_version}" if info.hip_version else f"cuda {info.cuda_version}" if info.cuda_version \
+        else "cpu"
+    a = info.attention
+    return {
+        "twinplane": twinplane.__version__,
+        "python": host.python_version(),
+        "os": f"{host.system()} {host.release()} {host.machine()}",
+        "torch": info.torch_version,
+        "torch_build": build,
+        "vendor": info.vendor,
+        "device_type": info.device_type,
+        "devices": [{"index": i, "name": n, "memory_gb": round(m / 1e9, 1)}
+                    for i, (n, m) in enumerate(zip(info.device_names, info.device_memory, strict=True))],
+        "compute_capability": ".".join(map(str, info.compute_capability)) if info.compute_capability else None,
+        "arch": info.arch,
+        "bf16": info.bf16,
+        "dist_backend": info.dist_backend,
+        "collectives": ("rccl" if info.vendor == "amd" else "nccl") if gpu else "gloo",
+        "collectives_version": _collective_version(info),
+        "visible_devices_env": list(info.visible_devices_env),
+        "ray_noset_env": list(info.ray_noset_env),
+        "ray_installed": importlib.util.find_spec("ray") is not None,
+        "attention": {"backend": a.backend, "sdpa_kernels": list(a.sdpa_kernels),
+                      "flash_attn_installed": a.flash_attn_installed, "flash_attn_eligible": a.flash_attn_eligible,
+                      "fa3_installed": a.fa3_installed, "fa3_eligible": a.fa3_eligible},
+        "peak_tflops": peak / 1e12 if peak else None,
+        "peak_source": info.peak_source if gpu or not peak else "measured:best-of-10-fp32-gemm",
+        "gemm_dtype": gemm_dtype,
+        "gemm_tflops": gemm / 1e12,
+        "gemm_mfu": gemm / peak if peak else None,
+        "summary": _plain_words(info, gpu),
+        "copy_bandwidth_gb_s": bandwidth,
+        "rollout": rollout_report(info),
+        "sandbox": sandbox_report(),
+    }
+
+
+def _plain_words(info: platform.PlatformInfo, gpu: bool) -> str:
+    """One sentence a person can act on."""
+    if gpu:
+        kind = "AMD (ROCm)" if info.vendor == "amd" else "NVIDIA (CUDA)"
+        return (f"{info.device_count} {kind} GPU(s), {info.device_name}: training and rollout run there"
+                f"{', in bf16' if info.bf16 else ''}")
+    cores = torch.get_num_threads()
+    return (f"no GPU visible to torch: everything runs on the CPU ({cores} threads, fp32), fine for the demo and "
+            "tests, far too slow for real models")
+
+
+def _flops(tflops: float) -> str:
+    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.1f} GFLOP/s"
+
+
+def format_report(d: dict) -> str:
+    def yn(x):
+        return "yes" if x else "no"
+
+    a, r = d["attention"], d["rollout"]
+    devs = [f"  [{x['index']}] {x['name']}  {x['memory_gb']:.1f} GB" for x in d["devices"]]
+    peak = f"{_flops(d['peak_tflops'])} ({d['peak_source']})" if d["peak_tflops"] else "unknown (MFU null)"
+    mfu = f"{d['gemm_mfu']:.0%}" if d["gemm_mfu"] is not None else "n/a"
+    noset = ", ".join(d["ray_noset_env"]) or "-"
+    coll = d["collectives"] + (f" {d['collectives_version']}" if d["collectives_version"] else "")
+    fa = (f"flash_attn installed={yn(a['flash_attn_installed'])} eligible={yn(a['flash_attn_eligible'])}, "
+          f"FA3 installed={yn(a['fa3_installed'])} eligible={yn(a['fa3_eligible'])} (not used)")
+    lines = [
+        f"in short  {d['summary']}",
+        f"twinplane {d['twinplane']}  python {d['python']}  {d['os']}",
+        f"torch     {d['torch']} ({d['torch_build']})",
+        f"vendor    {d['vendor']}  device type {d['device_type']}  bf16 {yn(d['bf16'])}"
+        + (f"  sm {d['compute_capability']}" if d["compute_capability"] else "")
+        + (f"  arch {d['arch']}" if d["arch"] else ""),
+        "devices",
+        *devs,
+        f"dist      backend {d['dist_backend']} ({coll})  ray installed {yn(d['ray_installed'])}",
+        f"env       {', '.join(d['visible_devices_env']) or '-'}  (Ray keeps them: {noset})",
+        f"attention {a['backend']} -> {', '.join(a['sdpa_kernels'])}",
+        f"          {fa}",
+        f"peak      {peak}",
+        f"measured  {d['gemm_dtype']} GEMM {_flops(d['gemm_tflops'])} (MFU {mfu}),"
+        f" copy {d['copy_bandwidth_gb_s']:.1f} GB/s",
+        f"rollout   {r['dtype']}: kernels {r['kernels']} ({r['kernels_why']})",
+        f"          paged attention {r['paged_attention']}, {r['kv_block_size']}-token blocks "
+        f"({r['paged_attention_why']})",
+        f"          decode {r['graphs']} ({r['graphs_why']})",
+        f"sandbox   {d['sandbox']['backend'] or 'NONE (python tool and code reward need sandbox=unsafe-local)'}: "
+        f"{d['sandbox']['detail']}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="twinplane doctor", description="Describe this machine's torch, devices and "
+                                 "kernels, and measure its GEMM throughput and memory bandwidth.")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    args = ap.parse_args(argv)
+    d = report()
+    print(json.dumps(d, indent=2) if args.json else format_report(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`twinplane export`: a run's or a checkpoint's policy as a Hugging Face model folder, or (LoRA) a PEFT adapter."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from twinplane.errors import InputError
+from twinplane.run import checkpoint
+
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json")
+
+
+def _policy_dir(source: Path) -> Path:
+    """The checkpoint (verified) or, for a run dir, its newest intact checkpoint, else `final/`."""
+    if (source / checkpoint.MANIFEST).exists():
+        problem = checkpoint.verify(source)
+        if problem:
+            raise checkpoint.CheckpointError(f"{source}: checkpoint is {problem}")
+        return source
+    if (ckpt := checkpoint.resolve(source, "auto", log=lambda m: None)) is not None:
+        return ckpt
+    if (source / "final" / "config.json").exists():
+        return source / "final"
+    if (source / "config.json").exists():  # e.g. RUN_DIR/final itself
+        raise FileNotFoundError(f"{source}: already a Hugging Face model folder (transformers loads it as it is); "
+                                "export takes a run dir or a checkpoint")
+    raise FileNotFoundError(f"{source}: not a checkpoint, and a run dir with no complete checkpoint or final/")
+
+
+def _adapter_dir(found: Path) -> Path | None:
+    for d in (found / "adapter", found.parent / "final_adapter" if found.name == "final" else None):
+        if d is not None and (d / "adapter_config.json").exists():
+            return d
+    return None
+
+
+def export(source: Path, out: Path, fmt: str = "merged") -> Path:
+    """Write the policy to `out` (new or empty): `merged` (default) an HF folder (config.json, safetensors,
+    tokenizer, generation_config.json) with any LoRA adapters folded in; `peft` the adapters alone
+    (adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained(base, out)`).
+
+    `source` is a checkpoint folder (verified first) or a run dir (its newest intact checkpoint, else `final/`).
+    The weights are plain safetensors written on whatever device trained them, so they load anywhere."""
+    if fmt not in ("merged", "peft"):
+        raise InputError(f"--format {fmt}: must be merged or peft")
+    if not source.is_dir():
+        raise checkpoint.CheckpointError(f"{source}: no such run dir or checkpoint folder")
+    if out.exists() and out.resolve() == source.resolve():
+        raise checkpoint.CheckpointError(f"--out {out}: is the source folder (choose a new one)")
+    found = _policy_dir(source)
+    adapter = _adapter_dir(found)
+    if fmt == "peft":
+        if adapter is None:
+            raise InputError(f"{source}: no LoRA adapters to export (a full-weight run; use --format merged)")
+        return _copy_files(adapter, _new_folder(out, adapter))
+    if adapter is None or found.name == "final":  # full weights, or final/ (already merged)
+        model_dir = found / "model" if (found / "model").is_dir() else found
+        return _copy_files(model_dir, _new_folder(out, model_dir))
+    return _merge(found, adapter, _new_folder(out, found))
+
+
+def _new_folder(out: Path, src: Path) -> Path:
+    """`out`, created if needed: never a file, the source or inside it, nor a folder with files (no overwrite)."""
+    if out.exists() and not out.is_dir():
+        raise checkpoint.CheckpointError(f"--out {out}: is a file, not a folder")
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise checkpoint.CheckpointError(f"--out {out}: is the source folder (choose a new one)")
+    if out.is_dir() and any(out.iterdir()):
+        raise checkpoint.CheckpointError(f"--out {out}: exists and is not empty (nothing is overwritten)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise checkpoint.CheckpointError(f"--out {out}: cannot create it ({e.strerror})") from None
+    return out
+
+
+def _copy_files(src: Path, out: Path, skip: tuple[str, ...] = ()) -> Path:
+    mode = 0o666 & ~_umask()  # readable by others under the usual umask, whatever the source's mode was
+    for f in src.iterdir():
+        if f.is_file() and not any(f.match(p) for p in skip):
+            shutil.copyfile(f, out / f.name)
+            os.chmod(out / f.name, mode)
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _merge(ckpt: Path, adapter: Path, out: Path) -> Path:
+    """A LoRA checkpoint's base (checked against its sha256) with the adapters folded in, as an HF folder; the
+    tokenizer and generation config come from the base folder."""
+    from twinplane.model import load_model, save_pretrained
+    from twinplane.model.lora import merge_lora
+    from twinplane.model.lora_io import apply_adapter, base_sha256
+    from twinplane.platform import platform
+    from twinplane.run.run_state import read_config, read_lora_base
+
+    base = read_lora_base(ckpt)
+    base_dir = Path(base["path"])
+    if not (base_dir / "config.json").exists():
+        raise FileNotFoundError(f"{ckpt}: its LoRA base {base_dir} is missing")
+    if base_sha256(base_dir) != base["sha256"]:
+        raise checkpoint.CheckpointError(f"{ckpt}: its LoRA base {base_dir} changed since the checkpoint "
+                                         "(sha256 differs)")
+    dtype = platform.resolve_dtype(read_config(ckpt)["model"]["dtype"])
+    model = merge_lora(apply_adapter(load_model(base_dir, device="cpu", dtype=dtype), adapter))
+    _copy_files(base_dir, out, skip=WEIGHT_FILES)
+    save_pretrained(model, out)
+    return out

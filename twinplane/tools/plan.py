@@ -1,0 +1,742 @@
+"""Capacity planner: memory per device for both planes, feasible layouts, a recommendation, and its cost.
+
+`twinplane plan --model DIR|config.json|PRESET --gpu mi300x --gpus 8 [--nodes K] [--price-per-gpu-hour P]`
+(PRESET: a published model by name, e.g. Qwen2.5-7B, Qwen3-30B-A3B, Llama-3.1-8B; see `twinplane.model.presets`)
+
+Only layouts that `train` accepts are ranked: each layout's overrides, on top of the run's config (or the defaults)
+and the step's shape, go through the same validation as `twinplane train`; the others (tensor-parallel engines,
+which this version does not have, or more training ranks than samples) are listed apart with `train`'s reason.
+
+Everything here is an estimate from the model's shape and the datasheet numbers in `twinplane.platform.devices`:
+- dtypes: on a GPU, bf16 params/grads/compute with fp32 master weights and fp32 AdamW moments (16 bytes per
+  parameter before sharding); on the CPU, fp32 everything and no master copy (16 bytes per parameter too:
+  weights 4 + grads 4 + two moments 8);
+- training: parameters, grads and optimizer states are divided by the FSDP degree (fully sharded, ZeRO-3);
+  activations are those of one micro-batch (see `activation_bytes_per_token_layer`); gradient-accumulation
+  micro-batches run one after another, so grads are live while a micro-batch's activations are;
+- rollout: weights / TP + KV cache of the sequences in flight / TP + a workspace (logits and the prefill's
+  transient activations); no paging, fragmentation or CUDA-graph memory beyond the headroom;
+- throughput: decode is memory-bandwidth bound, training runs at an assumed MFU; collectives inside FSDP are
+  assumed overlapped with compute; the reference / old-log-prob forward passes are ignored.
+- LoRA (`--lora RANK`, adapters on every attention and MLP linear): the base is frozen in bf16 (2 bytes per
+  parameter, no grads, master copy or moments), the adapters carry the 16 bytes per parameter of fp32 weights,
+  grads and moments; activations add the fp32 copy of each adapted layer's input; the backward skips the base's
+  weight gradients (training FLOPs x 2/3); the sync moves only the fp32 adapters; there is no reference copy
+  (the reference is the base with the adapters off) -- and without LoRA the reference copy is not counted either.
+Ignored everywhere: framework/runtime context (CUDA context, NCCL buffers, ~1-3 GB per GPU, covered by the
+headroom), allocator fragmentation, pipeline parallelism. Sequences are packed (`train.packing`, the default), so
+a micro-batch holds micro_batch_size x seq_len real tokens and no padding; the LM head's log-probs run in chunks of
+`logprob_chunk_tokens` (`twinplane.train.chunked_logprobs`), so the logits term is bounded by chunk x vocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from twinplane.errors import InputError
+from twinplane.model import ModelConfig
+from twinplane.model.flops import (
+    decode_read_params,
+    forward_flops_per_token,
+    matmul_params,
+    mlp_width,
+    train_flops_per_token,
+)
+from twinplane.model.presets import PRESETS, preset, preset_name
+from twinplane.platform.devices import BY_KEY, DeviceSpec
+
+GB = 1e9
+HEADROOM = 0.10  # fraction of device memory left free by every layout
+MFU = 0.35  # assumed model-FLOPs utilisation of the training plane
+DECODE_EFFICIENCY = 0.6  # fraction of peak HBM bandwidth a decode step achieves
+PREFILL_MFU = 0.4
+LINK_GB_S = 50.0  # per-GPU bandwidth of weight sync (trainer -> engines), GB/s; intra-node xGMI/NVLink is higher
+HOST_LINK_GB_S = 25.0  # PCIe, for optimizer offload
+ALLREDUCE_LATENCY_S = 25e-6  # per TP all-reduce in a decode step (2 per layer)
+TP_EFFICIENCY = 0.8  # bandwidth efficiency lost to TP communication, per TP>1 engine
+TP_SIZES = (1, 2, 4, 8)
+CPU = DeviceSpec("cpu", "cpu", 1.0, 24, 0.05, ())  # the CPU check: memory numbers only
+
+
+def size(nbytes: float) -> str:
+    """Bytes in a unit that fits: MB below a GB, else GB."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes < GB else f"{nbytes / GB:.1f} GB"
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    param: int = 2  # bytes per element of the compute-dtype weights (what the engine holds too)
+    grad: int = 2
+    master: int = 4  # fp32 master copy; 0 when the weights themselves are fp32
+    moments: int = 8  # AdamW exp_avg + exp_avg_sq, fp32
+    act: int = 2  # activations
+
+    @classmethod
+    def for_device(cls, device: DeviceSpec) -> Dtypes:
+        """bf16 mixed precision on GPUs; fp32 everything (no master copy) on the CPU."""
+        return cls(4, 4, 0, 8, 4) if device.key == "cpu" else cls()
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts_per_step: int = 32
+    n: int = 8
+    prompt_len: int = 512
+    response_len: int = 1024
+    micro_batch_size: int = 4  # sequences per forward/backward
+    logprob_chunk_tokens: int = 512  # train.logprob_chunk_tokens
+    lora_rank: int = 0  # train.lora.rank (0 = full fine-tuning)
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts_per_step * self.n
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens per step (the tokens in the loss)."""
+        return self.sequences * self.response_len
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: DeviceSpec
+    gpus: int  # per node
+    nodes: int = 1
+    price_per_gpu_hour: float = 0.0
+    overlap: bool = False  # disaggregated planes overlap one step off-policy (else they alternate: cluster.async=false)
+
+    @property
+    def total(self) -> int:
+        return self.gpus * self.nodes
+
+
+@dataclass(frozen=True)
+class TrainMemory:
+    params: float
+    grads: float
+    master: float
+    moments: float
+    activations: float
+    logits: float
+
+    @property
+    def resident(self) -> float:
+        """What stays on the device between steps (weights, grads buffer, optimizer states)."""
+        return self.params + self.grads + self.master + self.moments
+
+    @property
+    def total(self) -> float:
+        return self.resident + self.activations + self.logits
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    weights: float
+    kv_cache: float
+    workspace: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_cache + self.workspace
+
+
+@dataclass(frozen=True)
+class Layout:
+    colocated: bool
+    train_gpus: int  # = FSDP degree
+    rollout_gpus: int
+    tp: int
+    checkpointing: bool
+    offload: bool
+    train_mem: float  # bytes per device, peak of the training phase
+    rollout_mem: float  # bytes per device, peak of the rollout phase
+    seqs_in_flight: int  # per engine, as many as memory allows up to the step's share
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    step_s: float
+    resharding_bytes: float
+    cost_per_m_tokens: float
+    refused: str = ""  # why `train` refuses these overrides ("" = accepted)
+
+    @property
+    def dp(self) -> int:
+        return self.rollout_gpus // self.tp
+
+    def settings(self) -> dict[str, str | int | bool]:
+        """The config keys this layout sets; one device runs best in one process (cluster.backend=local: Ray
+        would only add calls and copies)."""
+        memory = {"train.activation_checkpointing": self.checkpointing, "train.optimizer_offload": self.offload}
+        if self.colocated and self.train_gpus == 1:
+            return {"cluster.backend": "local", **memory}
+        return {"cluster.backend": "ray", "cluster.train_devices": self.train_gpus,
+                "cluster.rollout_devices": self.rollout_gpus, "cluster.colocate": self.colocated,
+                "rollout.tp": self.tp, **memory}
+
+    def overrides(self) -> str:
+        """`settings` as `twinplane train` overrides."""
+        return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.settings().items())
+
+
+@dataclass(frozen=True)
+class TrainCheck:
+    """What `twinplane train` says to a layout: its settings on top of a run's config file (or the defaults) and
+    `overrides` (the step's shape), through the trainer's own config validation."""
+
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+
+    def refusal(self, layout: Layout) -> str:
+        """`train`'s one-line error for this layout, or "" when it accepts it."""
+        from twinplane.config import ConfigError
+
+        base = _base_config(self.config, self.overrides)
+        if isinstance(base, str):
+            return base
+        cfg = copy.deepcopy(base)
+        for key, value in layout.settings().items():
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, value)
+        try:
+            cfg.validate()
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    @classmethod
+    def for_workload(cls, w: Workload, config: str | None = None, extra: tuple[str, ...] = ()) -> TrainCheck:
+        shape = (f"rollout.prompts_per_step={w.prompts_per_step}", f"rollout.n={w.n}",
+                 f"rollout.max_new_tokens={w.response_len}", f"train.micro_batch_size={w.micro_batch_size}",
+                 f"train.logprob_chunk_tokens={w.logprob_chunk_tokens}", f"train.lora.rank={w.lora_rank}")
+        return cls(config, (*extra, *shape))
+
+
+@functools.lru_cache(maxsize=64)  # (parsing overrides is slow; every layout of a plan starts from the same base)
+def _base_config(config: str | None, overrides: tuple[str, ...]):
+    """The run's config with the step's shape, or `train`'s error for it (then every layout is refused with it)."""
+    from twinplane.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as e:
+        return str(e)
+
+
+# ---- memory -------------------------------------------------------------------------------------------------
+
+
+def activation_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int) -> float:
+    """Saved-for-backward activations of one decoder layer, per token (fused/flash attention, no T^2 term).
+
+    Korthikanti et al. (2022) count 34*h*b bytes per token for a GPT layer (fp16, no dropout here); adapted to
+    RMSNorm + GQA attention + rotary + SwiGLU MLP, counting the tensors autograd keeps, in elements:
+      2 RMSNorms: input and normalised output, 2 x 2d
+      q, k, v projections: a + 2k          (a = heads*head_dim, k = kv_heads*head_dim)
+      rotary: q, k and rotate_half(q, k):  2(a + k)
+      attention output (input of o_proj): a, plus the kernel's own rotated q/k/v copies: a + 2k
+      SwiGLU: gate, up, silu(gate), silu(gate)*up (input of down_proj): 4f
+    = 4d + 5a + 6k + 4f elements. Residual adds keep nothing; the attention's log-sum-exp is ignored.
+    MoE: f is the per-token width over the top-k experts (`flops.mlp_width`); router logits are ignored.
+    """
+    d, f = cfg.hidden_size, mlp_width(cfg)
+    a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return float(4 * d + 5 * a + 6 * k + 4 * f) * act_bytes
+
+
+def lora_params(cfg: ModelConfig, rank: int) -> int:
+    """Adapter parameters, rank r on every attention and MLP linear: r (in + out) each, per layer
+    r (7d + 2a + 2k + 3f) with a = heads * head_dim, k = kv_heads * head_dim."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return rank * cfg.num_layers * (7 * d + 2 * a + 2 * k + 3 * f)
+
+
+def logits_bytes(cfg: ModelConfig, response_tokens: int, act_bytes: int, chunk: int = 512) -> float:
+    """The LM head's transient buffers, one chunk of min(tokens, chunk) rows x vocab at a time (forward and the
+    backward's recompute): the chunk's logits in the compute dtype, then fp32 log-probs (normalised in place),
+    their exp and the log-sum-exp's temporary, and the logits' gradient cast back to the compute dtype:
+    3 fp32 copies + 1 compute-dtype copy."""
+    return float(min(response_tokens, chunk)) * cfg.vocab_size * (act_bytes + 3 * 4)
+
+
+def training_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, fsdp: int = 1, checkpointing: bool = False,
+                    offload: bool = False) -> TrainMemory:
+    """Peak bytes per device of the training plane.
+
+    Params, grads, master weights and moments are divided by `fsdp` (plus one gathered layer of bf16 weights
+    per device while it computes, ignored). `offload` (`train.optimizer_offload`) keeps the AdamW moments in
+    host memory between updates; master weights stay on the device.
+    Activations: one micro-batch of `micro_batch_size` x seq_len tokens; with `checkpointing`, each layer keeps
+    only its input (d elements per token) and one layer's activations are live during recompute.
+    With `w.lora_rank`, the base's params count at the compute dtype and the adapters take grads, master and moments
+    (see the module docstring).
+    """
+    dt = Dtypes.for_device(device)
+    p = cfg.num_params
+    tokens = w.micro_batch_size * w.seq_len
+    per_layer = activation_bytes_per_token_layer(cfg, dt.act)
+    if w.lora_rank:  # each adapted layer keeps its input cast to fp32 (5d + a + f) and the r-wide intermediate
+        d, a = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        per_layer += ((5 * d + a + cfg.intermediate_size) * 4 if dt.act != 4 else 0) + 7 * w.lora_rank * 4
+    if checkpointing:
+        act = tokens * (cfg.num_layers * cfg.hidden_size * dt.act + per_layer)
+    else:
+        act = tokens * cfg.num_layers * per_layer
+    act += tokens * 3 * cfg.hidden_size * dt.act  # embeddings out, final norm in/out
+    if w.lora_rank:
+        lp = lora_params(cfg, w.lora_rank)
+        return TrainMemory(params=(p * dt.param + lp * 4) / fsdp, grads=lp * 4 / fsdp, master=0.0,
+                           moments=0.0 if offload else lp * 8 / fsdp, activations=float(act),
+                           logits=logits_bytes(cfg, w.micro_batch_size * w.response_len, dt.act,
+                                               w.logprob_chunk_tokens))
+    return TrainMemory(
+        params=p * dt.param / fsdp,
+        grads=p * dt.grad / fsdp,
+        master=p * dt.master / fsdp,
+        moments=0.0 if offload else p * dt.moments / fsdp,
+        activations=float(act),
+        logits=logits_bytes(cfg, w.micro_batch_size * w.response_len, dt.act, w.logprob_chunk_tokens),
+    )
+
+
+def kv_bytes_per_token(cfg: ModelConfig, device: DeviceSpec, tp: int = 1) -> float:
+    """2 (K and V) * L * kv_heads * head_dim * bytes, per token, on one TP rank (kv heads replicate when
+    tp > kv_heads)."""
+    kv_heads = max(cfg.num_kv_heads / tp, 1)
+    return 2.0 * cfg.num_layers * kv_heads * cfg.head_dim * Dtypes.for_device(device).param
+
+
+def rollout_workspace(cfg: ModelConfig, device: DeviceSpec, seqs: int, prompt_tokens: int, tp: int = 1) -> float:
+    """Transient engine memory: fp32 logits of the sequences in flight (logits, log-probs and the sampler's
+    temporaries, 3 copies of [seqs, vocab]) plus one layer of prefill activations over the prompt tokens
+    (q/k/v/o + MLP intermediates: 2d + a + 2k + 3f per token, divided by TP)."""
+    b = Dtypes.for_device(device).param
+    logits = 3.0 * seqs * cfg.vocab_size * 4
+    a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    prefill = prompt_tokens * (2 * cfg.hidden_size + (a + 2 * k + 3 * mlp_width(cfg)) / tp) * b
+    return logits + prefill
+
+
+def rollout_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, tp: int = 1,
+                   seqs: int | None = None) -> RolloutMemory:
+    """Peak bytes per device of one engine rank holding `seqs` sequences (default: all of the step's) of
+    prompt_len + response_len tokens: weights / TP + KV cache / TP + workspace. The engine prefills each prompt
+    once and expands the cache to n rows, so `seqs` counts samples."""
+    seqs = w.sequences if seqs is None else seqs
+    b = Dtypes.for_device(device).param
+    kv = kv_bytes_per_token(cfg, device, tp) * seqs * w.seq_len
+    prompts = max(1, math.ceil(seqs / w.n))
+    lora = lora_params(cfg, w.lora_rank) * 4 / tp  # unmerged fp32 adapters beside the base
+    return RolloutMemory(weights=cfg.num_params * b / tp + lora, kv_cache=kv,
+                         workspace=rollout_workspace(cfg, device, seqs, prompts * w.prompt_len, tp))
+
+
+# ---- throughput and cost ------------------------------------------------------------------------------------
+
+
+def tp_sizes(cfg: ModelConfig, gpus_per_node: int) -> list[int]:
+    """TP degrees that split the attention heads evenly (KV heads split or replicate) within one node."""
+    return [t for t in TP_SIZES if t <= gpus_per_node and cfg.num_heads % t == 0
+            and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0)]
+
+
+def rollout_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, engines: int, tp: int, in_flight: int) -> float:
+    """Time to generate the step's samples on `engines` engines of TP `tp`, each decoding `in_flight` sequences
+    at a time. A decode step reads the weights once and the KV of every sequence in flight (mean context =
+    prompt + response/2), at DECODE_EFFICIENCY of HBM bandwidth (x TP_EFFICIENCY and two all-reduces per layer
+    when tp > 1), and is never faster than the matmul FLOPs at PREFILL_MFU. Prefill is compute bound. MoE: the
+    step reads the experts the batch's tokens pick (`flops.decode_read_params`), FLOPs count active ones. Assumes
+    every sample runs to response_len (no early stop) and static batches."""
+    b = Dtypes.for_device(device).param
+    bw = device.hbm_tb_s * 1e12 * DECODE_EFFICIENCY * (TP_EFFICIENCY if tp > 1 else 1.0)
+    flops = device.bf16_tflops * 1e12
+    per_engine = math.ceil(w.sequences / engines)
+    passes = math.ceil(per_engine / in_flight)
+    batch = math.ceil(per_engine / passes)
+    ctx = w.prompt_len + w.response_len / 2
+    read = (decode_read_params(cfg, batch) * b + batch * ctx * kv_bytes_per_token(cfg, device, 1)) / tp
+    step = max(read / bw, batch * 2 * matmul_params(cfg) / tp / (flops * PREFILL_MFU))
+    if tp > 1:
+        step += 2 * cfg.num_layers * ALLREDUCE_LATENCY_S
+    prompts = math.ceil(per_engine / w.n)
+    prefill = prompts * w.prompt_len * forward_flops_per_token(cfg, w.prompt_len / 2) / tp / (flops * PREFILL_MFU)
+    return passes * w.response_len * step + prefill
+
+
+def train_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, gpus: int, checkpointing: bool,
+                  offload: bool) -> float:
+    """Training FLOPs of the step (all prompt + response tokens) at MFU; checkpointing recomputes the forward
+    (x4/3); offload adds moving this device's share of the moments over PCIe, in before the update and out after."""
+    tokens = w.sequences * w.seq_len
+    f = train_flops_per_token(cfg, w.seq_len) * tokens * (4 / 3 if checkpointing else 1.0)
+    if w.lora_rank:  # no weight gradients for the frozen base: forward + input gradients only
+        f *= 2 / 3
+    s = f / (gpus * device.bf16_tflops * 1e12 * MFU)
+    if offload:
+        p = lora_params(cfg, w.lora_rank) if w.lora_rank else cfg.num_params
+        s += 2 * p * Dtypes.for_device(device).moments / gpus / (HOST_LINK_GB_S * GB)
+    return s
+
+
+def sync_payload(cfg: ModelConfig, device: DeviceSpec, lora_rank: int = 0) -> float:
+    """Bytes one engine receives per sync: the weights in the rollout dtype, or only the fp32 LoRA adapters."""
+    return float(lora_params(cfg, lora_rank) * 4 if lora_rank else cfg.num_params * Dtypes.for_device(device).param)
+
+
+def resharding_bytes(cfg: ModelConfig, device: DeviceSpec, dp: int, lora_rank: int = 0) -> float:
+    """Bytes moved trainer -> engines per step: the payload, gathered once from the FSDP shards and sent to each
+    of the `dp` engines (each TP rank of an engine receives 1/TP of it)."""
+    return sync_payload(cfg, device, lora_rank) * dp
+
+
+def sync_seconds(cfg: ModelConfig, device: DeviceSpec, tp: int, colocated: bool, lora_rank: int = 0) -> float:
+    """All-gather the FSDP shards then broadcast (pipelined, so each rank receives its 1/TP share once at
+    LINK_GB_S); colocated engines on the same devices still gather, so the cost is the same order."""
+    w = sync_payload(cfg, device, lora_rank)
+    return (w + w / tp) / (LINK_GB_S * GB)
+
+
+def cost_per_million(cluster: Cluster, step_s: float, w: Workload) -> float:
+    """(gpus * price / 3600) * seconds per step / (trained tokens per step / 1e6)."""
+    return cluster.total * cluster.price_per_gpu_hour / 3600 * step_s / (w.trained_tokens / 1e6)
+
+
+# ---- layouts ------------------------------------------------------------------------------------------------
+
+
+def max_in_flight(cfg: ModelConfig, device: DeviceSpec, w: Workload, tp: int, budget: float) -> int:
+    """Most sequences one engine rank can hold within `budget` bytes (weights, KV and workspace)."""
+    fixed = rollout_memory(cfg, device, w, tp, seqs=0).total
+    per_seq = rollout_memory(cfg, device, w, tp, seqs=w.n).total - fixed
+    if budget <= fixed + per_seq / w.n:
+        return 0
+    return int((budget - fixed) / (per_seq / w.n))
+
+
+def _layout(cfg: ModelConfig, cluster: Cluster, w: Workload, colocated: bool, train_gpus: int, rollout_gpus: int,
+            tp: int, ckpt: bool, offload: bool) -> Layout | None:
+    dev = cluster.device
+    budget = dev.memory_gb * GB * (1 - HEADROOM)
+    tm = training_memory(cfg, dev, w, train_gpus, ckpt, offload)
+    engine_weights = rollout_memory(cfg, dev, w, tp, seqs=0).weights
+    # Colocated: the engine keeps its weights through training (its KV cache is freed), and the trainer's
+    # sharded states stay resident through rollout (activations are freed).
+    train_peak = tm.total + (engine_weights if colocated else 0.0)
+    rollout_budget = budget - (tm.resident if colocated else 0.0)
+    dp = rollout_gpus // tp
+    share = math.ceil(w.sequences / dp)
+    in_flight = min(share, max_in_flight(cfg, dev, w, tp, rollout_budget))
+    if train_peak > budget or in_flight < 1:
+        return None
+    rollout_peak = rollout_memory(cfg, dev, w, tp, in_flight).total + (tm.resident if colocated else 0.0)
+    r = rollout_seconds(cfg, dev, w, dp, tp, in_flight)
+    t = train_seconds(cfg, dev, w, train_gpus, ckpt, offload)
+    s = sync_seconds(cfg, dev, tp, colocated, w.lora_rank)
+    # Phases alternate (the controller is synchronous, on-policy), so a disaggregated plane idles while the other
+    # works; with `overlap` the rollout of step k+1 runs during training of step k and the slower plane sets the pace.
+    step = max(r, t) + s if cluster.overlap and not colocated else r + t + s
+    return Layout(colocated, train_gpus, rollout_gpus, tp, ckpt, offload, train_peak, rollout_peak, in_flight, r, t,
+                  s, step, resharding_bytes(cfg, dev, dp, w.lora_rank), cost_per_million(cluster, step, w))
+
+
+def layouts(cfg: ModelConfig, cluster: Cluster, w: Workload, check: TrainCheck | None = None) -> list[Layout]:
+    """Every feasible layout, fastest (= cheapest) first: colocated on all GPUs, or disaggregated splits (training
+    on T GPUs, rollout on the rest, whole nodes or whole TP groups); TP from `tp_sizes`; activation checkpointing
+    and optimizer offload on or off. Feasible = both phases' peaks within (1 - HEADROOM) of device memory and at
+    least one sequence in flight per engine. Each carries `refused`: `check`'s (default: `train` with its defaults
+    and this step's shape) reason to refuse it, "" when `train` accepts it."""
+    check = check or TrainCheck.for_workload(w)
+    g = cluster.total
+    out = []
+    for tp in tp_sizes(cfg, cluster.gpus):
+        splits = [(True, g, g)] + [(False, t, g - t) for t in range(1, g) if (g - t) % tp == 0]
+        for colocated, tg, rg in splits:
+            if rg % tp:
+                continue
+            for ckpt in (False, True):
+                for offload in (False, True):
+                    lay = _layout(cfg, cluster, w, colocated, tg, rg, tp, ckpt, offload)
+                    if lay is not None:
+                        out.append(replace(lay, refused=check.refusal(lay)))
+    return sorted(out, key=lambda x: (x.step_s, x.tp, x.offload, x.checkpointing))
+
+
+def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload,
+              options: list[Layout] | None = None) -> tuple[Layout | None, str]:
+    """The fastest (= cheapest: the price is per GPU and every layout uses them all) feasible layout that `train`
+    accepts (`layouts`), and the reasons, in words. A faster layout that `train` refuses (TP>1: the bandwidth model
+    gives it a shorter decode step by splitting the weight reads) is named, not recommended."""
+    options = layouts(cfg, cluster, w) if options is None else options
+    dev = cluster.device
+    if not options:
+        return None, (f"nothing fits: even fully sharded with checkpointing and offload, {cluster.total} x "
+                      f"{dev.key} ({dev.memory_gb:g} GB) is too small; add GPUs or shrink "
+                      "--micro-batch-size / --response-len")
+    accepted = [x for x in options if not x.refused]
+    if not accepted:
+        return None, (f"only layouts that `train` refuses fit (the fastest: {_why(options[0].refused)}); add GPUs or "
+                      "shrink --micro-batch-size / --response-len")
+    best = accepted[0]
+    b = Dtypes.for_device(dev).param
+    weights = cfg.num_params * b
+    unit = "device" if dev.key == "cpu" else "GPU"
+    faster = [x for x in options if x.refused and x.step_s < best.step_s]
+    alt = (f" (the model prices TP={faster[0].tp} at {faster[0].step_s:.1f} s/step vs {best.step_s:.1f} s by "
+           f"splitting weight reads, before TP's communication and coupling costs; not yet supported: "
+           f"{_why(faster[0].refused)})") if faster else ""
+    if best.tp == 1:
+        reasons = [f"TP=1: the {size(weights)} of {'bf16' if b == 2 else 'fp32'} weights fit on one "
+                   f"{dev.memory_gb:g} GB {dev.key} holding the KV cache of {best.seqs_in_flight} sequences per "
+                   f"engine, so every {unit} runs an independent engine (no per-layer all-reduces){alt}"]
+    else:
+        reasons = [f"TP={best.tp}: at TP=1 the weights ({size(weights)}) leave too little of the "
+                   f"{dev.memory_gb:g} GB for KV cache (or training state); splitting them buys "
+                   f"{best.seqs_in_flight} sequences in flight per engine"]
+    if best.colocated:
+        reasons.append(f"colocated: both planes fit on every {unit} together, so none idles while the other "
+                       "plane works")
+    else:
+        how = "overlapping one step off-policy" if cluster.overlap else "alternating"
+        reasons.append(f"disaggregated {best.train_gpus}+{best.rollout_gpus} ({how}): the training state and the "
+                       "engine don't fit on the same GPUs, or splitting is faster")
+    reasons.append(f"peaks {size(best.train_mem)} training / {size(best.rollout_mem)} rollout of "
+                   f"{dev.memory_gb * (1 - HEADROOM):.0f} GB usable ({HEADROOM:.0%} headroom)")
+    if best.checkpointing:
+        reasons.append("activation checkpointing: the micro-batch's activations don't fit otherwise (+33% "
+                       "training FLOPs)")
+    if best.offload:
+        reasons.append("optimizer offload: master weights and AdamW moments live in host memory, as the "
+                       "training state, the micro-batch's activations and the engine's weights don't fit together "
+                       "on the device otherwise")
+    share = math.ceil(w.sequences / best.dp)
+    if best.seqs_in_flight < share:
+        reasons.append(f"memory-limited: each engine decodes {best.seqs_in_flight} of its {share} sequences at a "
+                       f"time ({math.ceil(share / best.seqs_in_flight)} passes)")
+    return best, "; ".join(reasons)
+
+
+# ---- output -------------------------------------------------------------------------------------------------
+
+
+def _unit(largest: float) -> tuple[float, str]:
+    """MB for small models (the demo's whole run is a few MB), GB otherwise."""
+    return (1e6, "MB") if largest < GB else (GB, "GB")
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def plan(cfg: ModelConfig, cluster: Cluster, w: Workload, check: TrainCheck | None = None, name: str = "") -> dict:
+    """Everything `format_plan` prints, as plain data (what `--json` writes): `layouts` are those `train` accepts,
+    ranked; `refused_layouts` the feasible ones it refuses, each with its reason."""
+    dev = cluster.device
+    g = cluster.total
+    options = layouts(cfg, cluster, w, check)
+    best, why = recommend(cfg, cluster, w, options)
+    fsdp = best.train_gpus if best else g
+    tp = best.tp if best else 1
+    tm = training_memory(cfg, dev, w, fsdp, best.checkpointing if best else False, best.offload if best else False)
+    rm = rollout_memory(cfg, dev, w, tp, best.seqs_in_flight if best else None)
+    return {
+        "model": {"name": name, "params": cfg.num_params, "active_params": cfg.active_params,
+                  "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+                  "trainable_params": lora_params(cfg, w.lora_rank) if w.lora_rank else cfg.num_params},
+        "cluster": {"device": dev.key, "memory_gb": dev.memory_gb, "gpus": g, "price_per_gpu_hour":
+                    cluster.price_per_gpu_hour},
+        "workload": asdict(w),
+        "training_memory": asdict(tm) | {"total": tm.total, "fsdp": fsdp},
+        "rollout_memory": asdict(rm) | {"total": rm.total, "tp": tp},
+        "layouts": [asdict(x) | {"dp": x.dp} for x in options if not x.refused],
+        "refused_layouts": [asdict(x) | {"dp": x.dp} for x in options if x.refused],
+        "recommended": None if best is None else asdict(best) | {"dp": best.dp, "overrides": best.overrides()},
+        "reason": why,
+    }
+
+
+def _row(rank: str, x: dict, div: float) -> str:
+    mode = "colocated" if x["colocated"] else "split"
+    return (f"  {rank:>4} {mode:<10}{x['train_gpus']:6d}{x['rollout_gpus']:8d}{x['tp']:4d}{x['dp']:4d}"
+            f"{'yes' if x['checkpointing'] else 'no':>5}{'yes' if x['offload'] else 'no':>5}"
+            f"{x['train_mem'] / div:10.1f}{x['rollout_mem'] / div:9.1f}{x['seqs_in_flight']:10d}"
+            f"{x['step_s']:8.1f}{x['resharding_bytes'] / div:9.1f}{x['cost_per_m_tokens']:10.3f}")
+
+
+def _why(refusal: str) -> str:
+    """`train`'s error without the value it got (`rollout.tp: must be 1 (...), got 4` -> `rollout.tp: must be 1
+    (...)`), to say once for every layout it applies to."""
+    return refusal.rsplit(", got ", 1)[0]
+
+
+def _layout_table(p: dict, div: float, unit: str, max_rows: int, max_refused: int = 4) -> list[str]:
+    """The layouts `train` accepts, ranked, then (unranked, marked) those it refuses that the model prices faster
+    than rank 1 (all of them when it accepts none), with `train`'s reason once per refused key."""
+    ok, no = p["layouts"], p["refused_layouts"]
+    if not (ok or no):
+        return ["feasible layouts: none"]
+    shown = ok[:max_rows]
+    faster = [x for x in no if not ok or x["step_s"] < ok[0]["step_s"]][:max_refused]
+    head = (f"feasible layouts: {len(ok)} that `train` accepts, ranked"
+            + (f" (the fastest {len(shown)} shown)" if len(shown) < len(ok) else "")
+            + (f", and {len(no)} it refuses" if no else "") + f"; memory = peak per device, {unit}:")
+    lines = [head, f"  rank mode        train rollout  TP  DP ckpt offl train_mem roll_mem in_flight  step_s  "
+                   f"sync_{unit}  $/1M tok"]
+    lines += [_row(str(i), x, div) for i, x in enumerate(shown, 1)]
+    reasons = {x["refused"].split(":")[0]: _why(x["refused"]) for x in faster}
+    lines += [_row("-", x, div) + f"  not yet supported ({x['refused'].split(':')[0]})" for x in faster]
+    lines += [f"  not yet supported: `train` refuses {r}" for r in reasons.values()]
+    return lines
+
+
+def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int = 12, check: TrainCheck | None = None,
+                name: str = "") -> str:
+    """The terminal report: memory per plane, the layouts table, the recommendation and its overrides."""
+    dev = cluster.device
+    p = plan(cfg, cluster, w, check, name)
+    tm, rm, best = p["training_memory"], p["rollout_memory"], p["recommended"]
+    div, unit = _unit(max(tm["total"], rm["total"]))
+    moe = (f", {_params(cfg.active_params)} active: top-{cfg.num_experts_per_tok} of {cfg.num_experts} experts"
+           if cfg.num_experts else "")
+    lines = [f"model: {name + ', ' if name else ''}{_params(cfg.num_params)} params{moe} ({cfg.num_layers} layers, "
+             f"hidden {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size})",
+             f"cluster: {cluster.nodes} x {cluster.gpus} {dev.key} ({dev.memory_gb:g} GB, {dev.hbm_tb_s:g} TB/s, "
+             f"{dev.bf16_tflops:g} TFLOP/s bf16)",
+             f"step: {w.prompts_per_step} prompts x {w.n} samples, prompt {w.prompt_len} + response "
+             f"{w.response_len} tokens, micro-batch {w.micro_batch_size}",
+             (f"LoRA r={w.lora_rank} on every attention/MLP linear: {p['model']['trainable_params'] / 1e6:.1f}M "
+              f"trainable params ({100 * p['model']['trainable_params'] / cfg.num_params:.2f}%); frozen bf16 base; "
+              "no reference copy (the base with adapters off); adapter-only sync" if w.lora_rank else
+              "full fine-tuning (the reference copy for algo.kl_coef > 0 is not counted)"),
+             "PPO's critic (a policy-sized value model with its own AdamW) is not counted: it shares the training "
+             "devices (cluster.critic_devices=0) or takes K more (cluster.critic_devices=K)",
+             "",
+             f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
+    for k in ("params", "grads", "master", "moments", "activations", "logits", "total"):
+        lines.append(f"  {k:<12}{tm[k] / div:8.2f}")
+    lines.append(f"rollout memory per device ({unit}, TP={rm['tp']}):")
+    for k in ("weights", "kv_cache", "workspace", "total"):
+        lines.append(f"  {k:<12}{rm[k] / div:8.2f}")
+    lines += ["", *_layout_table(p, div, unit, max_rows), ""]
+    if best is None:
+        lines.append(f"recommendation: none. {p['reason']}")
+    else:
+        lines += [f"recommendation: {'colocated' if best['colocated'] else 'disaggregated'}, "
+                  f"train on {best['train_gpus']} (FSDP={best['train_gpus']}), rollout on {best['rollout_gpus']} "
+                  f"(TP={best['tp']} x DP={best['dp']})",
+                  f"  why: {p['reason']}",
+                  f"  step {best['step_s']:.1f} s (rollout {best['rollout_s']:.1f} + train {best['train_s']:.1f} "
+                  f"+ sync {best['sync_s']:.1f}), {w.trained_tokens} trained tokens/step, "
+                  f"resharding {best['resharding_bytes'] / div:.1f} {unit}/step",
+                  f"  cost: ${best['cost_per_m_tokens']:.3f} per 1M trained tokens at "
+                  f"${cluster.price_per_gpu_hour:g}/GPU-hour",
+                  f"  overrides: {best['overrides']}{' cluster.async=true' if cluster.overlap else ''} "
+                  f"rollout.prompts_per_step={w.prompts_per_step} "
+                  f"rollout.n={w.n} rollout.max_new_tokens={w.response_len} "
+                  f"train.micro_batch_size={w.micro_batch_size}"
+                  + (f" train.lora.rank={w.lora_rank}" if w.lora_rank else "")]
+    return "\n".join(lines)
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """A model folder or config.json, else a preset's name (`twinplane.model.presets`)."""
+    if Path(path).exists():
+        return ModelConfig.from_file(path)
+    if preset_name(path):
+        return preset(path)
+    raise FileNotFoundError(f"{path}: no such model folder or config.json, and no preset of that name "
+                            f"(presets: {', '.join(PRESETS)})")
+
+
+def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, Workload]:
+    """The model and the step's shape of a twinplane run, from its config (the demo's built-in model included)."""
+    from twinplane.config import load_config
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such config file")
+    cfg = load_config(path, [f"model.path={model}"] if model else [])
+    if cfg.model.path:
+        mc = load_model_config(cfg.model.path)
+    else:
+        from twinplane.data.tasks import ALPHABET
+        from twinplane.run.prepare import demo_model_config
+        from twinplane.tokenizer import build_char_tokenizer
+
+        mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
+    from twinplane.run.preflight import prompt_tokens
+
+    r = cfg.rollout
+    return mc, Workload(r.prompts_per_step, r.n, prompt_tokens(cfg), r.max_new_tokens,  # (a response's every turn)
+                        min(cfg.train.micro_batch_size, r.prompts_per_step * r.n), lora_rank=cfg.train.lora.rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="twinplane plan", description="Memory, layouts and cost of a GRPO run.")
+    ap.add_argument("--model", help="HF model folder, its config.json, or a published model by name (presets: "
+                    f"{', '.join(PRESETS)}; -Instruct and Qwen/ or meta-llama/ optional); or take it from "
+                    "--run-dir / --config")
+    ap.add_argument("--run-dir", help="a run dir: its config.yaml gives the model, lengths and batch sizes")
+    ap.add_argument("--config", help="a twinplane config YAML: the model, lengths and batch sizes of that run")
+    ap.add_argument("--gpu", required=True, help=f"device key: cpu, {', '.join(BY_KEY)}")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs per node")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes (TP stays within a node)")
+    ap.add_argument("--price-per-gpu-hour", type=float, default=2.0, help="$ per GPU-hour (default 2.0)")
+    ap.add_argument("--prompts-per-step", type=int, default=32, help="rollout.prompts_per_step")
+    ap.add_argument("--n", type=int, default=8, help="rollout.n, samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (data.max_prompt_tokens)")
+    ap.add_argument("--response-len", type=int, default=1024, help="response tokens (rollout.max_new_tokens)")
+    ap.add_argument("--micro-batch-size", type=int, default=4, help="train.micro_batch_size, sequences")
+    ap.add_argument("--logprob-chunk-tokens", type=int, default=512, help="train.logprob_chunk_tokens")
+    ap.add_argument("--overlap", action="store_true",
+                    help="price disaggregated layouts as overlapping (one step off-policy) instead of alternating")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="LoRA adapters of this rank on every attention/MLP linear (train.lora.rank; 0 = full)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ns = ap.parse_args(argv)
+    device = CPU if ns.gpu.lower() == "cpu" else BY_KEY.get(ns.gpu.lower())
+    if device is None:
+        raise InputError(f"unknown --gpu {ns.gpu!r} (known: cpu, {', '.join(BY_KEY)})")
+    counts = ("gpus", "nodes", "prompts_per_step", "n", "prompt_len", "response_len", "micro_batch_size",
+              "logprob_chunk_tokens")
+    bad = [f"--{k.replace('_', '-')} {getattr(ns, k)}: must be >= 1" for k in counts if getattr(ns, k) < 1]
+    if ns.lora < 0:
+        bad.append(f"--lora {ns.lora}: the rank must be >= 0 (0 = full fine-tuning)")
+    if not (math.isfinite(ns.price_per_gpu_hour) and ns.price_per_gpu_hour >= 0):
+        bad.append(f"--price-per-gpu-hour {ns.price_per_gpu_hour}: must be a finite number >= 0")
+    if bad:
+        raise InputError(bad[0])
+    w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
+                 ns.logprob_chunk_tokens, ns.lora)
+    run_config, extra = None, ["cluster.async=true"] if ns.overlap else []
+    try:
+        if ns.run_dir or ns.config:
+            run_config = str(Path(ns.config) if ns.config else Path(ns.run_dir) / "config.yaml")
+            cfg, w = from_run_config(Path(run_config), ns.model)
+            w = replace(w, lora_rank=ns.lora or w.lora_rank)
+            extra += [f"model.path={ns.model}"] if ns.model else []
+        elif ns.model:
+            cfg = load_model_config(ns.model)
+        else:
+            raise InputError("give --model, --run-dir or --config")
+    except (FileNotFoundError, ValueError) as e:
+        raise InputError(str(e)) from None
+    cluster = Cluster(device, ns.gpus, ns.nodes, ns.price_per_gpu_hour, ns.overlap)
+    check = TrainCheck.for_workload(w, run_config, tuple(extra))
+    name = (preset_name(ns.model) if ns.model and not Path(ns.model).exists() else None) or ""
+    print(json.dumps(plan(cfg, cluster, w, check, name), indent=2) if ns.json
+          else format_plan(cfg, cluster, w, check=check, name=name))
+    return 0
+
+
+__all__ = ["CPU", "Cluster", "Dtypes", "Layout", "RolloutMemory", "TrainCheck", "TrainMemory", "Workload",
+           "format_plan", "layouts", "load_model_config", "lora_params", "main", "plan", "recommend", "rollout_memory",
+           "training_memory"]
