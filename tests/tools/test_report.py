@@ -255,3 +255,11 @@ def test_step_time_stacks_every_logged_phase():
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["other", "values", "critic_train", "train",
                                                                     "rollout"]
     assert ax.collections[-1].get_paths()[0].vertices[:, 1].max() == pytest.approx(7.0)  # the stack's top: the step
+
+
+def test_axes_start_at_zero_unless_the_data_goes_below():
+    rows = [step_row(s, random.Random(s)) | {"actor/kl": 0.01 * ((-1) ** s) * s} for s in range(1, 31)]
+    fig = figure()
+    assert report.plot_kl_entropy(rows, fig, {})
+    kl, entropy = fig.axes[:2]
+    assert kl.get_ylim()[0] < -0.25 and entropy.get_ylim()[0] == 0

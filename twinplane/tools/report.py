@@ -164,9 +164,11 @@ class Panel:
                     color="0.3")
             return
         lo, hi = self.spec.ylim
-        top = max(v for s, _ in self.drawn for v in s.finite())
-        if lo is not None and hi is None and top > lo:  # headroom, so a line at its maximum is not on the frame
-            hi = lo + 1.08 * (top - lo)
+        values = [v for s, _ in self.drawn for v in s.finite()]
+        if lo is not None and min(values) < lo:  # (a k1 KL estimate can go below 0: then the data sets the floor)
+            lo = None
+        if lo is not None and hi is None and max(values) > lo:  # headroom: a line at its maximum is not on the frame
+            hi = lo + 1.08 * (max(values) - lo)
         ax.set_ylim(lo, hi)
         handles, labels = ax.get_legend_handles_labels()
         if notes:  # as legend rows without a marker, under the series they explain
