@@ -177,11 +177,15 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     cfg = load_config(path, args)
     from twinplane.run import loop
     from twinplane.run.prepare import prepare
+    from twinplane.run.run_dir import RunFinished
 
     try:
         setup = prepare(cfg, ns.resume if ns.command == "train" else None, own_run_dir=ns.command == "train",
                         overwrite=getattr(ns, "overwrite", False), delete_old=getattr(ns, "delete_old", False),
                         stop=stop)
+    except RunFinished as e:
+        print(f"twinplane: {e}")
+        return 0
     except (ValueError, FileNotFoundError, NotADirectoryError, KeyError, PermissionError) as e:
         # Found while opening the user's files (model folder, data, reward function): bad input, exit 2.
         if isinstance(e, InputError):

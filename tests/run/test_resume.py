@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -115,6 +116,38 @@ def test_resume_config_changes(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert main(["train", *TINY_RUN, "--resume", "auto"]) == 2  # auto needs the run dir
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_resume_of_a_finished_run_leaves_it_and_extending_adds_up(tmp_path, monkeypatch, capsys):
+    """A finished run is reported and left byte for byte (no spurious changed key for a run dir named by default);
+    it cannot be shortened; extending it continues from its last checkpoint, with the run's wall time in all."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY_RUN, "train.steps=4"]) == 0  # run dir: runs/<time>
+    (run,) = (tmp_path / "runs").iterdir()
+    before = snapshot(run)
+    capsys.readouterr()
+    assert train(run, "train.steps=4", "--resume", "auto") == 0
+    assert capsys.readouterr().out == (f"twinplane: {run}: the run finished at step 4 (summary.json); nothing to do "
+                                       "(a larger train.steps continues it)\n")
+    assert train(run, "train.steps=3", "--resume", "auto") == 2
+    assert f"train.steps: the run in {run} finished at step 4; 3 cannot shorten it" in capsys.readouterr().err
+    assert snapshot(run) == before
+    last = checkpoint.list_checkpoints(run)[-1]
+    until_last = json.loads((last / "state.json").read_text())["summary"]["wall_seconds"]
+    started = time.perf_counter()
+    assert train(run, "train.steps=5", "--resume", "auto") == 0
+    took = time.perf_counter() - started
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume:")] == [
+        "resume: train.steps: 4 -> 5"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 5 and until_last <= summary["wall_seconds"] <= until_last + took
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3,
+                                                                                                         4, 5]
 
 
 @pytest.mark.slow

@@ -53,16 +53,19 @@ def test_damaged_checkpoints_are_quarantined_not_overwritten(tmp_path, capsys):
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
-    damaged = tree(ck2)
+    damaged, finished = tree(ck2), tree(run)
     assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=2", "--resume", "auto"]) == 0
+    assert tree(run) == finished and "the run finished at step 2" in capsys.readouterr().out  # left as it is
+    assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=3", "--resume", "auto"]) == 0  # extended
     moved = run / "checkpoints" / "quarantine" / "step_00000002"
     assert tree(moved) == damaged and "moved to" in capsys.readouterr().out
-    assert checkpoint.verify(ck2) is None and steps(run) == [1, 2]  # step 2 redone from step 1
-    # only damaged checkpoints left: the same run starts over; they are kept, not overwritten
+    assert checkpoint.verify(ck2) is None and steps(run) == [1, 2, 3]  # step 2 redone from step 1
+    # a run that never finished, with only damaged checkpoints left, starts over; they are kept, not overwritten
+    (run / "summary.json").unlink()
     for ck in checkpoint.list_checkpoints(run):
         (ck / checkpoint.MANIFEST).unlink()
-    assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=2", "--resume", "auto"]) == 0
+    assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=3", "--resume", "auto"]) == 0
     names = sorted(p.name for p in (run / "checkpoints" / "quarantine").iterdir())
-    assert len(names) == 3 and steps(run) == [1, 2]
+    assert len(names) == 3 and steps(run) == [1, 2, 3]
     modes = {stat.S_IMODE(p.stat().st_mode) for p in run.rglob("*") if p.is_file()}
     assert len(modes) == 1  # every file the run writes has the umask's mode (safetensors' 0600 included)

@@ -99,6 +99,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
 
 
+def step_of(ckpt: Path) -> int:
+    """The step a verified checkpoint holds (its manifest's)."""
+    return int(json.loads((ckpt / MANIFEST).read_text())["step"])
+
+
 def verify(ckpt: Path) -> str | None:
     """None when the checkpoint is complete and intact, else what is wrong with it."""
     try:

@@ -131,6 +131,8 @@ def train(s: Setup, console: Console | None = None) -> dict:
             start, summary, phase_sums = state["step"] + 1, dict(state["summary"]), dict(state["phase_sums"])
         except (KeyError, TypeError, ValueError) as e:
             raise checkpoint.CheckpointError(f"{s.resume_from / 'state.json'}: wrong shape ({e!r})") from None
+    # The run's wall time over all its invocations: each checkpoint holds it up to itself.
+    wall_before = float(summary.get("wall_seconds", 0.0))
     planes = build_planes(cfg, model, reference, tokenizer, log=console.print)
     faults.planes = planes
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -168,6 +170,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
     def save_checkpoint(step: int) -> None:
         t0 = time.perf_counter()
         planes_state = pull_policy()
+        summary["wall_seconds"] = wall_before + time.perf_counter() - t_start
         extra = {"summary": summary, "phase_sums": phase_sums, "pending": controller.pending_state(),
                  "controller": controller.state_dict()}
         path = checkpoint.save(run_dir, step, lambda out: run_state.write(
@@ -246,7 +249,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
         save_hf_folder(merge_lora(copy.deepcopy(model)), tokenizer, run_dir / "final")
         save_adapter(model, run_dir / "final_adapter", lora_base["path"], cfg.train.lora.dropout)
     steps = max(cfg.train.steps, 1)
-    summary.update(steps=cfg.train.steps, wall_seconds=time.perf_counter() - t_start,
+    summary.update(steps=cfg.train.steps, wall_seconds=wall_before + time.perf_counter() - t_start,
                    phase_seconds_mean={k[5:]: v / steps for k, v in phase_sums.items()})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(summary_table(summary, run_dir))

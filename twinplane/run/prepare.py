@@ -151,12 +151,14 @@ def claim_run_dir(cfg: Config, run_dir: Path, resume: str | None, overwrite: boo
         saved, what = rundir_config(run_dir), f"--resume {resume}: {run_dir}"
     else:
         saved, what = None, ""
+    changes: list[str] = []
     if saved is not None:
-        bad, ok = run_state.config_changes(saved, cfg.to_dict())
+        bad, changes = run_state.config_changes(saved, cfg.to_dict())
         if bad:
             raise ConfigError(f"{what}: {bad[0].split(':')[0]} cannot change on resume ({bad[0]})")
-        for change in ok:
-            log(f"resume: {change}")
+    _check_continuation(cfg, run_dir, ckpt)
+    for change in changes:
+        log(f"resume: {change}")
 
     def apply() -> None:  # only after every check: a refused run leaves the run dir exactly as it was
         for path, why in damaged:
@@ -165,6 +167,24 @@ def claim_run_dir(cfg: Config, run_dir: Path, resume: str | None, overwrite: boo
             log(f"--resume {resume}: no complete checkpoint in {run_dir}; "
                 + ("starting its run over from the beginning" if present else "starting from scratch"))
     return ckpt, ckpt is None and bool(present), apply
+
+
+def _check_continuation(cfg: Config, run_dir: Path, ckpt: Path | None) -> None:
+    """A resume continues a run, never rewrites one: a run finished at train.steps is left as it is (RunFinished),
+    one finished or checkpointed beyond train.steps cannot be cut back, one finished without a checkpoint cannot
+    be extended (its final/ and summary.json would be redone from the start)."""
+    steps, done = cfg.train.steps, rundir.finished_steps(run_dir)
+    if done is not None and steps == done:
+        raise rundir.RunFinished(f"{run_dir}: the run finished at step {done} (summary.json); nothing to do (a "
+                                 "larger train.steps continues it)")
+    if done is not None and steps < done:
+        raise ConfigError(f"train.steps: the run in {run_dir} finished at step {done}; {steps} cannot shorten it")
+    reached = checkpoint.step_of(ckpt) if ckpt is not None else 0
+    if reached > steps:
+        raise ConfigError(f"train.steps: must be >= {reached} to continue from {ckpt}, got {steps}")
+    if done is not None and ckpt is None:
+        raise InputError(f"--resume: the run in {run_dir} finished with no checkpoint to continue from "
+                         "(checkpoint.every=0 keeps none); start a new run to train longer")
 
 
 def rundir_config(run_dir: Path) -> dict:

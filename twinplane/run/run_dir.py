@@ -11,6 +11,7 @@ What a run writes into `RUN_DIR` (docs/configuration.md, `train --help`):
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -19,6 +20,19 @@ from pathlib import Path
 from twinplane.errors import InputError
 
 MARKERS = ("config.yaml", "metrics.jsonl", "summary.json", "final", "checkpoints")
+
+
+class RunFinished(Exception):
+    """A resume found the run dir's run finished at the steps asked for: nothing to do (exit code 0)."""
+
+
+def finished_steps(run_dir: Path) -> int | None:
+    """The RL steps of the finished run in `run_dir` (its summary.json, written last), else None."""
+    try:
+        steps = json.loads((run_dir / "summary.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def holds_run(run_dir: Path) -> list[str]:

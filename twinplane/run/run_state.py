@@ -23,7 +23,7 @@ from twinplane.run.run_dir import respect_umask
 
 # Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
 # Where the planes run and how memory is traded for compute are mutable too: checkpoints hold full tensors by name.
-MUTABLE = ("train.steps", "log.", "eval.", "checkpoint.", "run_dir", "threads", "device", "reward.timeout_s",
+MUTABLE = ("train.steps", "log.", "eval.", "checkpoint.", "threads", "device", "reward.timeout_s",
            "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.kv_cache_gb",
            "rollout.gpu_memory_utilization", "rollout.graphs", "rollout.graph_max_batch", "rollout.kernels",
            "train.micro_batch_size",
@@ -49,7 +49,7 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
         if isinstance(a.get(key), str):
             a[key] = os.path.abspath(a[key])
     bad, ok = [], []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted((set(a) | set(b)) - {"run_dir"}):  # where a run lives is not part of it (an unset one is named)
         if a.get(key) != b.get(key):
             (ok if key.startswith(MUTABLE) else bad).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     return bad, ok
