@@ -15,5 +15,5 @@ from twinplane.rewards.verifiers import VERIFIERS, exact_int, format_ok, last_bo
 
 REWARDS = VERIFIERS  # name -> per-sample built-in verifier
 
-__all__ = ["REWARDS", "RewardFn", "RewardRunner", "exact_int", "format_ok", "get_reward", "last_boxed", "load_user_fn",
-           "resolve", "score", "Scorer", "to_reward"]
+__all__ = ["REWARDS", "RewardFn", "RewardRunner", "Scorer", "exact_int", "format_ok", "get_reward", "last_boxed",
+           "load_user_fn", "resolve", "score", "to_reward"]
