@@ -27,9 +27,8 @@ checkpoints/ (step_N/ full-state checkpoints; quarantine/ holds damaged ones), f
 summary.json (the result), tensorboard/ and wandb/ (with those log.backends). A run dir holds one run: reusing it
 needs --resume auto (continue) or --overwrite (the earlier run is moved to RUN_DIR.replaced-<time>)."""
 TRAIN_HELP = """Run RL (GRPO unless algo.name says otherwise). With no arguments: the embedded demo (a tiny model
-learns multi-digit addition on CPU:
-supervised warm start from an imperfect teacher, then GRPO with an exact-match verifier, evaluated on
-held-out problems).
+learns {digits}-digit addition, a+b= with a and b below {limit}, on CPU: supervised warm start from an imperfect
+teacher, then GRPO with an exact-match verifier, evaluated on held-out problems).
 
 """ + RUN_FILES + "\n\n" + EXIT_CODES
 TOOLS = {"report": "PNG charts and report.md of a finished or running run (twinplane report RUN_DIR)",
@@ -86,12 +85,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
-    from twinplane.config import config_help  # (imports torch: after the signal handlers, see `main`)
+    from twinplane.config import TaskSection, config_help  # (imports torch: after the signal handlers, see `main`)
 
     parser = argparse.ArgumentParser(prog="twinplane", description=DESCRIPTION, epilog=EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"twinplane {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    tp = sub.add_parser("train", help="run RL training (no arguments: the CPU demo)", description=TRAIN_HELP,
+    demo = TRAIN_HELP.format(digits=TaskSection.digits, limit=10 ** TaskSection.digits)
+    tp = sub.add_parser("train", help="run RL training (no arguments: the CPU demo)", description=demo,
                         epilog=algorithms_help() + "\n\nconfig keys (set in YAML or as key.sub=value):\n"
                         + config_help(),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,6 +209,7 @@ def _eval(loop, setup, cfg, ns) -> int:
     result = {"model": ns.model, "data": data, "reward": ns.reward, "prompts": len(setup.val_prompts), **result}
     print(json.dumps(result, indent=2))  # (first: the results are on screen whatever happens to the file)
     Path(ns.out).write_text(json.dumps(result, indent=2))
+    print(f"twinplane: wrote {Path(ns.out).absolute()}", file=sys.stderr)  # (stdout: the JSON alone)
     return 0
 
 
@@ -230,10 +231,10 @@ def _export(source: Path, out: Path, fmt: str) -> int:
     from twinplane.tools.export import export
 
     try:
-        out = export(source, out, fmt)
+        out, what = export(source, out, fmt)
     except FileNotFoundError as e:
         raise InputError(e) from None
-    print(f"exported {out}")
+    print(f"exported {what} to {out}")
     return 0
 
 

@@ -434,7 +434,11 @@ def test_good_inputs_still_work(finished_run, tmp_path, capsys):
     from twinplane.config import load_config
 
     out = tmp_path / "e.json"
+    capsys.readouterr()
     assert main(["eval", "--model", str(finished_run[1]), "--out", str(out), "task.heldout_size=8"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == json.loads(out.read_text())  # stdout: the JSON alone
+    assert printed.err.splitlines()[-1] == f"twinplane: wrote {out}"
     result = json.loads(out.read_text())
     assert result["prompts"] == 8 and 0 <= result["accuracy"] <= 1 and "built-in task" in result["data"]
     assert load_config(None, ["data.system_prompt=Answer: briefly"]).data.system_prompt == "Answer: briefly"

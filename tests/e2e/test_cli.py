@@ -1,6 +1,7 @@
 """The `twinplane train` job end to end (tiny settings) and config errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -157,3 +158,40 @@ def _fields(cls, prefix=""):
 def test_help_lists_options():
     out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "algo.kl_estimator" in out.stdout and "--run-dir" in out.stdout
+    from twinplane.tasks import ArithmeticTask
+
+    from twinplane.config import TaskSection
+
+    # the demo as the help describes it: two operands of task.digits digits, each below 10**digits
+    digits = TaskSection.digits
+    assert f"learns {digits}-digit addition, a+b= with a and b below {10 ** digits}," in " ".join(out.stdout.split())
+    problems = ArithmeticTask(digits, 10, 0).train_problems()
+    operands = [int(x) for p in problems for x in p.prompt.removesuffix("=").split("+")]
+    assert max(operands) == 10 ** digits - 1 and all(p.prompt.count("+") == 1 for p in problems)
+
+
+def test_stop_message_starts_on_its_own_line(tmp_path):
+    """On a terminal the progress line is rewritten in place; a Ctrl-C's message must not be glued to it."""
+    import pty
+    import re
+
+    env = {**os.environ, "TWINPLANE_FAULT": "rollout@2", "TWINPLANE_FAULT_SIGNAL": "INT", "COLUMNS": "120"}
+    main_fd, child_fd = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *TINY,
+                             "log.progress=true"], stdin=child_fd, stdout=child_fd, stderr=child_fd, env=env)
+    os.close(child_fd)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main_fd, 1 << 16)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert proc.wait(timeout=60) == 75
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", b"".join(chunks).decode())  # without colours and line clearing
+    lines = [line.strip("\r") for line in text.split("\n")]
+    stop = [line for line in lines if "received SIGINT" in line]
+    assert stop == ["received SIGINT: stopping after the current step (a second signal exits at once)"], lines
+    assert any(line.startswith("step 1/3") for line in text.replace("\r", "\n").split("\n"))  # the live line

@@ -137,6 +137,14 @@ def test_doctor_on_this_machine(capsys):
     if d["device_type"] == "cpu":
         assert (r["kernels"], r["paged_attention"], r["kv_block_size"], r["graphs"]) == ("torch", "sdpa", 16, "eager")
     assert r["kernels_why"] in text and r["paged_attention_why"] in text and r["graphs_why"] in text
+    cpu = {**d, "visible_devices_env": [], "ray_noset_env": []}
+    gpu = {**d, "visible_devices_env": ["CUDA_VISIBLE_DEVICES"],
+           "ray_noset_env": ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]}
+    assert "env       no device-selection variables: no GPU, so workers are not pinned to devices" in \
+        doctor.format_report(cpu).splitlines()
+    assert ("env       CUDA_VISIBLE_DEVICES select each worker's devices "
+            "(RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 keeps Ray from overwriting them)") in \
+        doctor.format_report(gpu).splitlines()
     if d["device_type"] == "cpu":  # the peak is the best GEMM seen, this run's included: never above 100%
         assert 0 < d["gemm_mfu"] <= 1.0
     assert d["sandbox"]["backend"] in ("bwrap", None) and "sandbox" in text  # which backend can run code here

@@ -151,11 +151,14 @@ def test_resume_of_a_finished_run_leaves_it_and_extending_adds_up(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_export_loads_in_transformers(tmp_path):
+def test_export_loads_in_transformers(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     assert train(tmp_path / "run", "train.steps=2") == 0
     out = tmp_path / "hf"
+    capsys.readouterr()
     assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+    ckpt = checkpoint.list_checkpoints(tmp_path / "run")[-1]
+    assert capsys.readouterr().out == f"exported step 2 ({ckpt}) to {out}\n"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (out / name).exists(), name
     import twinplane

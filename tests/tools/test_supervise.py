@@ -225,9 +225,18 @@ def test_signal_received_before_the_supervisor_starts_nothing(planned):
     assert logs == ["supervise: received SIGTERM before starting; not starting"]
 
 
+def _signal_state(pid: int) -> str:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "gone"
+    return " ".join(line.replace("\t", "") for line in lines if line.startswith(("State", "Sig", "ShdPnd")))
+
+
 # Seconds after the supervisor's process starts; None: once its child has its handlers. The first moments fall in
 # the interpreter's start-up, then come argument parsing, the child's launch and the child's own start-up.
 MOMENTS = [0.0, 0.002, 0.005, 0.01, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.13, 0.17, 0.22, 0.3, 0.4, None]
+CPYTHON_DROPPED = ("Exception ignored in", "Remainder of file ignored", "Failed checking if argv[0]")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -247,18 +256,27 @@ def test_stop_signal_at_any_moment_ends_supervisor_and_child(tmp_path, sig):
         except subprocess.TimeoutExpired:
             err = "(still running after 10 s)"
         left = running(str(trial))
+        status = {pid: _signal_state(pid) for pid in left}
         for pid in left:  # (a failure must not leave the job running)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if left:
             err += proc.communicate()[1]
-        assert not left, f"at {moment}s: the stop was lost (processes {left} left running)\n{err}"
+            if sig == signal.SIGINT and "KeyboardInterrupt" in err and any(m in err for m in CPYTHON_DROPPED):
+                continue  # dropped by CPython before any code of the supervisor ran (see its docstring)
+        assert not left, (f"at {moment}s: the stop was lost (left running: {status}; files "
+                          f"{sorted(p.name for p in trial.iterdir())})\n{err}")
         code = sv.exit_code(proc.returncode)
         checkpointed, forwarded = marker.exists(), "asking the child to stop (SIGTERM)" in err
-        starting = sig == signal.SIGINT and any(  # CPython's own initialisation ends with 1
-            m in err for m in ("Fatal Python error: init_", "Could not import runpy module"))
-        expected = 75 if checkpointed else 128 + signal.SIGTERM if forwarded else 1 if starting else 128 + sig
-        assert code == expected, f"at {moment}s: exit {code}\n{err}"
+        if checkpointed:
+            expected = {75}
+        elif forwarded:  # the child died of it while starting up
+            expected = {128 + signal.SIGTERM}
+        elif sig == signal.SIGINT and any(m in err for m in ("Fatal Python error: init_", "Could not import runpy")):
+            expected = {128 + sig, 1}  # nothing had started: CPython itself, initialising, can end with 1
+        else:
+            expected = {128 + sig}  # nothing had started
+        assert code in expected, f"at {moment}s: exit {code}\n{err}"
         assert not checkpointed or marker.read_text() == "SIGTERM"
         assert "restarting with" not in err, f"at {moment}s: restarted after a stop\n{err}"
         outcomes.append((checkpointed, forwarded))

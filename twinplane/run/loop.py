@@ -83,6 +83,7 @@ def train(s: Setup, console: Console | None = None) -> dict:
     stop = (s.stop or StopRequests(log=console.print)).install()
     faults = s.faults or Faults(os.environ.get("TWINPLANE_FAULT"))
     live = LiveLine(console, cfg.log.progress and "console" in cfg.log.backends, cfg.log.every)
+    stop.log = live.print  # a stop request's message starts on a line of its own, not after the live line
     t_start = time.perf_counter()
     dtype = platform.resolve_dtype(cfg.model.dtype)
     if s.resume_from is None:  # on resume, written once the checkpoint has loaded (a bad one changes nothing)
@@ -124,15 +125,14 @@ def train(s: Setup, console: Console | None = None) -> dict:
     stream = PromptStream(s.train_prompts, cfg.seed)
     summary: dict = {"heldout_size": len(s.val_prompts)}
     phase_sums: dict[str, float] = {}
-    start, state = 1, None
+    start, state, wall_before = 1, None, 0.0  # the run's wall time in earlier invocations (each checkpoint holds it)
     if s.resume_from is not None:
         state = run_state.restore(s.resume_from, policy=model, reference=reference, stream=stream)
         try:
             start, summary, phase_sums = state["step"] + 1, dict(state["summary"]), dict(state["phase_sums"])
+            wall_before = float(summary.get("wall_seconds", 0.0))
         except (KeyError, TypeError, ValueError) as e:
             raise checkpoint.CheckpointError(f"{s.resume_from / 'state.json'}: wrong shape ({e!r})") from None
-    # The run's wall time over all its invocations: each checkpoint holds it up to itself.
-    wall_before = float(summary.get("wall_seconds", 0.0))
     planes = build_planes(cfg, model, reference, tokenizer, log=console.print)
     faults.planes = planes
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,

@@ -36,8 +36,8 @@ class StopRequests:
         if self.count > 1:
             os._exit(128 + signum)
         self.first, self.signum = now, signum
-        self.log(f"received {signal.Signals(signum).name}: finishing this phase, then saving and exiting "
-                 "(a second signal exits at once)")
+        self.log(f"received {signal.Signals(signum).name}: stopping after the current step (a second signal exits "
+                 "at once)")
 
     @property
     def requested(self) -> bool:

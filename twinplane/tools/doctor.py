@@ -152,7 +152,9 @@ def format_report(d: dict) -> str:
     devs = [f"  [{x['index']}] {x['name']}  {x['memory_gb']:.1f} GB" for x in d["devices"]]
     peak = f"{_flops(d['peak_tflops'])} ({d['peak_source']})" if d["peak_tflops"] else "unknown (MFU null)"
     mfu = f"{d['gemm_mfu']:.0%}" if d["gemm_mfu"] is not None else "n/a"
-    noset = ", ".join(d["ray_noset_env"]) or "-"
+    select, noset = ", ".join(d["visible_devices_env"]), ", ".join(f"{v}=1" for v in d["ray_noset_env"])
+    env = (f"{select} select each worker's devices" + (f" ({noset} keeps Ray from overwriting them)" if noset else "")
+           if select else "no device-selection variables: no GPU, so workers are not pinned to devices")
     coll = d["collectives"] + (f" {d['collectives_version']}" if d["collectives_version"] else "")
     fa = (f"flash_attn installed={yn(a['flash_attn_installed'])} eligible={yn(a['flash_attn_eligible'])}, "
           f"FA3 installed={yn(a['fa3_installed'])} eligible={yn(a['fa3_eligible'])} (not used)")
@@ -166,7 +168,7 @@ def format_report(d: dict) -> str:
         "devices",
         *devs,
         f"dist      backend {d['dist_backend']} ({coll})  ray installed {yn(d['ray_installed'])}",
-        f"env       {', '.join(d['visible_devices_env']) or '-'}  (Ray keeps them: {noset})",
+        f"env       {env}",
         f"attention {a['backend']} -> {', '.join(a['sdpa_kernels'])}",
         f"          {fa}",
         f"peak      {peak}",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from twinplane.errors import InputError
 from twinplane.run import checkpoint
+from twinplane.run.run_dir import finished_steps
 
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json")
 
@@ -36,13 +37,14 @@ def _adapter_dir(found: Path) -> Path | None:
     return None
 
 
-def export(source: Path, out: Path, fmt: str = "merged") -> Path:
+def export(source: Path, out: Path, fmt: str = "merged") -> tuple[Path, str]:
     """Write the policy to `out` (new or empty): `merged` (default) an HF folder (config.json, safetensors,
     tokenizer, generation_config.json) with any LoRA adapters folded in; `peft` the adapters alone
     (adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained(base, out)`).
 
     `source` is a checkpoint folder (verified first) or a run dir (its newest intact checkpoint, else `final/`).
-    The weights are plain safetensors written on whatever device trained them, so they load anywhere."""
+    The weights are plain safetensors written on whatever device trained them, so they load anywhere. Returns
+    (`out`, which step it holds and where it came from)."""
     if fmt not in ("merged", "peft"):
         raise InputError(f"--format {fmt}: must be merged or peft")
     if not source.is_dir():
@@ -51,14 +53,21 @@ def export(source: Path, out: Path, fmt: str = "merged") -> Path:
         raise checkpoint.CheckpointError(f"--out {out}: is the source folder (choose a new one)")
     found = _policy_dir(source)
     adapter = _adapter_dir(found)
+    what = _which_step(found)
     if fmt == "peft":
         if adapter is None:
             raise InputError(f"{source}: no LoRA adapters to export (a full-weight run; use --format merged)")
-        return _copy_files(adapter, _new_folder(out, adapter))
+        return _copy_files(adapter, _new_folder(out, adapter)), what
     if adapter is None or found.name == "final":  # full weights, or final/ (already merged)
         model_dir = found / "model" if (found / "model").is_dir() else found
-        return _copy_files(model_dir, _new_folder(out, model_dir))
-    return _merge(found, adapter, _new_folder(out, found))
+        return _copy_files(model_dir, _new_folder(out, model_dir)), what
+    return _merge(found, adapter, _new_folder(out, found)), what
+
+
+def _which_step(found: Path) -> str:
+    """'step N (FOLDER)': the RL step of a checkpoint (its manifest's) or of final/ (the run's summary.json)."""
+    step = checkpoint.step_of(found) if found.name != "final" else finished_steps(found.parent)
+    return f"step {step} ({found})" if step is not None else f"{found} (its step is not recorded)"
 
 
 def _new_folder(out: Path, src: Path) -> Path:

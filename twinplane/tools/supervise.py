@@ -25,14 +25,14 @@ Launchers that signal every process of the job themselves (systemd, Slurm) still
 treat signals arriving within about a second of each other as one request.
 
 A stop is never lost, whenever it comes. SIGTERM and SIGINT are handled even when inherited as ignored (as
-`twinplane train` handles them), so `kill -INT` stops a job started with `&` in a script. It is forwarded as
-SIGTERM because a child still starting up cannot lose that one: CPython sets no handler for it, so the child dies
-of it (the supervisor returns 143), whereas a SIGINT in an interpreter's first milliseconds can end it with 1
-("Fatal Python error" while it initialises) or be swallowed (CPython catches what interrupts site's .pth files or
-a script's import-path check). Once the child's handlers are in place, its code is returned (75 from `twinplane
-train`). A stop that arrives before any child runs ends the supervisor with 128+N, nothing started and nothing to
-save, except in the supervisor's own first milliseconds, before any of its code runs, where CPython behaves as
-just said.
+`twinplane train` handles them), so `kill -INT` stops a job started with `&` in a script. It is forwarded as SIGTERM
+because a child still starting up cannot lose that one: CPython sets no handler for it, so the child dies of it (the
+supervisor returns 143), whereas a SIGINT in an interpreter's first milliseconds can end it with 1 ("Fatal Python
+error" while it initialises) or be swallowed (CPython reports and drops a KeyboardInterrupt that hits some of its
+start-up steps: site's .pth files, a script's import-path check, import-lock callbacks). Once the child's handlers
+are in place, its code is returned (75 from `twinplane train`). A stop that arrives before any child runs ends the
+supervisor with 128+N, nothing started and nothing to save, except in the supervisor's own first milliseconds,
+before any of its code runs, where CPython behaves as just said.
 """
 
 from __future__ import annotations
