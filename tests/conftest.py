@@ -286,7 +286,7 @@ def weights(run_dir):
 CLUSTER_RUN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "warmstart.steps=5",
                "train.steps=2", "rollout.prompts_per_step=4", "rollout.n=4", "task.heldout_size=8",
                "eval.before=false", "log.progress=false", "checkpoint.every=1", "threads=1",
-               "train.micro_batch_size=6", "algo.kl_coef=0.05", "cluster.sync_bucket_mb=1", "cluster.timeout_s=60"]
+               "train.micro_batch_size=6", "algo.kl_coef=0.05", "cluster.sync_bucket_mb=1", "cluster.timeout_s=300"]
 RAY = ["cluster.backend=ray"]
 
 
