@@ -158,9 +158,8 @@ def _fields(cls, prefix=""):
 def test_help_lists_options():
     out = subprocess.run([sys.executable, "-m", "twinplane.cli", "train", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "algo.kl_estimator" in out.stdout and "--run-dir" in out.stdout
-    from twinplane.tasks import ArithmeticTask
-
     from twinplane.config import TaskSection
+    from twinplane.data.tasks import ArithmeticTask
 
     # the demo as the help describes it: two operands of task.digits digits, each below 10**digits
     digits = TaskSection.digits

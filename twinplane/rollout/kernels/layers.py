@@ -1,7 +1,7 @@
 """The decoder's modules as the rollout engine runs them on the "triton" side of the kernel seam.
 
 `swap(model)` changes the classes of the engine's own copy of the model in place (parameters, names and state
-dict stay: weight syncs and LoRA adapters work as before), as twinplane.model.packed does for the CPU GEMMs. Each
+dict stay: weight syncs and LoRA adapters work as before), as twinplane.rollout.packed does for the CPU GEMMs. Each
 variant runs its kernels on the paged (engine) path without autograd, and the torch forward otherwise. Per layer
 the decode runs: RMSNorm; the q/k/v GEMMs; rope + KV write; paged attention; o_proj; residual add + RMSNorm; the
 gate/up GEMMs; SiLU * up; down_proj; residual add.
