@@ -1,10 +1,12 @@
-"""The optimizer: the fused AdamW that GPUs run equals torch's per-tensor loop (the CPU path) step for step."""
+"""The optimizer: the fused AdamW that GPUs run equals torch's per-tensor loop (the CPU path) step for step; the
+schedules' rates by hand."""
 
 import copy
+import math
 
 import torch
 
-from twinplane.train.optim import build_optimizer
+from twinplane.train.optim import build_optimizer, lr_lambda
 
 
 def test_fused_adamw_equals_the_per_tensor_loop():
@@ -23,3 +25,12 @@ def test_fused_adamw_equals_the_per_tensor_loop():
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert not any(torch.equal(a, s) for a, s in zip(model.parameters(), start.parameters(), strict=True))  # moved
+
+
+def test_schedules_by_hand():
+    cosine, wsd, const = (lr_lambda(2, 12, s, 0.1, 0.5) for s in ("cosine", "wsd", "constant"))
+    assert [cosine(0), cosine(1), wsd(0), wsd(1), const(0)] == [0.5, 1.0, 0.5, 1.0, 0.5]  # warmup
+    # cosine from the end of warmup (step 2) to step 12; wsd stable to step 6 (12 - 0.5 * 12), cosine to step 12
+    assert math.isclose(cosine(7), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 10)))
+    assert [wsd(s) for s in (2, 5)] == [1.0, 1.0] and math.isclose(wsd(9), 0.1 + 0.9 * 0.5)
+    assert math.isclose(wsd(12), 0.1) and math.isclose(cosine(12), 0.1) and const(11) == 1.0

@@ -7,15 +7,17 @@ import math
 import torch
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_ratio: float):
-    """Linear warmup to 1, then constant or cosine decay to `min_ratio` at `total_steps`."""
+def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_ratio: float, decay_fraction: float = 0.3):
+    """Linear warmup to 1, then constant, cosine decay to `min_ratio` at `total_steps`, or "wsd"
+    (warmup-stable-decay): constant until the last `decay_fraction` of the steps, which decay as a cosine."""
+    decay_from = total_steps - int(decay_fraction * total_steps) if schedule == "wsd" else warmup_steps
 
     def f(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        if schedule == "constant":
+        if schedule == "constant" or step < decay_from:
             return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        progress = min(1.0, (step - decay_from) / max(1, total_steps - decay_from))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f

@@ -16,12 +16,14 @@ from twinplane.train.optim import build_optimizer
 def warm_start(model: Transformer, prompts: Sequence[list[int]], responses: Sequence[list[int]], steps: int,
                batch_size: int, lr: float, pad_id: int, seed: int, warmup_steps: int = 20,
                on_step: Callable[[int, float], bool] | None = None) -> list[float]:
-    """`steps` AdamW steps (cosine to 10%) on random batches of (prompt, response) pairs; returns the losses.
+    """`steps` AdamW steps on random batches of (prompt, response) pairs; returns the losses. The rate stays at its
+    peak until the last 30% of the steps, which decay to 10% (warmup-stable-decay): a cosine from the start left the
+    demo's model on its loss plateau for some seeds, with the rate already too low to leave it.
     `on_step(step, loss)` is called after each step (progress); returning True stops early (a stop request)."""
     rng = random.Random(seed)
     device = model.output_weight().device
     opt, sched = build_optimizer(model.parameters(), lr, (0.9, 0.98), 0.0, min(warmup_steps, steps), steps,
-                                 "cosine", 0.1)
+                                 "wsd", 0.1)
     model.train()
     losses = []
     for _ in range(steps):
