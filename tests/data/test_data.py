@@ -339,6 +339,18 @@ def test_chat_mode_without_template_and_bad_templates(tmp_path):
         PromptFormatter("base")
 
 
+@pytest.mark.parametrize("expr, error", [("'x' * 10**12", "repetition of 1 x 1000000000000 is too large"),
+                                         ("[0] * 10**12", "repetition of 1 x 1000000000000 is too large"),
+                                         ("9 ** (10**9)", "exponent of 1000000000 is too large"),
+                                         ("'{:>99999999999}'.format(1)", "MemoryError|OverflowError|ValueError")])
+def test_a_template_cannot_exhaust_memory(expr, error):
+    """A downloaded template is code: what would allocate without bound is a one-line error, and small uses work."""
+    with pytest.raises(DataError, match=f"^chat template error: .*({error})"):
+        PromptFormatter("chat", chat_template="{{ " + expr + " }}").format(RECORDS[0])
+    small = PromptFormatter("chat", chat_template="{{ '=' * 3 }}{{ 2 ** 3 }}{{ [1] * 2 }}{{ 3 * 'a' }}")
+    assert small.format(RECORDS[0]) == "===8[1, 1]aaa"
+
+
 def test_plain_template_fields():
     f = PromptFormatter("plain", plain_template="{system}|Question: {raw_prompt}{suffix}\n{prompt}\nAnswer: {{x}}",
                         system_prompt="SYS", instruction_suffix=" (after ####)")

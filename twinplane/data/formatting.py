@@ -25,6 +25,9 @@ def _token_text(tok) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok  # AddedToken serialised as a dict, or a string
 
 
+MAX_RENDERED_CHARS = 1 << 24  # a prompt is far shorter; a template that builds more is refused
+
+
 def _compile_chat_template(source: str):
     """Compile with the environment transformers gives templates, so templates of real models behave the same."""
     try:
@@ -53,7 +56,22 @@ def _compile_chat_template(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, which already caps `range`, with bounds on what could still exhaust memory in a
+        downloaded template: repetition (`'x' * 10**12`) and powers (`9 ** 10**9`)."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            sized, count = (left, right) if isinstance(left, str | list | tuple) else (right, left)
+            if operator == "*" and isinstance(sized, str | list | tuple) and isinstance(count, int):
+                if len(sized) * count > MAX_RENDERED_CHARS:
+                    raise jinja2.exceptions.SecurityError(f"a repetition of {len(sized)} x {count} is too large")
+            if operator == "**" and isinstance(right, int) and abs(right) > 4096:
+                raise jinja2.exceptions.SecurityError(f"an exponent of {right} is too large")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -154,6 +172,8 @@ class PromptFormatter:
                                          add_generation_prompt=True, **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
             raise DataError(f"chat template error: {_one_line(str(e))}") from None
+        except (MemoryError, OverflowError, ValueError) as e:  # e.g. a format width such as "{:>99999999999}"
+            raise DataError(f"chat template error: {type(e).__name__}: {_one_line(str(e))}") from None
 
 
 def _one_line(text: str) -> str:
