@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from twinplane.cli import main
 from twinplane.config import Config
@@ -118,6 +119,14 @@ def TC(edit: Callable[[Path], None] | None, *args: str, reseal: bool = True, pat
 
 def _write(rel: str, data: str | bytes) -> Callable[[Path], None]:
     return lambda d: (d / rel).write_bytes(data if isinstance(data, bytes) else data.encode())
+
+
+def _integer_weight(d: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
 
 
 def _json_edit(rel: str, **changes) -> Callable[[Path], None]:
@@ -290,6 +299,7 @@ CASES = [
     Case("model/no tokenizer.json", TM(lambda d: (d / "tokenizer.json").unlink()), "no tokenizer.json"),
     Case("model/tokenizer_config not JSON", TM(_write("tokenizer_config.json", "{x")), "tokenizer_config.json"),
     Case("model/wrong tensor shape", TM(_json_edit("config.json", intermediate_size=48)), "checkpoint shape"),
+    Case("model/integer weights", TM(_integer_weight), "model.norm.weight: checkpoint dtype torch.int32 is not a"),
     Case("model/vocab smaller than the tokenizer", TM(_shrink_vocab), "config.json's vocab_size is"),
     Case("model/quantized checkpoint", TM(_json_edit("config.json", quantization_config={"quant_method": "gptq"})),
          "quantized checkpoints are not supported (quantization_config: gptq)"),

@@ -61,6 +61,8 @@ def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], 
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {model.config.model_type} model")
             if expert is not None:
                 p = p[expert]
+            if not tensor.is_floating_point():  # a cast would turn it into plausible-looking weights
+                raise ValueError(f"{name}: checkpoint dtype {tensor.dtype} is not a floating-point type")
             if p.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
             if isinstance(p, DTensor):
