@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import make_batch, spawn, tiny_model, tiny_moe
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from twinplane.config import AlgoSection, TrainSection
@@ -44,14 +45,16 @@ def moe_batch(n):
     return batch
 
 
-def _worker(rank, world, tmp, n, clip, tool_masks, name="grpo", moe=False):
+def _worker(rank, world, tmp, n, clip, tool_masks, name="grpo", moe=False, bf16=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         batch = moe_batch(n) if moe else make_batch(tiny_model(), n=n, tool_masks=tool_masks)
         local = split_for_rank(batch, rank, world)
-        model = shard_model(tiny_moe() if moe else tiny_model())
+        # bf16: the mixed-precision policy GPUs use, whose input casting runs on every unit's forward arguments
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        model = shard_model(tiny_moe() if moe else tiny_model(), mp_policy=mp)
         algo = AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)
         metrics = trainer(model, clip, dist.group.WORLD, algo=algo, moe=moe).train_step(local)
         state, grads = full_state_dict(model), full_grads(model)
@@ -103,6 +106,17 @@ def test_dp2_moe_step_equals_dp1(tmp_path):
     assert want["rollout/routing_agreement"] == 1.0 and want["moe/router_agreement"] < 1.0
     for k in ("actor/pg_loss", "moe/load_imbalance", "moe/router_agreement", "actor/grad_norm"):
         assert abs(got["metrics"][k] - want[k]) < 1e-5, k
+
+
+def test_moe_step_under_a_bf16_policy_keeps_its_routing_and_aux_loss(tmp_path):
+    """With bf16 compute (the GPU policy) the router logits still reach the load-balancing loss: its value and the
+    routing metrics stay those of the fp32 step, up to bf16 rounding."""
+    spawn(_worker, (1, str(tmp_path), 5, 1.0, False, "grpo", True, True), nprocs=1)
+    got = torch.load(tmp_path / "dp1.pt")["metrics"]
+    want = trainer(tiny_moe(), 1.0, moe=True).train_step(moe_batch(5))
+    assert want["moe/aux_loss"] > 0 and got["rollout/routing_agreement"] == 1.0
+    for k in ("moe/aux_loss", "moe/load_imbalance", "actor/pg_loss"):
+        assert abs(got[k] - want[k]) < 0.05 * abs(want[k]) + 1e-3, (k, got[k], want[k])
 
 
 def test_split_for_rank_covers_the_batch_balanced():

@@ -12,7 +12,6 @@ works; the per-expert loop is the portable fallback, and tests check that they a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,6 @@ from torch import nn
 from twinplane.model.config import ModelConfig
 
 
-@dataclass
 class RoutingState:
     """Routing of one forward, per MoE layer, in the forward's flat token order (row-major over [B, T]).
 
@@ -32,13 +30,16 @@ class RoutingState:
       The gate weights are still the router's softmax at the replayed experts, so the router keeps its gradient.
     - `keep_logits`: keep each layer's router logits [N, E] (with grad) for the load-balancing loss.
     Entries are keyed by layer, so activation checkpointing's recompute overwrites rather than appends.
+    Not a dataclass: FSDP2's input casting rebuilds dataclasses it finds in a forward's arguments, and the layers
+    would then record into a copy that the caller never sees.
     """
 
-    replay: torch.Tensor | None = None  # [N, M, k] expert ids, -1 = use the router's own
-    keep_logits: bool = False
-    chosen: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> [N, k] router's own top-k
-    used: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> [N, k] experts that ran (replayed or own)
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> [N, E] router logits
+    def __init__(self, replay: torch.Tensor | None = None, keep_logits: bool = False):
+        self.replay = replay  # [N, M, k] expert ids, -1 = use the router's own
+        self.keep_logits = keep_logits
+        self.chosen: dict[int, torch.Tensor] = {}  # m -> [N, k] router's own top-k
+        self.used: dict[int, torch.Tensor] = {}  # m -> [N, k] experts that ran (replayed or own)
+        self.logits: dict[int, torch.Tensor] = {}  # m -> [N, E] router logits
 
     def indices(self) -> torch.Tensor:
         """The router's own choices [N, M, k] (long)."""
