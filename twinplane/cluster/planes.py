@@ -74,6 +74,7 @@ class CriticPlane(Protocol):
 
 
 class Planes(Protocol):
+    """Both planes, as the controller and the run loop use them."""
     trainer: TrainingPlane
     reference: ReferencePlane | None
     critic: CriticPlane | None
@@ -167,6 +168,7 @@ class LocalPlanes:
               total_steps: int, tis_cap: float | None) -> LocalPlanes:
         r, t = cfg.rollout, cfg.train
         engine = build_engine(cfg, engine_model(cfg, model), tokenizer)
+        rollout = build_rollout(cfg, engine, tokenizer)
         trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap, horizon=r.max_new_tokens)
         if reference_is_base(cfg):
             reference = model
@@ -175,7 +177,7 @@ class LocalPlanes:
             routing_replay=cfg.algo.routing_replay)
         critic = build_critic(cfg, model.config, critic_weights(cfg, model), model.output_weight().device) \
             if build_algorithm(cfg).needs_critic else None
-        return cls(engine, trainer, ref, critic, build_rollout(cfg, engine, tokenizer))
+        return cls(engine, trainer, ref, critic, rollout)
 
     @property
     def rollout_dtype(self) -> torch.dtype:

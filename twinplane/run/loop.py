@@ -112,7 +112,7 @@ class Run:
         self.stream = PromptStream(s.train_prompts, cfg.seed)
         self.summary: dict = {"heldout_size": len(s.val_prompts)}
         self.phase_sums: dict[str, float] = {}
-        self.first_step, self.wall_before = 1, 0.0  # the run's wall time in earlier invocations (checkpoints hold it)
+        self.first_step, self.wall_before = 1, 0.0  # the wall time of earlier invocations (checkpoints hold it)
         self.state: dict | None = None  # the checkpoint resumed from, until `restore` has put it back
         self.lora_base: dict | None = None
         self.reference = self.planes = self.controller = self.log = None
