@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import twinplane  # noqa: E402
+from twinplane.cluster import LocalPlanes  # noqa: E402
 from twinplane.config import AlgoSection, TrainSection  # noqa: E402
 from twinplane.controller import Controller  # noqa: E402
 from twinplane.data.prompts import Prompt  # noqa: E402
@@ -85,8 +86,8 @@ def run_twinplane(args, ckpt: str, batches) -> dict:
                           train=train)
     sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=args.new_tokens,
                               min_new_tokens=args.new_tokens, n=args.samples)
-    controller = Controller(engine, trainer, reference, RewardRunner("exact_int"), tok, sampling, mini_batches=1,
-                            recompute_old_logprobs=False)
+    controller = Controller(LocalPlanes(engine, trainer, reference), RewardRunner("exact_int"), tok, sampling,
+                            mini_batches=1, recompute_old_logprobs=False)
     steps = []
     for i, problems in enumerate(batches):
         t0 = time.perf_counter()

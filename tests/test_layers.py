@@ -97,3 +97,9 @@ def test_no_import_circles():
     for name in graph:
         circle = visit(name, [])
         assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_the_controller_reaches_the_algorithms_through_their_seam():
+    """Algorithm-specific steps are `algos.Algorithm` methods: the controller imports `twinplane.algos` alone."""
+    algos = {target for _, target in imported_modules(PACKAGE / "controller.py") if part(target) == "algos"}
+    assert algos == {"twinplane.algos"}

@@ -2,10 +2,11 @@
 
 rollout -> reward -> (more rollouts: dynamic sampling) -> ref log-probs -> (old log-probs) -> (values) ->
 advantages -> (critic update) -> policy update -> weight sync.
-It only calls `rollout.generate` (or `submit`), `trainer.logprobs/train_step`, `reference.logprobs`, `critic.values/
-train_step` and a weight `sync(version)`, so the same loop drives one process (`cluster.LocalPlanes`) and a Ray
-cluster (`RayPlanes`). What is algorithm-specific comes from the `algos.Algorithm` it is given: the estimator, the
-roles, DAPO's filter and shaping, PPO's KL-in-reward; the controller has no algorithm-specific arguments.
+It only calls the `cluster.Planes` protocol (`submit`, `trainer.logprobs/train_step`, `reference.logprobs`,
+`critic.values/train_step`, `sync(version)`), so the same loop drives one process (`cluster.LocalPlanes`) and a Ray
+cluster (`RayPlanes`). What is algorithm-specific comes from the `algos.Algorithm` it is given: the roles, which
+groups train (DAPO's filter), the scores' shaping, the per-token rewards (PPO's KL-in-reward), the estimator; the
+controller imports no algorithm module and has no algorithm-specific arguments.
 
 One-step off-policy (`async_`): the rollout for step k+1 is submitted before step k trains, so it runs on the
 weights before step k's update while the trainer updates (on Ray, on other devices at the same time; in one
@@ -23,18 +24,17 @@ from dataclasses import asdict
 import torch
 
 from twinplane.algos import Algorithm
-from twinplane.algos.dapo import informative, overlong_buffer, overlong_penalty
-from twinplane.algos.ppo import KLController, kl_in_reward, outcome_token_rewards
-from twinplane.cluster.sync import SyncReport, sync_in_process
+from twinplane.cluster import Planes
+from twinplane.cluster.sync import SyncReport
 from twinplane.config import AlgoSection
 from twinplane.data.prompts import Prompt
 from twinplane.model.flops import forward_flops_per_token, train_flops_per_token
 from twinplane.platform.platform import peak_memory_bytes, reset_peak_memory, synchronize
 from twinplane.rewards import Scorer
-from twinplane.rollout import Done, RolloutEngine, Sample, SamplingParams, multi_turn_metrics
+from twinplane.rollout import Done, Sample, SamplingParams, multi_turn_metrics
 from twinplane.rollout.engine import EngineStats
 from twinplane.tokenizer import Tokenizer
-from twinplane.train import Batch, Reference, Trainer
+from twinplane.train import Batch
 from twinplane.train.critic import explained_variance
 
 
@@ -65,39 +65,31 @@ class PhaseTimer:
 
 
 class Controller:
-    """`rollout` generates (the engine itself, or a multi-turn tool driver around it); `engine` takes weights."""
+    """Drives RL steps through `planes`; the algorithm-specific parts are `algo`'s."""
 
-    def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None, scorer: Scorer,
-                 tokenizer: Tokenizer, sampling: SamplingParams, mini_batches: int = 1,
-                 recompute_old_logprobs: bool = False, algo: Algorithm | None = None, critic=None,
-                 critic_warmup: int = 0, more_prompts=None, rollout=None, on_phase=None,
-                 peak_flops: float | None = None, sync=None, async_: bool = False, devices: tuple[int, int] = (1, 1)):
-        """`algo`: the algorithm (default: the grpo preset); `critic` (the critic plane when the algorithm needs one:
-        `values`, `train_step`, in this process or on Ray ranks alike) trains alone for the first `critic_warmup`
-        steps; `more_prompts()` gives the next prompt batch for dynamic sampling. `sync(version) -> SyncReport`
-        moves weights to the engines (default: in-process into `engine`); `devices`: (training, rollout) device
-        counts, for per-device MFU."""
-        self.engine, self.trainer, self.reference = engine, trainer, reference
+    def __init__(self, planes: Planes, scorer: Scorer, tokenizer: Tokenizer, sampling: SamplingParams,
+                 mini_batches: int = 1, recompute_old_logprobs: bool = False, algo: Algorithm | None = None,
+                 critic_warmup: int = 0, more_prompts=None, on_phase=None, peak_flops: float | None = None,
+                 async_: bool = False):
+        """`algo`: the algorithm (default: the grpo preset); the critic plane (when the algorithm needs one) trains
+        alone for the first `critic_warmup` steps; `more_prompts()` gives the next prompt batch for dynamic
+        sampling; `on_phase(phase)` is called as each phase starts (fault injection)."""
+        self.planes, self.trainer, self.reference, self.critic = planes, planes.trainer, planes.reference, planes.critic
         self.algo = algo or Algorithm(AlgoSection(), sampling.max_new_tokens)
-        self.critic, self.critic_warmup, self.more_prompts = critic, critic_warmup, more_prompts
-        a = self.algo.cfg
-        self.kl_ctrl = KLController(a.kl_reward_coef, a.kl_ctrl == "adaptive", a.kl_target, a.kl_horizon)
-        self.sync = sync or (lambda version: sync_in_process(engine, trainer, version))
-        self.async_, self.devices = async_, devices
+        self.critic_warmup, self.more_prompts = critic_warmup, more_prompts
+        self.async_ = async_
         self.pending = None  # (prompts, rollout in flight) in async mode
         self.rollout_stats = EngineStats()  # the engines' counters for the samples of the current step
-        self.rollout = rollout or engine
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
         self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs or async_
         self.on_phase = on_phase
         self.peak_flops = peak_flops  # per device, for MFU; None (unknown device) reports MFU as null
-        self.version = engine.weight_version
+        self.version = planes.weight_version
 
     def step(self, prompts: Sequence[Prompt], next_prompts: Sequence[Prompt] | None = None) -> dict[str, float]:
         """One RL step on `prompts`. In async mode `next_prompts` (the following step's) start rolling out before
         this step trains; `prompts` must then be those of the previous call's `next_prompts`, if it had any."""
         timer = PhaseTimer(self.trainer.device, self.on_phase)
-        a = self.algo.cfg
         with timer("step"):
             with timer("rollout"):
                 samples = self._rollout(prompts, next_prompts)
@@ -106,7 +98,7 @@ class Controller:
                 rewards, correct, reward_metrics = self._score(samples, source)
             groups = torch.tensor([s.request_index for s in samples])  # [N] one label per prompt
             extra = {}
-            if a.dynamic_sampling:
+            if self.algo.filters_groups:
                 samples, source, rewards, correct, groups, extra = self._dynamic_sampling(
                     timer, len(prompts), samples, source, rewards, correct, groups)
             batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples],
@@ -114,12 +106,9 @@ class Controller:
                                   [s.loss_mask for s in samples],
                                   [s.routing for s in samples] if samples[0].routing is not None else None)
             truncated = torch.tensor([s.finish_reason == "length" for s in samples])
-            scores = rewards.clone()
-            buffer = overlong_buffer(a.overlong_buffer, self.sampling.max_new_tokens)
-            if buffer:  # DAPO overlong shaping: it steers the policy; accuracy still counts the verifier only
-                lengths = torch.tensor([len(s.token_ids) for s in samples])
-                scores = scores + overlong_penalty(lengths, self.sampling.max_new_tokens, buffer, a.overlong_penalty)
-            if a.mask_truncated:
+            lengths = torch.tensor([len(s.token_ids) for s in samples])
+            scores = self.algo.shape_scores(rewards, lengths, self.sampling.max_new_tokens)  # [N]
+            if self.algo.cfg.mask_truncated:
                 batch.response_mask = batch.response_mask * (~truncated).float()[:, None]
             if self.reference is not None:
                 with timer("ref_logprob"):
@@ -132,12 +121,9 @@ class Controller:
                 with timer("values"):
                     values = self.critic.values(batch).cpu()  # [N, R]
             mask = batch.response_mask
-            token_rewards = outcome_token_rewards(scores, mask)  # [N, R]
-            if a.kl_in_reward:
-                old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
-                token_rewards, kl = kl_in_reward(token_rewards, old, batch.ref_logprobs, mask, self.kl_ctrl.value)
-                extra |= {"actor/reward_kl": kl, "actor/reward_kl_coef": self.kl_ctrl.value}
-                self.kl_ctrl.update(kl, len(samples))
+            old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+            token_rewards, reward_terms = self.algo.token_rewards(scores, mask, old, batch.ref_logprobs)  # [N, R]
+            extra |= reward_terms
             batch.advantages, batch.returns = self.algo.advantages(token_rewards, mask, groups, values)
             batch.old_values = values
             parts = self._mini_batches(batch, groups)
@@ -158,7 +144,7 @@ class Controller:
         m |= self.rollout_stats.metrics()  # occupancy, preemptions, KV usage, tokens/s (and remote busy time)
         m |= {"sync/bytes": report.bytes, "sync/gb_per_s": report.bytes / max(timer.times["time/weight_sync"], 1e-9)
               / 1e9, "rollout/staleness": self.version - 1 - min(s.weight_version for s in samples)}
-        memory = {} if getattr(self.trainer, "remote", False) else timer.memory  # remote: rank 0 reports its own
+        memory = timer.memory if self.planes.in_process else {}  # remote: rank 0 reports its own
         return m | memory | {"reward/accuracy": correct.float().mean().item()}
 
     def _score(self, samples, source: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -171,19 +157,18 @@ class Controller:
         """DAPO's dynamic sampling: keep the groups whose rewards differ; while fewer than `target` are kept, roll
         out and score further prompt batches (`more_prompts`, at most `algo.max_gen_batches` batches in all), then
         keep the first `target` informative groups. With none at all, the last batch trains (all advantages 0)."""
-        a = self.algo.cfg
         parts, total_groups, batches = [], 0, 1
         while True:
-            keep = informative(rewards, groups)
+            keep = self.algo.keep_groups(rewards, groups)
             parts.append((samples, source, rewards, correct, groups, keep))
             total_groups += len(set(groups.tolist()))
             kept = sum(len(set(p[4][p[5]].tolist())) for p in parts)
-            if kept >= target or batches >= a.max_gen_batches or self.more_prompts is None:
+            if kept >= target or batches >= self.algo.cfg.max_gen_batches or self.more_prompts is None:
                 break
             more = self.more_prompts()
             offset = int(groups.max()) + 1
             with timer("rollout"):
-                samples = self._collect(self.submit([p.ids for p in more]))
+                samples = self._collect(self.planes.submit([p.ids for p in more], self.sampling))
             with timer("reward"):
                 source = [more[s.request_index] for s in samples]
                 rewards, correct, _ = self._score(samples, source)
@@ -208,12 +193,11 @@ class Controller:
         return [batch.select(slice(lo, hi)) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
 
     def state_dict(self) -> dict:
-        """What the step loop carries between steps besides the planes: the KL-in-reward coefficient."""
-        return {"kl_ctrl": self.kl_ctrl.state_dict()}
+        """What the step loop carries between steps besides the planes and the rollout in flight: the algorithm's."""
+        return self.algo.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if "kl_ctrl" in state:
-            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.algo.load_state_dict(state)
 
     def _rollout(self, prompts: Sequence[Prompt], next_prompts: Sequence[Prompt] | None) -> list:
         if self.pending is not None:
@@ -221,25 +205,17 @@ class Controller:
             if list(expected) != list(prompts):
                 raise ValueError("async rollout: step() was not given the prompts submitted as next_prompts")
         else:
-            handle = self.submit([p.ids for p in prompts])
+            handle = self.planes.submit([p.ids for p in prompts], self.sampling)
         self.rollout_stats = EngineStats()
         samples = self._collect(handle)
         self.pending = None
         if self.async_ and next_prompts:
-            self.pending = (list(next_prompts), self.submit([p.ids for p in next_prompts]))
+            self.pending = (list(next_prompts), self.planes.submit([p.ids for p in next_prompts], self.sampling))
         oldest = min(s.weight_version for s in samples)
         if oldest < self.version - (1 if self.async_ else 0):  # never train on staler samples than allowed
             raise WeightSyncError(f"samples from weight version {oldest} at trainer version {self.version}: "
                                   f"staleness above the allowed {int(self.async_)}")
         return samples
-
-    def submit(self, requests):
-        """A handle whose `result()` gives the samples, then `stats` the engines' counters for them."""
-        if not isinstance(self.engine, RolloutEngine):  # remote engines: a rollout in flight
-            return self.rollout.submit(requests, self.sampling)
-        self.engine.pop_stats()  # one process: run it now (same weights), on its own counters (not validation's)
-        samples = self.rollout.generate(requests, self.sampling)
-        return Done(samples, self.engine.pop_stats())
 
     def _collect(self, handle) -> list[Sample]:
         samples = handle.result()
@@ -269,7 +245,7 @@ class Controller:
     def sync_weights(self) -> SyncReport:
         """Push the trainer's weights to every engine and verify each holds exactly them."""
         self.version += 1
-        report = self.sync(self.version)
+        report = self.planes.sync(self.version)
         bad = report.mismatched()
         if bad:
             raise WeightSyncError(f"weight sync to version {self.version} failed on {', '.join(bad)}: "
@@ -303,8 +279,8 @@ class Controller:
         train_flops = train_flops_per_token(cfg, train_tokens / len(samples)) * computed
         rollout_flops = (gen_tokens * forward_flops_per_token(cfg, mean_prompt + lengths.mean().item() / 2)
                          + sum(prompt_lens) / n * forward_flops_per_token(cfg, mean_prompt / 2))  # prefill once
-        for name, flops, t, devices in (("train", train_flops, times["time/train"], self.devices[0]),
-                                        ("rollout", rollout_flops, rollout_s, self.devices[1])):
+        for name, flops, t, devices in (("train", train_flops, times["time/train"], self.planes.train_devices),
+                                        ("rollout", rollout_flops, rollout_s, self.planes.rollout_devices)):
             m[f"perf/tflops_{name}"] = flops / max(t, 1e-9) / 1e12
             peak = self.peak_flops * devices if self.peak_flops else None
             m[f"perf/mfu_{name}"] = flops / max(t, 1e-9) / peak if peak else None

@@ -8,6 +8,7 @@ from conftest import TINY_RUN, make_batch, outcome, tiny_model
 
 from twinplane.algos import Algorithm
 from twinplane.cli import main
+from twinplane.cluster import LocalPlanes
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.controller import Controller
 from twinplane.data.prompts import Prompt
@@ -123,7 +124,7 @@ def test_dapo_trains_only_on_informative_groups_and_counts_extra_batches():
     queue = [[prompt["A"], prompt["A"]], [prompt["B"], prompt["A"]]]
     n = 4
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4, n=n)
-    controller = Controller(engine, trainer, None, PromptScorer(), tok, sampling, algo=Algorithm(algo, 4),
+    controller = Controller(LocalPlanes(engine, trainer), PromptScorer(), tok, sampling, algo=Algorithm(algo, 4),
                             more_prompts=lambda: queue.pop(0))
     m = controller.step([prompt["A"], prompt["B"]])  # one informative group; 2 wanted; the next batch has none
     assert m["rollout/gen_batches"] == 3 and m["rollout/groups_kept"] == 2 and m["rollout/groups_dropped"] == 4

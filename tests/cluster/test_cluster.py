@@ -76,7 +76,7 @@ def test_fsdp2_ranks_on_ray_train_like_one_process_and_engines_follow(tmp_path):
         prompts = [p.ids for p in setup.train_prompts[:5]]
         checksums = set()
         for version in (1, 2):
-            samples = planes.engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
+            samples = planes.rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
             assert [s.request_index for s in samples] == [i for i in range(5) for _ in range(2)]
             assert {s.weight_version for s in samples} == {version - 1}
             batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], 0,

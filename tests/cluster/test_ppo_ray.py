@@ -100,8 +100,8 @@ def test_sharded_critic_equals_one_process_and_loads_any_layout(layout, tmp_path
     planes = build_planes(cfg, setup.model, None, setup.tokenizer, log=lambda *_: None)
     local = build_critic(cfg, setup.model.config, critic_weights(cfg, setup.model), torch.device("cpu"))
     try:
-        samples = planes.engine.generate([p.ids for p in setup.train_prompts[:5]], SamplingParams(n=2,
-                                                                                                 max_new_tokens=4))
+        samples = planes.rollout.generate([p.ids for p in setup.train_prompts[:5]], SamplingParams(n=2,
+                                                                                                  max_new_tokens=4))
         batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], 0)
         batch.returns = torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask
         for _ in range(2):

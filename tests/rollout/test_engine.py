@@ -81,6 +81,7 @@ def test_weight_sync_and_checksum():
 
 
 def test_in_process_sync_compares_bitwise_and_catches_a_bad_copy(monkeypatch):
+    from twinplane.cluster import LocalPlanes
     from twinplane.cluster.sync import bitwise_equal, sync_in_process
     from twinplane.controller import Controller, WeightSyncError
 
@@ -102,7 +103,7 @@ def test_in_process_sync_compares_bitwise_and_catches_a_bad_copy(monkeypatch):
     with torch.no_grad():
         policy.model.layers[0].mlp.down_proj.weight.add_(1.0)
     assert sync_in_process(engine, trainer, version=2).mismatched() == ["engine 0"]
-    controller = Controller(engine, trainer, None, None, None, SamplingParams(n=2))
+    controller = Controller(LocalPlanes(engine, trainer), None, None, SamplingParams(n=2))
     with pytest.raises(WeightSyncError, match="differ bitwise"):
         controller.sync_weights()
 

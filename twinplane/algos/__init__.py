@@ -3,7 +3,7 @@ registering its `algo.name` presets (`PRESETS`). `Algorithm` is what the control
 
 from twinplane.algos import dapo, grpo, gspo, ppo, reinforce_pp, rloo  # noqa: F401  (register the presets)
 from twinplane.algos.advantages import ESTIMATORS, advantages, masked_whiten
-from twinplane.algos.base import PRESETS, Algorithm, Preset
+from twinplane.algos.base import Algorithm
 from twinplane.algos.losses import (
     AGG_MODES,
     KL_ESTIMATORS,
@@ -17,6 +17,7 @@ from twinplane.algos.losses import (
     truncated_is_weights,
     value_loss,
 )
+from twinplane.algos.presets import PRESETS, Preset
 
 __all__ = ["AGG_MODES", "ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "PRESETS", "Algorithm", "Preset", "advantages",
            "aggregate", "kl_penalty", "masked_whiten", "normaliser", "policy_loss", "token_policy_loss", "token_sum",

@@ -1,38 +1,20 @@
-"""What an algorithm is to the rest of twinplane: a preset of `algo.*` defaults plus one `Algorithm` object that
-says which roles it needs, computes advantages from rewards (and values) and composes the per-micro-batch loss.
+"""What an algorithm is to the rest of twinplane: one `Algorithm` object (for a resolved `algo.*` section, whose
+defaults an `algo.name` preset set) that says which roles it needs and holds every algorithm-specific step between a
+rollout and an update: which groups train, how scores become per-token rewards, the advantages, the loss.
 
 The trainer keeps the mechanics (micro-batches, the global normaliser, backward, clipping, the optimizer step) and
-calls `Algorithm.loss`; the controller calls `Algorithm.advantages`. An algorithm module (`grpo.py`, `ppo.py`, ...)
-registers its presets; anything algorithm-specific beyond the shared pieces (DAPO's sampling filter, PPO's KL
-controller) lives in its own module.
+calls `Algorithm.loss`; the controller calls `keep_groups`, `shape_scores`, `token_rewards` and `advantages`, and
+imports no algorithm module. The methods call the pure functions of the algorithm modules (`dapo.py`, `ppo.py`, ...).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from twinplane.algos.advantages import advantages as compute_advantages
+from twinplane.algos.dapo import informative, overlong_buffer, overlong_penalty
 from twinplane.algos.losses import aggregate, kl_penalty, normaliser, policy_loss, token_sum
-
-
-@dataclass(frozen=True)
-class Preset:
-    """`algo.name`: its one-line summary, the paper, and the `algo.*` values it sets (overridable key by key)."""
-    name: str
-    summary: str
-    paper: str
-    values: dict[str, Any] = field(default_factory=dict)
-
-
-PRESETS: dict[str, Preset] = {}
-
-
-def register(*presets: Preset) -> None:
-    for p in presets:
-        PRESETS[p.name] = p
+from twinplane.algos.ppo import KLController, kl_in_reward, outcome_token_rewards
 
 
 class Algorithm:
@@ -41,6 +23,8 @@ class Algorithm:
     def __init__(self, algo, horizon: int):
         """`horizon`: the constant of seq-mean-token-sum-norm (`algo.loss_agg_horizon`, else the generation cap)."""
         self.cfg, self.horizon = algo, horizon
+        # PPO-RLHF's KL-in-reward coefficient: the one piece of state an algorithm carries from step to step
+        self.kl_ctrl = KLController(algo.kl_reward_coef, algo.kl_ctrl == "adaptive", algo.kl_target, algo.kl_horizon)
 
     @property
     def needs_reference(self) -> bool:
@@ -49,6 +33,47 @@ class Algorithm:
     @property
     def needs_critic(self) -> bool:
         return self.cfg.adv_estimator == "gae"
+
+    @property
+    def filters_groups(self) -> bool:
+        """DAPO's dynamic sampling: only groups whose rewards differ train (the controller rolls out more)."""
+        return bool(self.cfg.dynamic_sampling)
+
+    def keep_groups(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        """[N] bool: the samples whose group trains. All of them, or with dynamic sampling those of informative
+        groups (`dapo.informative`)."""
+        if not self.filters_groups:
+            return torch.ones(len(scores), dtype=torch.bool)
+        return informative(scores, group_ids)
+
+    def shape_scores(self, scores: torch.Tensor, lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """[N] the scores the policy learns from: the rewards plus DAPO's overlong penalty (`dapo.overlong_penalty`)
+        when `algo.overlong_buffer` is set. It steers the policy only: accuracy still counts the verifier."""
+        buffer = overlong_buffer(self.cfg.overlong_buffer, max_new_tokens)
+        if not buffer:
+            return scores
+        return scores + overlong_penalty(lengths, max_new_tokens, buffer, self.cfg.overlong_penalty)
+
+    def token_rewards(self, scores: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor,
+                      ref_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """([N, R] per-token rewards, metrics): each score on its sequence's last trained token
+        (`ppo.outcome_token_rewards`); with `algo.kl_in_reward` minus the per-token KL to the reference
+        (`ppo.kl_in_reward`), after which an adaptive coefficient moves towards `algo.kl_target`."""
+        token_rewards = outcome_token_rewards(scores, mask)  # [N, R]
+        if not self.cfg.kl_in_reward:
+            return token_rewards, {}
+        coef = self.kl_ctrl.value
+        token_rewards, kl = kl_in_reward(token_rewards, old_logprobs, ref_logprobs, mask, coef)
+        self.kl_ctrl.update(kl, len(scores))
+        return token_rewards, {"actor/reward_kl": kl, "actor/reward_kl_coef": coef}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to continue bitwise: the KL-in-reward coefficient."""
+        return {"kl_ctrl": self.kl_ctrl.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "kl_ctrl" in state:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
     def advantages(self, token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
                    values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,12 @@
 """DAPO (Yu et al. 2025): GRPO advantages with clip-higher, token-mean aggregation, dynamic sampling (only groups
-whose rewards differ train) and overlong reward shaping. The controller applies the two functions below."""
+whose rewards differ train) and overlong reward shaping, applied through `Algorithm.keep_groups` and `shape_scores`."""
 
 from __future__ import annotations
 
 import torch
 
 from twinplane.algos.advantages import group_stats
-from twinplane.algos.base import Preset, register
+from twinplane.algos.presets import Preset, register
 
 register(
     Preset("dapo", "GRPO + clip-higher, token-mean, dynamic sampling of informative groups, overlong shaping",

@@ -1,6 +1,6 @@
 """GRPO and Dr.GRPO: group-relative outcome advantages, the clipped surrogate, no critic."""
 
-from twinplane.algos.base import Preset, register
+from twinplane.algos.presets import Preset, register
 
 register(
     Preset("grpo", "group-normalised outcome advantages (s - mean) / std, clipped surrogate, token-mean",

@@ -1,6 +1,6 @@
 """GSPO: GRPO advantages under a sequence-level importance ratio with small clip ranges."""
 
-from twinplane.algos.base import Preset, register
+from twinplane.algos.presets import Preset, register
 
 register(
     Preset("gspo", "sequence-level ratio exp(mean_t log-ratio), clip 3e-4/4e-4, seq-mean-token-mean",

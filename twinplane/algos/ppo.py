@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from twinplane.algos.base import Preset, register
 from twinplane.algos.losses import kl_penalty
+from twinplane.algos.presets import Preset, register
 
 register(
     Preset("ppo", "GAE advantages from a learned critic (value head on the policy's decoder), clipped surrogate",

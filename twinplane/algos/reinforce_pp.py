@@ -1,7 +1,7 @@
 """REINFORCE++: discounted token returns whitened over the whole batch (no per-prompt baseline), or with the
 group-mean baseline subtracted first (the `_baseline` variant), under the PPO clipped surrogate."""
 
-from twinplane.algos.base import Preset, register
+from twinplane.algos.presets import Preset, register
 
 register(
     Preset("reinforce_pp", "discounted returns whitened over the global batch, no baseline, clipped surrogate",

@@ -1,6 +1,6 @@
 """RLOO: each sample's baseline is the mean reward of the other samples of its group (leave-one-out)."""
 
-from twinplane.algos.base import Preset, register
+from twinplane.algos.presets import Preset, register
 
 register(
     Preset("rloo", "leave-one-out baseline s - mean(others), clipped surrogate, token-mean",

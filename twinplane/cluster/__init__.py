@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from twinplane.cluster.planes import (
     LocalPlanes,
+    Planes,
     WorkerError,
     build_algorithm,
     build_engine,
@@ -16,12 +17,13 @@ from twinplane.model.export import export_weights
 from twinplane.tokenizer import Tokenizer
 
 
-def build_planes(cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer, log=print):
+def build_planes(cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer,
+                 log=print) -> Planes:
     """`model` and `reference` hold the starting weights (after any warm start or restore)."""
     total_steps = cfg.train.steps * cfg.train.mini_batches
     tis_cap = cfg.algo.tis_cap if cfg.cluster.async_ else None
     if cfg.cluster.backend == "local":
-        return LocalPlanes(cfg, model, reference, tokenizer, total_steps, tis_cap)
+        return LocalPlanes.build(cfg, model, reference, tokenizer, total_steps, tis_cap)
     from twinplane.cluster.ray_planes import RayPlanes  # Ray's presence is checked by `prepare.prepare`
 
     def cpu_state(m: Transformer) -> dict:
@@ -32,4 +34,4 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
                      total_steps, tis_cap, log, critic)
 
 
-__all__ = ["LocalPlanes", "WorkerError", "build_algorithm", "build_engine", "build_planes", "build_rollout"]
+__all__ = ["LocalPlanes", "Planes", "WorkerError", "build_algorithm", "build_engine", "build_planes", "build_rollout"]

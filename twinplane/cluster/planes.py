@@ -1,18 +1,19 @@
-"""The two planes as the controller and the run loop see them, whichever backend holds them.
+"""The two planes as the controller and the run loop see them (`Planes`), whichever backend holds them.
 
-A `Planes` object offers `trainer` (`logprobs`, `train_step`, `config`, `device`), `reference` (or None), `critic`
-(`values`, `train_step`, `state`/`load_state`; or None), `engine` and `rollout` (`generate`, optionally `submit`
-for an overlapped rollout), `sync(version) -> SyncReport`, `state()` / `load_state(...)` for checkpoints and
-`close()`. Which roles exist is the algorithm's call (`algos.Algorithm.needs_reference`, `needs_critic`).
-`LocalPlanes` keeps everything in this process; `RayPlanes` (`twinplane.cluster.ray_planes`) places training ranks,
-engines and critic ranks as Ray actors. The engine, the trainer, the reference and the critic are built here (and
-by the Ray workers from the same `build_*` functions); `twinplane eval` builds its engine here too.
+`Planes` is the protocol: the training plane `trainer`, the `reference` and `critic` planes (or None: which roles
+exist is the algorithm's call, `algos.Algorithm.needs_reference` / `needs_critic`), `rollout` for validation,
+`submit` for the step's rollout, `sync(version)` to move the trainer's weights to the engines, `state()` /
+`load_state(...)` for checkpoints and `close()`. `LocalPlanes` keeps everything in this process; `RayPlanes`
+(`twinplane.cluster.ray_planes`) places training ranks, engines and critic ranks as Ray actors. The engine, the
+trainer, the reference and the critic are built here (and by the Ray workers from the same `build_*` functions);
+`twinplane eval` builds its engine here too.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 
@@ -23,9 +24,10 @@ from twinplane.model import ModelConfig, Transformer, iter_safetensors
 from twinplane.model.export import export_weights
 from twinplane.model.lora import cast_base, merge_lora
 from twinplane.platform import platform
-from twinplane.rollout import MultiTurnRollout, RolloutEngine, build_tools, engine_options
+from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
+from twinplane.rollout.engine import EngineStats
 from twinplane.tokenizer import Tokenizer
-from twinplane.train import Reference, Trainer
+from twinplane.train import Batch, Reference, Trainer
 from twinplane.train.critic import Critic, build_value_model
 from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
@@ -33,6 +35,73 @@ from twinplane.train.optim import load_named_optimizer_state, named_optimizer_st
 
 class WorkerError(RuntimeError):
     """A worker died or stopped answering; the message names it."""
+
+
+class RolloutHandle(Protocol):
+    """A submitted rollout: `result()` waits for its samples; then `stats` holds the engines' counters for them."""
+    stats: EngineStats
+
+    def result(self) -> list[Sample]: ...
+
+
+class Rollout(Protocol):
+    """What generates: an engine, a multi-turn tool driver around one, or the remote engines together."""
+
+    def generate(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]: ...
+
+
+class TrainingPlane(Protocol):
+    config: ModelConfig
+    device: torch.device
+
+    def logprobs(self, batch: Batch) -> torch.Tensor: ...  # [N, R]
+
+    def train_step(self, batch: Batch) -> dict[str, float]: ...
+
+
+class ReferencePlane(Protocol):
+    def logprobs(self, batch: Batch) -> torch.Tensor: ...  # [N, R]
+
+
+class CriticPlane(Protocol):
+    def values(self, batch: Batch) -> torch.Tensor: ...  # [N, R]
+
+    def train_step(self, batch: Batch) -> dict[str, float]: ...
+
+    def state(self) -> dict: ...
+
+    def load_state(self, state: dict) -> None: ...
+
+
+class Planes(Protocol):
+    """Both planes, as the controller and the run loop use them."""
+    trainer: TrainingPlane
+    reference: ReferencePlane | None
+    critic: CriticPlane | None
+    rollout: Rollout
+    rollout_dtype: torch.dtype  # the engines' weights
+    weight_version: int  # the version the engines hold
+    train_devices: int
+    rollout_devices: int
+    in_process: bool  # the trainer runs in this process (its peak memory is this process's)
+
+    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutHandle:
+        """Start rolling out `requests` with the engines' current weights."""
+        ...
+
+    def sync(self, version: int) -> SyncReport:
+        """Push the trainer's weights to every engine as `version`; the report says what each one holds."""
+        ...
+
+    def state(self) -> dict:
+        """For a checkpoint: {policy (None: `model` is the trainer's own), optimizer, scheduler, engine_rng,
+        weight_version, critic}."""
+        ...
+
+    def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
+                   critic: dict | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def build_algorithm(cfg: Config) -> Algorithm:
@@ -86,22 +155,43 @@ class LocalPlanes:
     """Both planes in this process, sharing the device; the engine takes the trainer's tensors in-process."""
 
     train_devices = rollout_devices = 1
+    in_process = True
 
-    def __init__(self, cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer,
-                 total_steps: int, tis_cap: float | None):
+    def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None = None,
+                 critic: Critic | None = None, rollout: Rollout | None = None):
+        """`rollout`: what generates with `engine` (default: the engine itself)."""
+        self.engine, self.trainer, self.reference, self.critic = engine, trainer, reference, critic
+        self.rollout = rollout or engine
+
+    @classmethod
+    def build(cls, cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer,
+              total_steps: int, tis_cap: float | None) -> LocalPlanes:
         r, t = cfg.rollout, cfg.train
-        self.engine = build_engine(cfg, engine_model(cfg, model), tokenizer)
-        self.rollout = build_rollout(cfg, self.engine, tokenizer)
-        self.trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap,
-                               horizon=r.max_new_tokens)
+        engine = build_engine(cfg, engine_model(cfg, model), tokenizer)
+        rollout = build_rollout(cfg, engine, tokenizer)
+        trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap, horizon=r.max_new_tokens)
         if reference_is_base(cfg):
             reference = model
-        self.reference = None if reference is None else Reference(
+        ref = None if reference is None else Reference(
             reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, train=t,
             routing_replay=cfg.algo.routing_replay)
-        needs_critic = build_algorithm(cfg).needs_critic
-        self.critic = build_critic(cfg, model.config, critic_weights(cfg, model), model.output_weight().device) \
-            if needs_critic else None
+        critic = build_critic(cfg, model.config, critic_weights(cfg, model), model.output_weight().device) \
+            if build_algorithm(cfg).needs_critic else None
+        return cls(engine, trainer, ref, critic, rollout)
+
+    @property
+    def rollout_dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> Done:
+        """Runs now (one process: the same weights as later), on the engine's own counters (not validation's)."""
+        self.engine.pop_stats()
+        samples = self.rollout.generate(requests, sampling)
+        return Done(samples, self.engine.pop_stats())
 
     def sync(self, version: int) -> SyncReport:
         return sync_in_process(self.engine, self.trainer, version)

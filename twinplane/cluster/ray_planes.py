@@ -44,6 +44,10 @@ def _actor_class(cls):
 
 
 class RayPlanes:
+    """The `Planes` over Ray actors."""
+
+    in_process = False
+
     def __init__(self, cfg: Config, model_config: ModelConfig, tokenizer: Tokenizer, policy: dict[str, torch.Tensor],
                  reference: dict[str, torch.Tensor] | None, total_steps: int, tis_cap: float | None, log=print,
                  critic: dict[str, torch.Tensor] | None = None):
@@ -57,7 +61,7 @@ class RayPlanes:
                 ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"cluster.address={c.address}: cannot start or join Ray ({_first_line(e)})") from None
-        self.pg, self.actors = None, {}
+        self.pg, self.actors, self.weight_version = None, {}, 0
         try:
             self._start(cfg, model_config, tokenizer, policy, reference, critic, total_steps, tis_cap, log)
         except BaseException:
@@ -120,8 +124,8 @@ class RayPlanes:
         self.trainer = _TrainerProxy(self, model_config)
         self.reference = _ReferenceProxy(self) if reference is not None or reference_is_base(cfg) else None
         self.critic = None if critic is None else _CriticProxy(self, self.critics or self.trainers)
-        engine_dtype = platform.rollout_dtype(cfg.model, "cuda" if self.gpus else "cpu")
-        self.engine = self.rollout = _EngineProxy(self, engine_dtype)
+        self.rollout_dtype = platform.rollout_dtype(cfg.model, "cuda" if self.gpus else "cpu")
+        self.rollout = _Engines(self)
         critics = f" + {spec.num_critics} critic rank(s)" if self.critics else ""
         log(f"ray: {spec.num_train} training rank(s) + {spec.num_engines} engine(s) "
             f"{'colocated' if c.colocate else 'disaggregated'}{critics}, {bundle} each, on {len(ray.nodes())} "
@@ -175,6 +179,14 @@ class RayPlanes:
             out[torch.tensor(r), :part.shape[1]] = part
         return out
 
+    def submit(self, requests, sampling: SamplingParams) -> _Pending:
+        """The engines' data-parallel share of `requests`, dealt by load: longest first to the least-loaded one."""
+        loads = [len(r) + sampling.max_new_tokens for r in requests]
+        shares = assign_rows(loads, len(self.engines), balance_counts=False)
+        busy = [(e, share) for e, share in zip(self.engines, shares, strict=True) if share]
+        calls = [(e, e.generate.remote([list(requests[i]) for i in share], sampling)) for e, share in busy]
+        return _Pending(self, calls, [share for _, share in busy])
+
     def sync(self, version: int) -> SyncReport:
         calls = [(t, t.push_weights.remote(version)) for t in self.trainers]
         if not self.cfg.cluster.colocate:
@@ -182,7 +194,7 @@ class RayPlanes:
         results = self._wait(calls, "weight sync")
         sent = results[0]
         engine_results = results if self.cfg.cluster.colocate else results[len(self.trainers):]
-        self.engine.weight_version = version
+        self.weight_version = version
         return SyncReport(version, sent["expected"], {n: r["checksum"] for n, r in zip(self.engine_names,
                                                                                        engine_results, strict=True)},
                           sent["bytes"], max(r["seconds"] for r in results[:len(self.trainers)]))
@@ -201,7 +213,7 @@ class RayPlanes:
         exact = len(engine_rng) == len(self.engines)
         self._wait([(e, e.set_engine_state.remote(engine_rng[i] if exact else None, version))
                     for i, e in enumerate(self.engines)], "restore")
-        self.engine.weight_version = version
+        self.weight_version = version
 
     def kill(self, name: str) -> None:
         """Fault injection for tests: kill the worker whose name starts with `name`."""
@@ -220,8 +232,6 @@ class RayPlanes:
 
 class _TrainerProxy:
     """The training plane's interface over N ranks: each takes its token-balanced share of the rows."""
-
-    remote = True  # this process's memory says nothing about the workers': the controller doesn't report it
 
     def __init__(self, planes: RayPlanes, config: ModelConfig):
         self.planes, self.config, self.device = planes, config, torch.device("cpu")
@@ -280,21 +290,14 @@ class _Pending:
         return sorted(samples, key=lambda s: s.request_index)  # stable: a request's n samples keep their order
 
 
-class _EngineProxy:
-    """M data-parallel engines, fed by load: requests dealt longest first to the least-loaded engine."""
+class _Engines:
+    """The M data-parallel engines as one `Rollout` (validation generates through it)."""
 
-    def __init__(self, planes: RayPlanes, dtype: torch.dtype):
-        self.planes, self.dtype, self.weight_version = planes, dtype, 0
-
-    def submit(self, requests, sampling: SamplingParams) -> _Pending:
-        loads = [len(r) + sampling.max_new_tokens for r in requests]
-        shares = assign_rows(loads, len(self.planes.engines), balance_counts=False)
-        busy = [(e, share) for e, share in zip(self.planes.engines, shares, strict=True) if share]
-        calls = [(e, e.generate.remote([list(requests[i]) for i in share], sampling)) for e, share in busy]
-        return _Pending(self.planes, calls, [share for _, share in busy])
+    def __init__(self, planes: RayPlanes):
+        self.planes = planes
 
     def generate(self, requests, sampling: SamplingParams) -> list:
-        return self.submit(requests, sampling).result()
+        return self.planes.submit(requests, sampling).result()
 
 
 def _first_line(e: BaseException) -> str:

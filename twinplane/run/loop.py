@@ -1,5 +1,5 @@
-"""`twinplane train` and `twinplane eval` once `twinplane.run.prepare` has checked the input: warm-start, run RL through
-the controller, validate, checkpoint, save; evaluate.
+"""`twinplane train` and `twinplane eval` once `twinplane.run.prepare` has checked the input: a `Run` warm-starts,
+runs RL through the controller, validates, checkpoints and saves; `run_eval` evaluates.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import copy
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -71,188 +73,272 @@ def attach_lora(s: Setup, console: Console) -> dict:
     return {"path": str(base_dir.resolve()), "sha256": digest, "dropout": lora.dropout}
 
 
-PREEMPTED = 75  # exit code after a SIGTERM/SIGINT was handled and an emergency checkpoint written
-
-
 def train(s: Setup, console: Console | None = None) -> dict:
-    """Run (or continue) the job. Raises `Preempted` after a handled SIGTERM/SIGINT (state saved: a checkpoint
-    once the warm start is done; before that the warm start is short and reruns on resume)."""
-    cfg, tokenizer, model, run_dir = s.cfg, s.tokenizer, s.model, s.run_dir
-    console = console or Console(stderr=True)
-    own_stop = s.stop is None  # called from Python rather than the CLI: handle signals for this call only
-    stop = (s.stop or StopRequests(log=console.print)).install()
-    faults = s.faults or Faults(os.environ.get("TWINPLANE_FAULT"))
-    live = LiveLine(console, cfg.log.progress and "console" in cfg.log.backends, cfg.log.every)
-    stop.log = live.print  # a stop request's message starts on a line of its own, not after the live line
-    t_start = time.perf_counter()
-    dtype = platform.resolve_dtype(cfg.model.dtype)
-    if s.resume_from is None:  # on resume, written once the checkpoint has loaded (a bad one changes nothing)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    console.print(f"[bold]twinplane[/] run dir {run_dir} | device {s.device} | model {model.config.model_type} "
-                  f"{model.config.num_params / 1e6:.2f}M params | {dtype} | {len(s.train_prompts)} train prompts, "
-                  f"{len(s.val_prompts)} validation prompts {s.data_stats or ''}")
+    """Run (or continue) the job; returns its summary. Raises `Preempted` after a handled SIGTERM/SIGINT (state
+    saved: a checkpoint once the warm start is done; before that the warm start is short and reruns on resume)."""
+    run = Run(s, console or Console(stderr=True))
+    try:
+        run.start()
+        with run.naming_last_checkpoint():
+            if s.resume_from is not None:
+                run.restore()
+            else:
+                run.begin()
+            for step in range(run.first_step, s.cfg.train.steps + 1):
+                run.step(step)
+            run.end()
+    finally:
+        run.close()
+    return run.finish()
 
-    warm = s.task is not None and cfg.warmstart.steps > 0
-    if warm and s.resume_from is None:
-        ws = cfg.warmstart
-        pairs = s.task.teacher_data(ws.steps * ws.batch_size, cfg.task.teacher_carry_error, cfg.seed + 1)
-        prompts = [tokenizer.encode(p) for p, _ in pairs]
-        answers = [tokenizer.encode(a) + [tokenizer.eos_token_id] for _, a in pairs]
+
+class Run:
+    """One training job on a prepared `Setup` and the state it carries from step to step (the summary, the phase
+    times, the prompt stream, the planes and the controller). `train` calls, in order: `start` (everything before
+    the first RL step), `restore` (a checkpoint's) or `begin` (validation at step 0), `step` for each RL step,
+    `end`, `close` (always), `finish` (final/ and summary.json). A stop request is looked at between steps: a
+    checkpoint, then `Preempted`."""
+
+    def __init__(self, s: Setup, console: Console):
+        cfg = s.cfg
+        self.s, self.cfg, self.console, self.run_dir = s, cfg, console, s.run_dir
+        self.own_stop = s.stop is None  # called from Python rather than the CLI: handle signals for this call only
+        self.stop = (s.stop or StopRequests(log=console.print)).install()
+        self.faults = s.faults or Faults(os.environ.get("TWINPLANE_FAULT"))
+        self.live = LiveLine(console, cfg.log.progress and "console" in cfg.log.backends, cfg.log.every)
+        self.stop.log = self.live.print  # a stop request's message starts on a line of its own, not after the live line
+        self.t_start = time.perf_counter()
+        self.warm = s.task is not None and cfg.warmstart.steps > 0
+        self.stream = PromptStream(s.train_prompts, cfg.seed)
+        self.summary: dict = {"heldout_size": len(s.val_prompts)}
+        self.phase_sums: dict[str, float] = {}
+        self.first_step, self.wall_before = 1, 0.0  # the wall time of earlier invocations (checkpoints hold it)
+        self.state: dict | None = None  # the checkpoint resumed from, until `restore` has put it back
+        self.lora_base: dict | None = None
+        self.reference = self.planes = self.controller = self.log = None
+        self.sinks: list = []
+
+    # --- before the first RL step -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The run dir's config, the warm start, LoRA, the reference, a checkpoint's weights and data position,
+        then the planes (which copy the weights) and the controller."""
+        s, cfg, r = self.s, self.cfg, self.cfg.rollout
+        dtype = platform.resolve_dtype(cfg.model.dtype)
+        if s.resume_from is None:  # on resume, written once the checkpoint has loaded (a bad one changes nothing)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.write_config()
+        self.console.print(f"[bold]twinplane[/] run dir {self.run_dir} | device {s.device} | model "
+                           f"{s.model.config.model_type} {s.model.config.num_params / 1e6:.2f}M params | {dtype} | "
+                           f"{len(s.train_prompts)} train prompts, {len(s.val_prompts)} validation prompts "
+                           f"{s.data_stats or ''}")
+        if self.warm and s.resume_from is None:
+            self.warm_start()
+        self.lora_base = attach_lora(s, self.console) if cfg.train.lora.rank > 0 else None
+        # Taken before a restore, so without a warm start the reference is the unchanged source; after a warm start
+        # its weights are in the checkpoint. With LoRA the reference is the policy's own base (adapters off).
+        algo = build_algorithm(cfg)
+        self.reference = copy.deepcopy(s.model) if algo.needs_reference and self.lora_base is None else None
+        if s.resume_from is not None:
+            self.read_checkpoint()
+        self.planes = build_planes(cfg, s.model, self.reference, s.tokenizer, log=self.console.print)
+        self.faults.planes = self.planes
+        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
+        recompute_old = cfg.algo.recompute_old_logprobs or self.planes.rollout_dtype != dtype
+        self.controller = Controller(self.planes, s.scorer, s.tokenizer, sampling, cfg.train.mini_batches,
+                                     recompute_old, algo=algo, critic_warmup=cfg.critic.warmup_steps,
+                                     more_prompts=lambda: self.stream.next_batch(r.prompts_per_step),
+                                     on_phase=self.faults, peak_flops=platform.detect().peak_flops,
+                                     async_=cfg.cluster.async_)
+
+    def warm_start(self) -> None:
+        """Supervised steps on the built-in task's imperfect-teacher answers, with live progress; a stop request
+        leaves at once (a resume reruns it)."""
+        s, ws, live = self.s, self.cfg.warmstart, self.live
+        pairs = s.task.teacher_data(ws.steps * ws.batch_size, self.cfg.task.teacher_carry_error, self.cfg.seed + 1)
+        prompts = [s.tokenizer.encode(p) for p, _ in pairs]
+        answers = [s.tokenizer.encode(a) + [s.tokenizer.eos_token_id] for _, a in pairs]
         t0 = time.perf_counter()
 
         def on_step(i: int, loss: float) -> bool:  # live progress with an ETA; True stops (a signal arrived)
             elapsed = time.perf_counter() - t0
             live.update(i, ws.steps, f"warm start {i}/{ws.steps}  loss={loss:.3f}  "
                         f"{elapsed:.0f}s, eta {elapsed / i * (ws.steps - i):.0f}s")
-            faults("warmstart", i)
-            return stop.requested
+            self.faults("warmstart", i)
+            return self.stop.requested
 
-        losses = warm_start(model, prompts, answers, ws.steps, ws.batch_size, ws.lr, tokenizer.pad_token_id, cfg.seed,
-                            on_step=on_step)
+        losses = warm_start(s.model, prompts, answers, ws.steps, ws.batch_size, ws.lr, s.tokenizer.pad_token_id,
+                            self.cfg.seed, on_step=on_step)
         live.done()
-        stop.check(f"the warm start (step {len(losses)}/{ws.steps}, {time.perf_counter() - t0:.0f}s: a resume "
-                   "reruns it)")
-        console.print(f"warm start: {ws.steps} steps on imperfect-teacher answers, loss "
-                      f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
+        self.stop.check(f"the warm start (step {len(losses)}/{ws.steps}, {time.perf_counter() - t0:.0f}s: a resume "
+                        "reruns it)")
+        self.console.print(f"warm start: {ws.steps} steps on imperfect-teacher answers, loss "
+                           f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
 
-    r = cfg.rollout
-    lora_base = attach_lora(s, console) if cfg.train.lora.rank > 0 else None
-    # Taken before a restore, so without a warm start the reference is the unchanged source; after a warm start
-    # its weights are in the checkpoint. With LoRA the reference is the policy's own base (adapters off).
-    algo = build_algorithm(cfg)
-    reference = copy.deepcopy(model) if algo.needs_reference and lora_base is None else None
-    stream = PromptStream(s.train_prompts, cfg.seed)
-    summary: dict = {"heldout_size": len(s.val_prompts)}
-    phase_sums: dict[str, float] = {}
-    start, state, wall_before = 1, None, 0.0  # the run's wall time in earlier invocations (each checkpoint holds it)
-    if s.resume_from is not None:
-        state = run_state.restore(s.resume_from, policy=model, reference=reference, stream=stream)
+    def read_checkpoint(self) -> None:
+        """The checkpoint's weights (policy, reference), data position and counters; the rest waits for `restore`."""
+        self.state = run_state.restore(self.s.resume_from, policy=self.s.model, reference=self.reference,
+                                       stream=self.stream)
         try:
-            start, summary, phase_sums = state["step"] + 1, dict(state["summary"]), dict(state["phase_sums"])
-            wall_before = float(summary.get("wall_seconds", 0.0))
+            self.first_step = self.state["step"] + 1
+            self.summary, self.phase_sums = dict(self.state["summary"]), dict(self.state["phase_sums"])
+            self.wall_before = float(self.summary.get("wall_seconds", 0.0))
         except (KeyError, TypeError, ValueError) as e:
-            raise checkpoint.CheckpointError(f"{s.resume_from / 'state.json'}: wrong shape ({e!r})") from None
-    planes = build_planes(cfg, model, reference, tokenizer, log=console.print)
-    faults.planes = planes
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
-    controller = Controller(planes.engine, planes.trainer, planes.reference, s.scorer, tokenizer, sampling,
-                            cfg.train.mini_batches, cfg.algo.recompute_old_logprobs or planes.engine.dtype != dtype,
-                            algo=algo, critic=planes.critic, critic_warmup=cfg.critic.warmup_steps,
-                            more_prompts=lambda: stream.next_batch(r.prompts_per_step), rollout=planes.rollout,
-                            on_phase=faults,
-                            peak_flops=platform.detect().peak_flops, sync=planes.sync, async_=cfg.cluster.async_,
-                            devices=(planes.train_devices, planes.rollout_devices))
-    log, sinks = None, []
+            raise checkpoint.CheckpointError(f"{self.s.resume_from / 'state.json'}: wrong shape ({e!r})") from None
 
-    def record(step: int, metrics: dict) -> None:
-        log.write({"step": step, **metrics})
-        for sink in sinks:
-            sink.log(step, metrics)
+    def restore(self) -> None:
+        """The checkpoint's optimizer, scheduler, engine RNGs, weight version, the algorithm's state and any
+        rollout in flight; then the run dir's config and metrics continue from it."""
+        state, c = self.state, self.controller
+        try:
+            self.planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"],
+                                   state["weight_version"], critic=state.get("critic"))
+            c.version = state["weight_version"]
+            c.load_state_dict(state.get("controller", {}))
+            c.load_pending(state.get("pending"))
+        except Exception as e:  # any failure here is the checkpoint's content (torch/numpy raise many types)
+            raise checkpoint.CheckpointError(f"{self.s.resume_from}: optimizer, scheduler or rollout state has "
+                                             f"the wrong shape ({type(e).__name__})") from None
+        self.write_config()
+        self.console.print(f"resumed from {self.s.resume_from} (step {state['step']})")
+        self.state = None
+        self.open_logs()
 
-    def validate(step: int) -> dict:
-        faults("eval", step)
-        ev = {f"val/{k}": v for k, v in run_eval(s, planes.rollout, cfg.eval.n, cfg.eval.temperature).items()}
-        live.print(f"validation at step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+    def begin(self) -> None:
+        """A fresh run: validation at step 0 (the policy before any RL update), and a checkpoint of the warm start
+        if a stop was requested by now."""
+        self.open_logs()
+        if self.cfg.eval.before and self.s.val_prompts:
+            ev = self.validate(0)
+            self.record(0, ev)
+            self.summary["warmstart_accuracy"] = ev["val/accuracy"]
+        if self.stop.requested and self.cfg.train.steps > 0:  # the warm start is done: keep it
+            self.checkpoint(0)
+            raise Preempted("preempted before the first RL step; resume with --resume auto")
+
+    def open_logs(self) -> None:
+        """metrics.jsonl (on resume, cut back to the checkpoint's step) and the configured logger backends."""
+        cfg = self.cfg
+        kept = self.first_step - 1 if self.s.resume_from is not None else None
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", keep_through_step=kept)
+        self.sinks = build_loggers(cfg.log.backends, self.run_dir, cfg.to_dict(), cfg.log.wandb_project,
+                                   cfg.log.wandb_mode)
+
+    # --- RL steps -----------------------------------------------------------------------------------------------
+    def step(self, step: int) -> None:
+        """RL step `step` through the controller, its metrics, validation and a checkpoint when due. A stop request
+        gets a checkpoint at once, then `Preempted`."""
+        cfg, c, r = self.cfg, self.controller, self.cfg.rollout
+        self.faults.step = step
+        prompts = c.pending[0] if c.pending else self.stream.next_batch(r.prompts_per_step)
+        upcoming = self.stream.next_batch(r.prompts_per_step) if cfg.cluster.async_ and step < cfg.train.steps \
+            else None
+        m = c.step(prompts, upcoming)
+        for k, v in m.items():
+            if k.startswith("time/"):
+                self.phase_sums[k] = self.phase_sums.get(k, 0.0) + v
+        self.live.update(step, cfg.train.steps, progress_line(step, cfg.train.steps, m))
+        if self.validation_due(step):
+            m |= self.validate(step)
+            if step == cfg.train.steps:
+                self.summary["final_accuracy"] = m["val/accuracy"]
+        self.record(step, m)
+        periodic = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps)
+        if periodic or self.stop.requested:
+            self.checkpoint(step)
+        if self.stop.requested:
+            raise Preempted(f"preempted at step {step}; resume with --resume auto")
+
+    def validation_due(self, step: int) -> bool:
+        last = step == self.cfg.train.steps and self.cfg.eval.after
+        return bool(self.s.val_prompts) and (last or (self.cfg.eval.every > 0 and step % self.cfg.eval.every == 0))
+
+    def validate(self, step: int) -> dict:
+        self.faults("eval", step)
+        ev = {f"val/{k}": v for k, v in run_eval(self.s, self.planes.rollout, self.cfg.eval.n,
+                                                 self.cfg.eval.temperature).items()}
+        self.live.print(f"validation at step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()))
         return ev
 
-    def due(step: int) -> bool:
-        last = step == cfg.train.steps and cfg.eval.after
-        return bool(s.val_prompts) and (last or (cfg.eval.every > 0 and step % cfg.eval.every == 0))
+    def record(self, step: int, metrics: dict) -> None:
+        self.log.write({"step": step, **metrics})
+        for sink in self.sinks:
+            sink.log(step, metrics)
 
-    def pull_policy() -> dict:
-        planes_state = planes.state()
-        if planes_state["policy"] is not None:  # the trainer is elsewhere: bring its weights into `model`
-            load_weights(model, planes_state["policy"].items(), strict=lora_base is None)  # LoRA: adapters only
+    def checkpoint(self, step: int) -> None:
+        """A checkpoint after `step`: weights, optimizer and engine state from the planes, the data position, the
+        summary so far, the controller's state and any rollout in flight."""
+        t0 = time.perf_counter()
+        cfg, s, c = self.cfg, self.s, self.controller
+        planes_state = self.pull_policy()
+        self.summary["wall_seconds"] = self.wall_before + time.perf_counter() - self.t_start
+        extra = {"summary": self.summary, "phase_sums": self.phase_sums, "pending": c.pending_state(),
+                 "controller": c.state_dict()}
+        path = checkpoint.save(self.run_dir, step, lambda out: run_state.write(
+            out, config=cfg.to_dict(), policy=s.model,
+            save_policy_extras=lambda m, d: save_hf_folder(m, s.tokenizer, d),
+            reference=self.reference if self.warm else None, planes_state=planes_state, stream=self.stream, step=step,
+            extra=extra, lora_base=self.lora_base), cfg.checkpoint.keep,
+            before_manifest=lambda: self.faults("checkpoint"))
+        self.live.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+
+    def pull_policy(self) -> dict:
+        """The planes' state; when the trainer is elsewhere, its weights are brought into `s.model` first."""
+        planes_state = self.planes.state()
+        if planes_state["policy"] is not None:
+            load_weights(self.s.model, planes_state["policy"].items(), strict=self.lora_base is None)  # LoRA: adapters
         return planes_state
 
-    def save_checkpoint(step: int) -> None:
-        t0 = time.perf_counter()
-        planes_state = pull_policy()
-        summary["wall_seconds"] = wall_before + time.perf_counter() - t_start
-        extra = {"summary": summary, "phase_sums": phase_sums, "pending": controller.pending_state(),
-                 "controller": controller.state_dict()}
-        path = checkpoint.save(run_dir, step, lambda out: run_state.write(
-            out, config=cfg.to_dict(), policy=model, save_policy_extras=lambda m, d: save_hf_folder(m, tokenizer, d),
-            reference=reference if warm else None, planes_state=planes_state, stream=stream, step=step,
-            extra=extra, lora_base=lora_base), cfg.checkpoint.keep, before_manifest=lambda: faults("checkpoint"))
-        live.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+    def end(self) -> None:
+        """After the last step: the final validation of a run without RL steps; the trained weights in `s.model`."""
+        self.live.done()
+        if self.cfg.eval.after and self.s.val_prompts and self.cfg.train.steps == 0:
+            self.summary["final_accuracy"] = self.validate(0)["val/accuracy"]
+        if self.cfg.cluster.backend != "local":
+            self.pull_policy()
 
-    try:
-        if state is not None:
-            try:
-                planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"],
-                                  state["weight_version"], critic=state.get("critic"))
-                controller.version = state["weight_version"]
-                controller.load_state_dict(state.get("controller", {}))
-                controller.load_pending(state.get("pending"))
-            except Exception as e:  # any failure here is the checkpoint's content (torch/numpy raise many types)
-                raise checkpoint.CheckpointError(f"{s.resume_from}: optimizer, scheduler or rollout state has "
-                                                 f"the wrong shape ({type(e).__name__})") from None
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-            console.print(f"resumed from {s.resume_from} (step {state['step']})")
-        log = MetricsLog(run_dir / "metrics.jsonl", keep_through_step=start - 1 if s.resume_from else None)
-        sinks = build_loggers(cfg.log.backends, run_dir, cfg.to_dict(), cfg.log.wandb_project, cfg.log.wandb_mode)
-        if s.resume_from is None:
-            if cfg.eval.before and s.val_prompts:
-                ev = validate(0)
-                record(0, ev)  # step 0: the policy before any RL update
-                summary["warmstart_accuracy"] = ev["val/accuracy"]
-            if stop.requested and cfg.train.steps > 0:  # the warm start is done: keep it
-                save_checkpoint(0)
-                raise Preempted("preempted before the first RL step; resume with --resume auto")
-        for step in range(start, cfg.train.steps + 1):
-            faults.step = step
-            prompts = controller.pending[0] if controller.pending else stream.next_batch(r.prompts_per_step)
-            upcoming = stream.next_batch(r.prompts_per_step) if cfg.cluster.async_ and step < cfg.train.steps \
-                else None
-            m = controller.step(prompts, upcoming)
-            for k, v in m.items():
-                if k.startswith("time/"):
-                    phase_sums[k] = phase_sums.get(k, 0.0) + v
-            live.update(step, cfg.train.steps, progress_line(step, cfg.train.steps, m))
-            if due(step):
-                m |= validate(step)
-                if step == cfg.train.steps:
-                    summary["final_accuracy"] = m["val/accuracy"]
-            record(step, m)
-            periodic = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps)
-            if periodic or stop.requested:
-                save_checkpoint(step)
-            if stop.requested:
-                raise Preempted(f"preempted at step {step}; resume with --resume auto")
-        live.done()
-        if cfg.eval.after and s.val_prompts and cfg.train.steps == 0:
-            summary["final_accuracy"] = validate(0)["val/accuracy"]
-        if cfg.cluster.backend != "local":
-            pull_policy()
-    except WorkerError as e:
-        done = checkpoint.list_checkpoints(run_dir)
-        last = f"last complete checkpoint {done[-1]} (continue with --resume auto)" if done else "no checkpoint yet"
-        raise WorkerError(f"{e}; {last}") from None
-    finally:
-        live.done()
-        planes.close()
-        if log is not None:
-            log.close()
-        for sink in sinks:
+    @contextmanager
+    def naming_last_checkpoint(self) -> Iterator[None]:
+        """A worker's failure says where the run can continue from."""
+        try:
+            yield
+        except WorkerError as e:
+            done = checkpoint.list_checkpoints(self.run_dir)
+            last = f"last complete checkpoint {done[-1]} (continue with --resume auto)" if done else "no checkpoint yet"
+            raise WorkerError(f"{e}; {last}") from None
+
+    # --- after the last step ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """The planes, the logs, the reward workers and the signal handlers this call installed."""
+        self.live.done()
+        if self.planes is not None:
+            self.planes.close()
+        if self.log is not None:
+            self.log.close()
+        for sink in self.sinks:
             sink.close()
-        s.scorer.close()
-        if own_stop:
-            stop.restore()
-    # The run is complete: a stop request from here on only lets these few writes finish.
-    faults("final", cfg.train.steps)
-    if lora_base is None:
-        save_hf_folder(model, tokenizer, run_dir / "final")
-    else:  # final/ is the merged model (loads anywhere); final_adapter/ the adapters alone (PEFT)
-        save_hf_folder(merge_lora(copy.deepcopy(model)), tokenizer, run_dir / "final")
-        save_adapter(model, run_dir / "final_adapter", lora_base["path"], cfg.train.lora.dropout)
-    steps = max(cfg.train.steps, 1)
-    summary.update(steps=cfg.train.steps, wall_seconds=wall_before + time.perf_counter() - t_start,
-                   phase_seconds_mean={k[5:]: v / steps for k, v in phase_sums.items()})
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(summary_table(summary, run_dir))
-    if stop.requested:
-        console.print("a stop request arrived while saving final/: the run had finished, so it completed")
-    return summary
+        self.s.scorer.close()
+        if self.own_stop:
+            self.stop.restore()
+
+    def finish(self) -> dict:
+        """final/ (with LoRA: merged, and final_adapter/) and summary.json; a stop request from here on only lets
+        these few writes finish: the run is complete."""
+        cfg, s = self.cfg, self.s
+        self.faults("final", cfg.train.steps)
+        if self.lora_base is None:
+            save_hf_folder(s.model, s.tokenizer, self.run_dir / "final")
+        else:  # final/ is the merged model (loads anywhere); final_adapter/ the adapters alone (PEFT)
+            save_hf_folder(merge_lora(copy.deepcopy(s.model)), s.tokenizer, self.run_dir / "final")
+            save_adapter(s.model, self.run_dir / "final_adapter", self.lora_base["path"], cfg.train.lora.dropout)
+        steps = max(cfg.train.steps, 1)
+        self.summary.update(steps=cfg.train.steps, wall_seconds=self.wall_before + time.perf_counter() - self.t_start,
+                            phase_seconds_mean={k[5:]: v / steps for k, v in self.phase_sums.items()})
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        self.console.print(summary_table(self.summary, self.run_dir))
+        if self.stop.requested:
+            self.console.print("a stop request arrived while saving final/: the run had finished, so it completed")
+        return self.summary
+
+    def write_config(self) -> None:
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
