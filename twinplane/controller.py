@@ -255,8 +255,9 @@ class Controller:
     def _metrics(self, samples, rewards, batch: Batch, updates: list[dict], times: dict) -> dict[str, float]:
         n = self.sampling.n
         # Remote engines report their own busy time: with an overlapped rollout the phase timer only saw the wait.
+        # So does the in-process engine in async mode, where a step's timer covers the next step's rollout instead.
         remote = self.rollout_stats.seconds_min is not None
-        rollout_s = self.rollout_stats.seconds if remote else times["time/rollout"]
+        rollout_s = self.rollout_stats.seconds if remote or self.async_ else times["time/rollout"]
         lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
         groups = rewards.view(-1, n)
         gen_tokens = int(lengths.sum())
