@@ -1,6 +1,8 @@
 """Typed run configuration: YAML (safe-loaded) + dotted `key.sub=value` overrides, validated before any work.
 
-Each section is a flat dataclass; every field's comment is its help text (`twinplane train --help` prints them).
+Each section is a flat dataclass that carries its own rules: a choice is typed as a `Literal`, a number's range and
+every key's help text (`twinplane train --help`) are field metadata (`opt`), and the rules across keys are the
+section's `rules`. `Config.validate` checks every key against its type and range, then every section's rules.
 """
 
 from __future__ import annotations
@@ -15,14 +17,98 @@ import re
 import string
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
 from twinplane.algos import AGG_MODES, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
 from twinplane.errors import InputError
 from twinplane.model.lora import TARGETS as LORA_TARGETS
+
+# The choices the algorithm registry defines, as the types of the keys that name them.
+AlgoName = Literal[tuple(PRESETS)]
+Estimator = Literal[ESTIMATORS]
+PolicyLoss = Literal[POLICY_LOSSES]
+LossAgg = Literal[AGG_MODES]
+KLEstimator = Literal[KL_ESTIMATORS]
+DType = Literal["float32", "bfloat16", "float16"]
+
+Rule = tuple[bool, str, str]  # (holds, the key it is about, what the key must be)
+
+_BOUNDS = re.compile(r"(?P<op>>=|>) (?P<x>\S+)"  # >= 0, > 0
+                     r"|(?P<l>[\[(])(?P<lo>\S+), (?P<hi>\S+)(?P<r>[\])])"  # [0, 1), (0, 1]
+                     r"|(?P<a>\S+)\.\.(?P<b>\S+)")  # 1..6
+
+
+def _number(text: str) -> float:
+    base, _, power = text.partition("**")
+    return float(base) ** float(power) if power else float(text)
+
+
+@functools.cache
+def interval(bounds: str) -> tuple[float, bool, float, bool]:
+    """(low, low included, high, high included) of a range as `opt` takes it: ">= 0", "> 0", "[0, 1)", "(0, 1]"
+    or "1..6" (both ends included), optionally followed by a note in parentheses."""
+    m = _BOUNDS.fullmatch(bounds.split(" (")[0])
+    if m is None:
+        raise ValueError(f"not a range: {bounds!r}")
+    if m["op"]:
+        return _number(m["x"]), m["op"] == ">=", math.inf, False
+    if m["l"]:
+        return _number(m["lo"]), m["l"] == "[", _number(m["hi"]), m["r"] == "]"
+    return _number(m["a"]), True, _number(m["b"]), True
+
+
+def within(value: float, bounds: str) -> bool:
+    lo, lo_in, hi, hi_in = interval(bounds)
+    return (lo < value or (lo_in and value == lo)) and (value < hi or (hi_in and value == hi))
+
+
+def opt(default=None, help: str = "", *, bounds: str | None = None, check: Callable[[typing.Any], str | None] | None
+        = None, factory: Callable[[], typing.Any] | None = None):
+    """A config key: its default (`factory` for a list or mapping), its help text, its range for a number (as the
+    error message writes it, see `interval`; each element of a list) and `check`, a function returning what is
+    wrong with a value (None when nothing is)."""
+    if bounds is not None:
+        interval(bounds)  # a malformed range fails at import, not at the first bad value
+    meta = {"help": help, "bounds": bounds, "check": check}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+def choices(t) -> tuple | None:
+    """The values a `Literal` type allows (also as `Literal[...] | None` or `list[Literal[...]]`), else None."""
+    if typing.get_origin(t) is Literal:
+        return typing.get_args(t)
+    if typing.get_origin(t) in (typing.Union, types.UnionType, list):
+        return next((c for a in typing.get_args(t) if (c := choices(a))), None)
+    return None
+
+
+def _one_of(values: tuple) -> str:
+    """"a or b", "a, b or c", "one of a, b, c, d"."""
+    names = [str(v) for v in values]
+    if len(names) > 3:
+        return "one of " + ", ".join(names)
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+
+
+def value_problem(value, t, meta: typing.Mapping) -> str | None:
+    """What is wrong with one key's value given its type (a `Literal`'s choices) and metadata (range, check),
+    or None. Lists are checked element by element."""
+    items, many = (value, True) if isinstance(value, list) else ([value], False)
+    if not many and isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"  # no setting means anything at inf or NaN (limits that can be off use 0)
+    allowed = choices(t)
+    if allowed and not all(v in allowed for v in items if v is not None):
+        return f"must {'name' if many else 'be'} {_one_of(allowed)}"
+    bounds = meta.get("bounds")
+    if bounds and not all(within(v, bounds) for v in items if v is not None):
+        return f"must {'each be' if many else 'be'}{'' if bounds[0] in '<>' else ' in'} {bounds}"
+    return None
+
 
 PLAIN_FIELDS = ("prompt", "raw_prompt", "suffix", "system")  # data.plain_template's fields
 
@@ -52,148 +138,254 @@ class ConfigError(InputError):
     """A bad config: the message names the key and is printed as one line."""
 
 
-@dataclass
-class ModelSection:
-    path: str | None = None  # HF model folder (config.json + safetensors + tokenizer); unset = tiny demo model
-    hidden_size: int = 128  # demo model only
-    num_layers: int = 4  # demo model only
-    num_heads: int = 4  # demo model only
-    num_kv_heads: int = 2  # demo model only
-    intermediate_size: int = 512  # demo model only
-    num_experts: int = 0  # demo model only: > 0 builds a Qwen3-MoE-style policy with this many experts per layer
-    num_experts_per_tok: int = 2  # demo MoE only: experts each token runs (top-k)
-    moe_intermediate_size: int = 128  # demo MoE only: each expert's hidden size
-    dtype: str = "float32"  # training-plane dtype (master weights)
-    rollout_dtype: str | None = None  # engine dtype; unset = bfloat16 on GPUs when dtype is float32, else dtype
+class Section:
+    """A group of keys; `rules` are the checks across its keys (and others') that a key's own type and range
+    cannot express, each naming the key it is about."""
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return []
 
 
 @dataclass
-class DataSection:
-    train_file: str | None = None  # JSONL, Parquet or a saved `datasets` folder; unset = the built-in task
-    val_file: str | None = None  # held-out prompts for evaluation (the built-in task has its own)
-    prompt_field: str = "question"  # field holding the prompt (a string or a list of chat messages)
-    answer_field: str = "answer"  # field holding the reference answer
-    system_field: str | None = None  # per-record system prompt
-    template: str = "auto"  # chat | plain | auto (chat when the tokenizer has a chat template)
-    plain_template: str = "{prompt}"  # for template=plain: text with {prompt} {raw_prompt} {suffix} {system} fields
-    system_prompt: str | None = None  # system message for every prompt
-    instruction_suffix: str | None = None  # appended to each question, e.g. asking for '#### <answer>'
-    max_prompt_tokens: int = 512  # longer prompts are dropped and counted, never truncated
-    on_error: str = "fail"  # fail | skip (malformed lines)
-    val_size: int = 0  # evaluate on the first N validation prompts (0 = all)
+class ModelSection(Section):
+    path: str | None = opt(None, "HF model folder (config.json + safetensors + tokenizer); unset = tiny demo model")
+    hidden_size: int = opt(128, "demo model only", bounds=">= 1")
+    num_layers: int = opt(4, "demo model only", bounds=">= 1")
+    num_heads: int = opt(4, "demo model only", bounds=">= 1")
+    num_kv_heads: int = opt(2, "demo model only", bounds=">= 1")
+    intermediate_size: int = opt(512, "demo model only", bounds=">= 1")
+    num_experts: int = opt(0, "demo model only: > 0 builds a Qwen3-MoE-style policy with this many experts per layer",
+        bounds=">= 0")
+    num_experts_per_tok: int = opt(2, "demo MoE only: experts each token runs (top-k)", bounds=">= 1")
+    moe_intermediate_size: int = opt(128, "demo MoE only: each expert's hidden size", bounds=">= 1")
+    dtype: DType = opt("float32", "training-plane dtype (master weights)")
+    rollout_dtype: DType | None = opt(None, "engine dtype; unset = bfloat16 on GPUs when dtype is float32, else dtype")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [
+            (self.path is None or self.path.strip() != "", "model.path", "must not be empty"),
+            (self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", "must divide model.num_heads"),
+            (self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be a multiple of model.num_heads"),
+            (self.hidden_size // self.num_heads % 2 == 0, "model.hidden_size",
+             "/ model.num_heads (the head size) must be even for rotary embeddings"),
+            (self.num_experts == 0 or self.num_experts_per_tok <= self.num_experts, "model.num_experts_per_tok",
+             "must be <= model.num_experts"),
+        ]
 
 
 @dataclass
-class RewardSection:
-    name: str = "exact_int"  # gsm8k | math | exact_match | exact_int | module:function | path/file.py:function
-    options: dict = field(default_factory=dict)  # keyword options for the function, e.g. {mode: strict}
-    format_weight: float = 0.0  # bonus for a well-formatted answer ('#### N', \boxed{})
-    timeout_s: float = 10.0  # per sample (per call for batched functions); late samples score 0, in reward/errors
-    step_timeout_s: float = 300.0  # scoring deadline per step: unfinished samples score 0 (reward/timeouts); 0 = off
-    partial: bool = False  # code reward: the fraction of tests passed instead of 1 only when all pass
-    model: str | None = None  # local sequence-classification reward model folder
-    model_weight: float = 1.0  # weight of the reward model's score in the reward
+class DataSection(Section):
+    train_file: str | None = opt(None, "JSONL, Parquet or a saved `datasets` folder; unset = the built-in task")
+    val_file: str | None = opt(None, "held-out prompts for evaluation (the built-in task has its own)")
+    prompt_field: str = opt("question", "field holding the prompt (a string or a list of chat messages)")
+    answer_field: str = opt("answer", "field holding the reference answer")
+    system_field: str | None = opt(None, "per-record system prompt")
+    template: Literal["auto", "chat", "plain"] = opt(
+        "auto", "chat | plain | auto (chat when the tokenizer has a chat template)")
+    plain_template: str = opt(
+        "{prompt}", "for template=plain: text with {prompt} {raw_prompt} {suffix} {system} fields",
+        check=plain_template_problem)
+    system_prompt: str | None = opt(None, "system message for every prompt")
+    instruction_suffix: str | None = opt(None, "appended to each question, e.g. asking for '#### <answer>'")
+    max_prompt_tokens: int = opt(512, "longer prompts are dropped and counted, never truncated", bounds=">= 1")
+    on_error: Literal["fail", "skip"] = opt("fail", "fail | skip (malformed lines)")
+    val_size: int = opt(0, "evaluate on the first N validation prompts (0 = all)", bounds=">= 0 (0 = all)")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [
+            (self.val_file is None or self.train_file is not None, "data.val_file",
+             "needs data.train_file (the built-in task has its own held-out set)"),
+            (self.train_file is None or self.train_file.strip() != "", "data.train_file", "must not be empty"),
+            (self.prompt_field != "" and self.answer_field != "", "data.prompt_field",
+             "and data.answer_field must not be empty"),
+        ]
 
 
 @dataclass
-class TaskSection:
-    name: str = "arithmetic"  # built-in synthetic task, used when data.train_file is unset
-    digits: int = 2  # operand digits: a + b with 0 <= a, b < 10**digits
-    heldout_size: int = 500  # problems held out of all training, for evaluation
-    teacher_carry_error: float = 0.6  # warm-start teacher drops each carry with this probability
+class RewardSection(Section):
+    name: str = opt("exact_int", "gsm8k | math | exact_match | exact_int | module:function | path/file.py:function")
+    options: dict = opt(help="keyword options for the function, e.g. {mode: strict}", factory=dict)
+    format_weight: float = opt(0.0, "bonus for a well-formatted answer ('#### N', \\boxed{})")
+    timeout_s: float = opt(10.0, "per sample (per call for batched functions); late samples score 0, in reward/errors",
+        bounds="> 0")
+    step_timeout_s: float = opt(
+        300.0, "scoring deadline per step: unfinished samples score 0 (reward/timeouts); 0 = off",
+        bounds=">= 0 (0 = no deadline)")
+    partial: bool = opt(False, "code reward: the fraction of tests passed instead of 1 only when all pass")
+    model: str | None = opt(None, "local sequence-classification reward model folder")
+    model_weight: float = opt(1.0, "weight of the reward model's score in the reward")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [(self.name.strip() != "", "reward.name", "must not be empty")]
 
 
 @dataclass
-class WarmStartSection:
-    steps: int = 600  # supervised steps on teacher answers before RL (0 = skip)
-    batch_size: int = 128  # sequences per supervised step
-    lr: float = 2e-3  # peak learning rate (cosine to 10%)
+class TaskSection(Section):
+    name: Literal["arithmetic"] = opt("arithmetic", "built-in synthetic task, used when data.train_file is unset")
+    digits: int = opt(2, "operand digits: a + b with 0 <= a, b < 10**digits", bounds="1..6")
+    heldout_size: int = opt(500, "problems held out of all training, for evaluation", bounds=">= 1")
+    teacher_carry_error: float = opt(0.6, "warm-start teacher drops each carry with this probability", bounds="[0, 1]")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [(self.heldout_size < 100**self.digits, "task.heldout_size",
+                 "must leave training problems (there are 100**task.digits in all)")]
 
 
 @dataclass
-class RolloutSection:
-    prompts_per_step: int = 32  # prompts per RL step
-    n: int = 8  # samples per prompt (the GRPO group)
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus sampling (1 = off)
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 8  # response length limit
-    min_new_tokens: int = 0  # EOS is suppressed before this many tokens
-    max_num_seqs: int = 512  # cap on the engine's running sequences (a request's n samples count n)
-    max_num_batched_tokens: int = 4096  # tokens per engine forward (decodes + prefill chunks); >= max_num_seqs
-    kv_cache_gb: float = 0.0  # KV block pool budget in GiB; 0 = automatic (GPU: gpu_memory_utilization, CPU: 1 GiB)
-    gpu_memory_utilization: float = 0.9  # automatic KV budget on GPUs: this fraction of the memory free after weights
-    graphs: bool = True  # decode steps as CUDA/HIP graphs at bucketed batch sizes where the device can (false = eager)
-    graph_max_batch: int = 0  # largest captured decode batch (0 = max_num_seqs); larger decode steps run eagerly
-    batch_invariant: bool = False  # CPU fp32: every engine GEMM via oneDNN, whose rows do not depend on the batch
-    kernels: str = "auto"  # decode-path kernels: auto (Triton on GPUs where its self-check passes) | triton | torch
-    tools: list[str] = field(default_factory=list)  # calculator | python: multi-turn tool calls
-    max_turns: int = 1  # model turns per sample when tools are on
-    tp: int = 1  # tensor-parallel size of one engine (1 in this version: engines are data parallel)
-    record_routing: bool = False  # MoE: record each token's experts per sparse layer (for algo.routing_replay)
-    lora_merge: bool = False  # with train.lora: engines hold merged weights (base-speed decode, full sync)
+class WarmStartSection(Section):
+    steps: int = opt(600, "supervised steps on teacher answers before RL (0 = skip)", bounds=">= 0")
+    batch_size: int = opt(128, "sequences per supervised step", bounds=">= 1")
+    lr: float = opt(2e-3, "peak learning rate (cosine to 10%)", bounds="> 0")
 
 
 @dataclass
-class LoraSection:
-    rank: int = 0  # LoRA rank r (0 = off: full fine-tuning); the base is frozen, only the adapters train
-    alpha: float = 32.0  # LoRA alpha: the update is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input (training forwards only)
-    targets: str = "all"  # all (every attention and MLP linear) or a comma list, e.g. q_proj,v_proj
+class RolloutSection(Section):
+    prompts_per_step: int = opt(32, "prompts per RL step", bounds=">= 1")
+    n: int = opt(8, "samples per prompt (the GRPO group)", bounds=">= 1")
+    temperature: float = opt(1.0, "0 = greedy", bounds=">= 0")
+    top_p: float = opt(1.0, "nucleus sampling (1 = off)", bounds="(0, 1]")
+    top_k: int = opt(0, "0 = off", bounds=">= 0 (0 = off)")
+    max_new_tokens: int = opt(8, "response length limit", bounds=">= 1")
+    min_new_tokens: int = opt(0, "EOS is suppressed before this many tokens", bounds=">= 0")
+    max_num_seqs: int = opt(512, "cap on the engine's running sequences (a request's n samples count n)", bounds=">= 1")
+    max_num_batched_tokens: int = opt(4096, "tokens per engine forward (decodes + prefill chunks); >= max_num_seqs")
+    kv_cache_gb: float = opt(
+        0.0, "KV block pool budget in GiB; 0 = automatic (GPU: gpu_memory_utilization, CPU: 1 GiB)",
+        bounds=">= 0 (0 = automatic)")
+    gpu_memory_utilization: float = opt(
+        0.9, "automatic KV budget on GPUs: this fraction of the memory free after weights", bounds="(0, 1]")
+    graphs: bool = opt(
+        True, "decode steps as CUDA/HIP graphs at bucketed batch sizes where the device can (false = eager)")
+    graph_max_batch: int = opt(0, "largest captured decode batch (0 = max_num_seqs); larger decode steps run eagerly",
+        bounds="0..1024 (0 = max_num_seqs)")
+    batch_invariant: bool = opt(False, "CPU fp32: every engine GEMM via oneDNN, whose rows do not depend on the batch")
+    kernels: Literal["auto", "triton", "torch"] = opt(
+        "auto", "decode-path kernels: auto (Triton on GPUs where its self-check passes) | triton | torch")
+    tools: list[Literal["calculator", "python"]] = opt(help="calculator | python: multi-turn tool calls", factory=list)
+    max_turns: int = opt(1, "model turns per sample when tools are on", bounds=">= 1")
+    tp: int = opt(1, "tensor-parallel size of one engine (1 in this version: engines are data parallel)")
+    record_routing: bool = opt(False, "MoE: record each token's experts per sparse layer (for algo.routing_replay)")
+    lora_merge: bool = opt(False, "with train.lora: engines hold merged weights (base-speed decode, full sync)")
+
+    @property
+    def samples(self) -> int:
+        """Samples per step: every prompt's group."""
+        return self.prompts_per_step * self.n
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [
+            (self.max_num_batched_tokens >= self.max_num_seqs, "rollout.max_num_batched_tokens",
+             "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
+            (self.tp == 1, "rollout.tp", "must be 1 (tensor-parallel engines are not in this version)"),
+            (not (cfg.cluster.async_ and self.tools), "cluster.async", "does not support rollout.tools yet"),
+            (not (self.record_routing and self.tools), "rollout.record_routing", "does not support rollout.tools yet"),
+            (not self.lora_merge or cfg.train.lora.rank > 0, "rollout.lora_merge", "needs train.lora.rank > 0"),
+            (not self.tools or cfg.model.path, "rollout.tools",
+             "needs model.path (the built-in demo's digit vocabulary cannot spell tool calls)"),
+            (self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", "must be <= rollout.max_new_tokens"),
+            (len(set(self.tools)) == len(self.tools), "rollout.tools", "must not repeat a tool"),
+            # one sample per prompt has no group to compare with: every advantage is 0 and nothing is learned
+            (self.n >= 2 or cfg.train.steps == 0 or cfg.algo.adv_estimator in ("gae", "reinforce_pp"), "rollout.n",
+             f"must be >= 2: {cfg.algo.adv_estimator}'s group baseline makes every advantage 0 with one sample per "
+             "prompt"),
+        ]
 
 
 @dataclass
-class TrainSection:
-    steps: int = 150  # RL steps
-    lr: float = 1e-4  # AdamW learning rate
-    warmup_steps: int = 0  # linear warmup steps
-    schedule: str = "constant"  # constant | cosine (after warmup)
-    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas, each in [0, 1)
-    grad_clip: float = 1.0  # max global grad norm (0 = off)
-    micro_batch_size: int = 128  # sequences per forward/backward; accumulation never changes the result
-    mini_batches: int = 1  # optimizer steps per rollout batch (>1 makes the PPO clip matter)
-    max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (real tokens when packed, else padded); 0 = off
-    packing: bool = True  # padding-free micro-batches: sequences back to back, varlen attention, balanced by tokens
-    share_prompts: bool = True  # packed: rows with the same prompt share one copy of it per micro-batch (computed once)
-    logprob_chunk_tokens: int = 512  # tokens per LM-head chunk in log-probs/entropy (memory ~ this x vocab)
-    compute_dtype: str = "auto"  # auto (bf16 on GPUs, else model.dtype) | float32 | bfloat16 | float16
-    activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, ~30% more compute
-    optimizer_offload: bool = False  # keep AdamW state in host memory between updates (frees device memory)
-    router_aux_loss_coef: float = 0.0  # MoE: weight of the load-balancing loss (transformers' formula; 0 = off)
+class LoraSection(Section):
+    rank: int = opt(0, "LoRA rank r (0 = off: full fine-tuning); the base is frozen, only the adapters train",
+        bounds=">= 0 (0 = off)")
+    alpha: float = opt(32.0, "LoRA alpha: the update is scaled by alpha / rank", bounds="> 0")
+    dropout: float = opt(0.0, "dropout on the adapters' input (training forwards only)", bounds="[0, 1)")
+    targets: str = opt("all", "all (every attention and MLP linear) or a comma list, e.g. q_proj,v_proj")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [
+            (self.targets == "all" or set(self.targets.split(",")) <= set(LORA_TARGETS), "train.lora.targets",
+             f"must be all or a comma list of {','.join(LORA_TARGETS)}"),
+            (not (self.dropout > 0 and cfg.train.activation_checkpointing), "train.lora.dropout",
+             "must be 0 with train.activation_checkpointing (the recomputed block would draw other dropout masks)"),
+        ]
+
+
+@dataclass
+class TrainSection(Section):
+    steps: int = opt(150, "RL steps", bounds=">= 0")
+    lr: float = opt(1e-4, "AdamW learning rate", bounds="> 0")
+    warmup_steps: int = opt(0, "linear warmup steps", bounds=">= 0")
+    schedule: Literal["constant", "cosine"] = opt("constant", "constant | cosine (after warmup)")
+    min_lr_ratio: float = opt(0.1, "cosine floor, as a fraction of lr", bounds="[0, 1]")
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay", bounds=">= 0")
+    betas: list[float] = opt(help="AdamW betas, each in [0, 1)", factory=lambda: [0.9, 0.999], bounds="[0, 1)")
+    grad_clip: float = opt(1.0, "max global grad norm (0 = off)", bounds=">= 0 (0 = off)")
+    micro_batch_size: int = opt(128, "sequences per forward/backward; accumulation never changes the result",
+        bounds=">= 1")
+    mini_batches: int = opt(1, "optimizer steps per rollout batch (>1 makes the PPO clip matter)", bounds=">= 1")
+    max_tokens_per_micro_batch: int = opt(
+        0, "token budget per micro-batch (real tokens when packed, else padded); 0 = off", bounds=">= 0")
+    packing: bool = opt(
+        True, "padding-free micro-batches: sequences back to back, varlen attention, balanced by tokens")
+    share_prompts: bool = opt(
+        True, "packed: rows with the same prompt share one copy of it per micro-batch (computed once)")
+    logprob_chunk_tokens: int = opt(512, "tokens per LM-head chunk in log-probs/entropy (memory ~ this x vocab)",
+        bounds=">= 1")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "auto (bf16 on GPUs, else model.dtype) | float32 | bfloat16 | float16")
+    activation_checkpointing: bool = opt(
+        False, "recompute each decoder block in backward: less memory, ~30% more compute")
+    optimizer_offload: bool = opt(False, "keep AdamW state in host memory between updates (frees device memory)")
+    router_aux_loss_coef: float = opt(0.0, "MoE: weight of the load-balancing loss (transformers' formula; 0 = off)",
+        bounds=">= 0")
     lora: LoraSection = field(default_factory=LoraSection)  # train.lora.*: low-rank adapters instead of all weights
 
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [
+            (len(self.betas) == 2, "train.betas", "must be two numbers"),
+            (cfg.rollout.prompts_per_step % self.mini_batches == 0, "train.mini_batches",
+             "must divide rollout.prompts_per_step (mini-batches hold whole groups)"),
+        ]
+
 
 @dataclass
-class AlgoSection:
-    name: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo | dapo | ppo: a preset
-    adv_estimator: str | None = None  # grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (critic); unset=preset
-    norm_adv_by_std: bool | None = None  # grpo estimator: divide by the group std (false = Dr.GRPO); unset = preset
-    policy_loss: str | None = None  # ppo (token ratio) | gspo (sequence ratio); unset = preset
-    loss_agg: str | None = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum[-norm]; unset = preset
-    loss_agg_horizon: int = 0  # seq-mean-token-sum-norm's constant divisor (0 = rollout.max_new_tokens)
-    clip_low: float | None = None  # ratio clip below 1: 1 - clip_low (unset = preset: 0.2; gspo 3e-4)
-    clip_high: float | None = None  # ratio clip above 1: 1 + clip_high (unset = preset: 0.28 clip-higher; ppo 0.2)
-    clip_c: float = 0.0  # dual-clip bound on the loss of negative-advantage tokens (0 = off; typical 3)
-    gamma: float = 1.0  # discount of token rewards (reinforce_pp, gae)
-    lam: float = 1.0  # GAE lambda
-    kl_coef: float = 0.0  # KL-to-reference loss weight (0 = no reference model unless kl_in_reward)
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (low_var_kl) | abs, for the KL loss term
-    kl_in_reward: bool = False  # PPO-RLHF: subtract kl_reward_coef * (log pi_old - log pi_ref) from token rewards
-    kl_reward_coef: float = 0.001  # (initial) coefficient of the KL in the reward
-    kl_ctrl: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019: steers the mean sequence KL to kl_target)
-    kl_target: float = 0.1  # adaptive KL controller: target KL per sequence
-    kl_horizon: float = 10000.0  # adaptive KL controller: horizon in samples
-    entropy_coef: float = 0.0  # entropy bonus weight
-    recompute_old_logprobs: bool = False  # score old log-probs with the trainer instead of using the engine's
-    tis_cap: float = 2.0  # cluster.async: truncated importance-sampling cap on pi_old / pi_rollout per token
-    dynamic_sampling: bool | None = None  # DAPO: train only on groups whose rewards differ, generating more batches
-    max_gen_batches: int = 10  # dynamic sampling: at most this many prompt batches generated per step
-    overlong_buffer: int | None = None  # DAPO shaping over the last N tokens before the cap (0 = off; -1 = a fifth)
-    overlong_penalty: float = 1.0  # overlong shaping: the reward penalty at rollout.max_new_tokens
-    mask_truncated: bool = False  # leave samples cut off at rollout.max_new_tokens out of the loss
-    routing_replay: bool = False  # MoE: trainer and reference run the engine's recorded experts (R3)
+class AlgoSection(Section):
+    name: AlgoName = opt(
+        "grpo", "grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo | dapo | ppo: a preset")
+    adv_estimator: Estimator | None = opt(
+        None, "grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (critic); unset=preset")
+    norm_adv_by_std: bool | None = opt(
+        None, "grpo estimator: divide by the group std (false = Dr.GRPO); unset = preset")
+    policy_loss: PolicyLoss | None = opt(None, "ppo (token ratio) | gspo (sequence ratio); unset = preset")
+    loss_agg: LossAgg | None = opt(None, "token-mean | seq-mean-token-mean | seq-mean-token-sum[-norm]; unset = preset")
+    loss_agg_horizon: int = opt(0, "seq-mean-token-sum-norm's constant divisor (0 = rollout.max_new_tokens)",
+        bounds=">= 0")
+    clip_low: float | None = opt(None, "ratio clip below 1: 1 - clip_low (unset = preset: 0.2; gspo 3e-4)",
+        bounds="[0, 1)")
+    clip_high: float | None = opt(None, "ratio clip above 1: 1 + clip_high (unset = preset: 0.28 clip-higher; ppo 0.2)",
+        bounds=">= 0")
+    clip_c: float = opt(0.0, "dual-clip bound on the loss of negative-advantage tokens (0 = off; typical 3)")
+    gamma: float = opt(1.0, "discount of token rewards (reinforce_pp, gae)", bounds="[0, 1]")
+    lam: float = opt(1.0, "GAE lambda", bounds="[0, 1]")
+    kl_coef: float = opt(0.0, "KL-to-reference loss weight (0 = no reference model unless kl_in_reward)", bounds=">= 0")
+    kl_estimator: KLEstimator = opt("k3", "k1 | k2 | k3 (low_var_kl) | abs, for the KL loss term")
+    kl_in_reward: bool = opt(False, "PPO-RLHF: subtract kl_reward_coef * (log pi_old - log pi_ref) from token rewards")
+    kl_reward_coef: float = opt(0.001, "(initial) coefficient of the KL in the reward", bounds=">= 0")
+    kl_ctrl: Literal["fixed", "adaptive"] = opt(
+        "fixed", "fixed | adaptive (Ziegler et al. 2019: steers the mean sequence KL to kl_target)")
+    kl_target: float = opt(0.1, "adaptive KL controller: target KL per sequence", bounds="> 0")
+    kl_horizon: float = opt(10000.0, "adaptive KL controller: horizon in samples", bounds="> 0")
+    entropy_coef: float = opt(0.0, "entropy bonus weight", bounds=">= 0")
+    recompute_old_logprobs: bool = opt(False, "score old log-probs with the trainer instead of using the engine's")
+    tis_cap: float = opt(2.0, "cluster.async: truncated importance-sampling cap on pi_old / pi_rollout per token",
+        bounds=">= 1")
+    dynamic_sampling: bool | None = opt(
+        None, "DAPO: train only on groups whose rewards differ, generating more batches")
+    max_gen_batches: int = opt(10, "dynamic sampling: at most this many prompt batches generated per step",
+        bounds=">= 1")
+    overlong_buffer: int | None = opt(
+        None, "DAPO shaping over the last N tokens before the cap (0 = off; -1 = a fifth)")
+    overlong_penalty: float = opt(1.0, "overlong shaping: the reward penalty at rollout.max_new_tokens")
+    mask_truncated: bool = opt(False, "leave samples cut off at rollout.max_new_tokens out of the loss")
+    routing_replay: bool = opt(False, "MoE: trainer and reference run the engine's recorded experts (R3)")
 
     def __post_init__(self):
         """Keys left unset take the preset's value (an unknown name is reported by `Config.validate`)."""
@@ -202,61 +394,106 @@ class AlgoSection:
             if getattr(self, key) is None:
                 setattr(self, key, value)
 
-
-@dataclass
-class CriticSection:
-    model_path: str | None = None  # value model's decoder (HF folder); unset = the policy's starting weights
-    lr: float = 1e-4  # critic AdamW learning rate (constant)
-    warmup_steps: int = 0  # first RL steps in which only the critic trains (the actor waits)
-    value_clip: float = 0.5  # value-loss clipping: new values within old values +- this
-    grad_clip: float = 1.0  # max critic grad norm (0 = off)
-
-
-@dataclass
-class EvalSection:
-    before: bool = True  # evaluate before the first RL step (logged as step 0)
-    after: bool = True  # evaluate after the last step
-    every: int = 0  # also every N steps (0 = never), logged as val/*
-    n: int = 1  # samples per prompt for pass@k / mean@k (1 = greedy only)
-    temperature: float = 1.0  # for the sampled evaluation
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [
+            (self.clip_c == 0 or self.clip_c > 1, "algo.clip_c", "must be 0 (off) or > 1"),
+            (not self.dynamic_sampling or cfg.rollout.n >= 2, "algo.dynamic_sampling",
+             "needs rollout.n >= 2 (it keeps groups whose rewards differ)"),
+            (not (self.dynamic_sampling and cfg.cluster.async_), "algo.dynamic_sampling",
+             "does not combine with cluster.async (the next batch is submitted before this one is filtered)"),
+            (-1 <= self.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
+             "must be -1 (a fifth of rollout.max_new_tokens), 0 (off) or less than rollout.max_new_tokens"),
+            (not self.routing_replay or cfg.rollout.record_routing, "algo.routing_replay",
+             "needs rollout.record_routing=true (the engine's record is what is replayed)"),
+        ]
 
 
 @dataclass
-class CheckpointSection:
-    every: int = 50  # steps between checkpoints in RUN_DIR/checkpoints (0 = only on preemption); also at the end
-    keep: int = 2  # newest complete checkpoints kept
+class CriticSection(Section):
+    model_path: str | None = opt(None, "value model's decoder (HF folder); unset = the policy's starting weights")
+    lr: float = opt(1e-4, "critic AdamW learning rate (constant)", bounds="> 0")
+    warmup_steps: int = opt(0, "first RL steps in which only the critic trains (the actor waits)", bounds=">= 0")
+    value_clip: float = opt(0.5, "value-loss clipping: new values within old values +- this", bounds="> 0")
+    grad_clip: float = opt(1.0, "max critic grad norm (0 = off)", bounds=">= 0")
 
 
 @dataclass
-class LogSection:
-    progress: bool = True  # progress on the console: one live line on a terminal, else a line every log.every steps
-    every: int = 10  # without a terminal, print the progress line every N steps (and the last)
-    backends: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb
-    wandb_project: str = "twinplane"  # W&B project name
-    wandb_mode: str = "offline"  # offline | online | disabled
+class EvalSection(Section):
+    before: bool = opt(True, "evaluate before the first RL step (logged as step 0)")
+    after: bool = opt(True, "evaluate after the last step")
+    every: int = opt(0, "also every N steps (0 = never), logged as val/*", bounds=">= 0")
+    n: int = opt(1, "samples per prompt for pass@k / mean@k (1 = greedy only)", bounds=">= 1")
+    temperature: float = opt(1.0, "for the sampled evaluation", bounds=">= 0")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [(self.n == 1 or self.temperature > 0, "eval.temperature",
+                 "must be > 0 when eval.n > 1 (greedy samples are all the same)")]
 
 
 @dataclass
-class ClusterSection:
-    backend: str = "local"  # local (one process) | ray (training ranks and rollout engines as Ray actors)
-    address: str | None = None  # Ray cluster to join ("auto" after `ray start`); unset = start a local one
-    train_devices: int = 1  # training ranks (FSDP2 data parallel), one device each
-    rollout_devices: int = 1  # rollout engines (data parallel), one device each; = train_devices when colocated
-    critic_devices: int = 0  # PPO critic on Ray: 0 = sharded over the training ranks; K = K critic ranks of its own
-    colocate: bool = False  # true: each training rank also hosts an engine and time-shares its device
-    async_: bool = False  # (key cluster.async) roll out step k+1 while step k trains: one-step off-policy
-    timeout_s: float = 600.0  # collectives and worker calls; a worker silent this long stops the run
-    sync_bucket_mb: int = 256  # weight-sync bucket size (MB of engine-dtype weights per broadcast)
-    cpus_per_worker: int = 1  # Ray CPUs per worker (and its torch threads)
+class CheckpointSection(Section):
+    every: int = opt(50, "steps between checkpoints in RUN_DIR/checkpoints (0 = only on preemption); also at the end",
+        bounds=">= 0")
+    keep: int = opt(2, "newest complete checkpoints kept", bounds=">= 1")
 
 
 @dataclass
-class Config:
-    seed: int = 0  # seeds every RNG; a seeded CPU run is bitwise reproducible
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (ROCm GPUs are "cuda" too)
-    threads: int = 0  # torch CPU threads (0 = torch's default)
-    run_dir: str | None = None  # default runs/<timestamp>
-    sandbox: str = "bwrap"  # bwrap | unsafe-local (no isolation): where the python tool and the code reward run
+class LogSection(Section):
+    progress: bool = opt(
+        True, "progress on the console: one live line on a terminal, else a line every log.every steps")
+    every: int = opt(10, "without a terminal, print the progress line every N steps (and the last)", bounds=">= 1")
+    backends: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = opt(
+        help="+ tensorboard, wandb", factory=lambda: ["console", "jsonl"])
+    wandb_project: str = opt("twinplane", "W&B project name")
+    wandb_mode: Literal["offline", "online", "disabled"] = opt("offline", "offline | online | disabled")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [(self.wandb_project.strip() != "", "log.wandb_project", "must not be empty")]
+
+
+@dataclass
+class ClusterSection(Section):
+    backend: Literal["local", "ray"] = opt(
+        "local", "local (one process) | ray (training ranks and rollout engines as Ray actors)")
+    address: str | None = opt(None, "Ray cluster to join (\"auto\" after `ray start`); unset = start a local one")
+    train_devices: int = opt(1, "training ranks (FSDP2 data parallel), one device each", bounds=">= 1")
+    rollout_devices: int = opt(1, "rollout engines (data parallel), one device each; = train_devices when colocated",
+        bounds=">= 1")
+    critic_devices: int = opt(
+        0, "PPO critic on Ray: 0 = sharded over the training ranks; K = K critic ranks of its own",
+        bounds=">= 0 (0 = on the training ranks)")
+    colocate: bool = opt(False, "true: each training rank also hosts an engine and time-shares its device")
+    async_: bool = opt(False, "(key cluster.async) roll out step k+1 while step k trains: one-step off-policy")
+    timeout_s: float = opt(600.0, "collectives and worker calls; a worker silent this long stops the run", bounds="> 0")
+    sync_bucket_mb: int = opt(256, "weight-sync bucket size (MB of engine-dtype weights per broadcast)", bounds=">= 1")
+    cpus_per_worker: int = opt(1, "Ray CPUs per worker (and its torch threads)", bounds=">= 1")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        per_mini_batch = cfg.samples_per_mini_batch
+        return [
+            (self.critic_devices == 0 or cfg.algo.adv_estimator == "gae", "cluster.critic_devices",
+             "must be 0 without a critic (algo.adv_estimator=gae)"),
+            (self.critic_devices == 0 or self.backend == "ray", "cluster.critic_devices",
+             "needs cluster.backend=ray (a local run keeps the critic in its process)"),
+            (per_mini_batch >= self.critic_devices, "cluster.critic_devices",
+             "must be <= the samples per mini-batch (every critic rank needs a sample)"),
+            (self.backend == "ray" or (self.train_devices, self.rollout_devices) == (1, 1), "cluster.backend",
+             "must be ray for more than one training rank or engine"),
+            (not self.colocate or self.rollout_devices in (1, self.train_devices), "cluster.rollout_devices",
+             "must equal cluster.train_devices when colocated (one engine per rank)"),
+            (per_mini_batch >= self.train_devices, "cluster.train_devices",
+             "must be <= the samples per mini-batch (every rank needs a sample)"),
+        ]
+
+
+@dataclass
+class Config(Section):
+    seed: int = opt(0, "seeds every RNG; a seeded CPU run is bitwise reproducible", bounds="[0, 2**32)")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N (ROCm GPUs are \"cuda\" too)")
+    threads: int = opt(0, "torch CPU threads (0 = torch's default)", bounds=">= 0 (0 = torch's default)")
+    run_dir: str | None = opt(None, "default runs/<timestamp>")
+    sandbox: Literal["bwrap", "unsafe-local"] = opt(
+        "bwrap", "bwrap | unsafe-local (no isolation): where the python tool and the code reward run")
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)
@@ -271,181 +508,30 @@ class Config:
     log: LogSection = field(default_factory=LogSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
 
-    def validate(self) -> None:
-        if self.algo.name not in PRESETS:  # before the checks below read the preset's (unset) keys
-            raise ConfigError(f"algo.name: must be one of {', '.join(PRESETS)}, got {self.algo.name!r}")
-        for key in _all_keys(Config):  # no setting means anything at inf or NaN (limits that can be off use 0)
-            value = _get(self, key)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{key}: must be a finite number, got {value!r}")
-        if (problem := plain_template_problem(self.data.plain_template)) is not None:
-            raise ConfigError(f"data.plain_template: {problem}")
-        checks = [
-            (self.rollout.n >= 1, "rollout.n", "must be >= 1"),
-            (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
-            (self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),
-            (self.rollout.temperature >= 0, "rollout.temperature", "must be >= 0"),
-            (0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
-            (self.train.steps >= 0, "train.steps", "must be >= 0"),
-            (self.train.lr > 0, "train.lr", "must be > 0"),
-            (self.train.schedule in ("constant", "cosine"), "train.schedule", "must be constant or cosine"),
-            (len(self.train.betas) == 2, "train.betas", "must be two numbers"),
-            (self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1"),
-            (self.train.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
-            (self.rollout.prompts_per_step % self.train.mini_batches == 0, "train.mini_batches",
-             "must divide rollout.prompts_per_step (mini-batches hold whole groups)"),
-            (self.algo.adv_estimator in ESTIMATORS, "algo.adv_estimator", f"must be one of {', '.join(ESTIMATORS)}"),
-            (self.algo.policy_loss in POLICY_LOSSES, "algo.policy_loss", f"must be one of {', '.join(POLICY_LOSSES)}"),
-            (self.algo.loss_agg in AGG_MODES, "algo.loss_agg", f"must be one of {', '.join(AGG_MODES)}"),
-            (self.algo.loss_agg_horizon >= 0, "algo.loss_agg_horizon", "must be >= 0"),
-            (0 <= self.algo.clip_low < 1, "algo.clip_low", "must be in [0, 1)"),
-            (self.algo.clip_high >= 0, "algo.clip_high", "must be >= 0"),
-            (self.algo.clip_c == 0 or self.algo.clip_c > 1, "algo.clip_c", "must be 0 (off) or > 1"),
-            (0 <= self.algo.gamma <= 1 and 0 <= self.algo.lam <= 1, "algo", "needs gamma and lam in [0, 1]"),
-            (self.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator",
-             f"must be one of {', '.join(KL_ESTIMATORS)}"),
-            (self.algo.kl_coef >= 0 and self.algo.kl_reward_coef >= 0, "algo", "needs kl_coef, kl_reward_coef >= 0"),
-            (self.algo.kl_ctrl in ("fixed", "adaptive"), "algo.kl_ctrl", "must be fixed or adaptive"),
-            (self.algo.kl_target > 0 and self.algo.kl_horizon > 0, "algo", "needs kl_target > 0 and kl_horizon > 0"),
-            (self.algo.max_gen_batches >= 1, "algo.max_gen_batches", "must be >= 1"),
-            (not self.algo.dynamic_sampling or self.rollout.n >= 2, "algo.dynamic_sampling",
-             "needs rollout.n >= 2 (it keeps groups whose rewards differ)"),
-            (not (self.algo.dynamic_sampling and self.cluster.async_), "algo.dynamic_sampling",
-             "does not combine with cluster.async (the next batch is submitted before this one is filtered)"),
-            (-1 <= self.algo.overlong_buffer < self.rollout.max_new_tokens, "algo.overlong_buffer",
-             "must be -1 (a fifth of rollout.max_new_tokens), 0 (off) or less than rollout.max_new_tokens"),
-            (self.critic.lr > 0 and self.critic.warmup_steps >= 0 and self.critic.value_clip > 0
-             and self.critic.grad_clip >= 0, "critic",
-             "needs lr > 0, warmup_steps >= 0, value_clip > 0 and grad_clip >= 0"),
-            (self.cluster.critic_devices >= 0, "cluster.critic_devices", "must be >= 0 (0 = on the training ranks)"),
-            (self.cluster.critic_devices == 0 or self.algo.adv_estimator == "gae", "cluster.critic_devices",
-             "must be 0 without a critic (algo.adv_estimator=gae)"),
-            (self.cluster.critic_devices == 0 or self.cluster.backend == "ray", "cluster.critic_devices",
-             "needs cluster.backend=ray (a local run keeps the critic in its process)"),
-            (self.rollout.prompts_per_step * self.rollout.n // self.train.mini_batches >= self.cluster.critic_devices,
-             "cluster.critic_devices", "must be <= the samples per mini-batch (every critic rank needs a sample)"),
-            (self.task.name == "arithmetic", "task.name", "must be arithmetic"),
-            (self.data.template in ("auto", "chat", "plain"), "data.template", "must be auto, chat or plain"),
-            (self.data.on_error in ("fail", "skip"), "data.on_error", "must be fail or skip"),
-            (self.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1"),
-            (self.data.val_file is None or self.data.train_file is not None, "data.val_file",
-             "needs data.train_file (the built-in task has its own held-out set)"),
-            (self.reward.timeout_s > 0, "reward.timeout_s", "must be > 0"),
-            (set(self.rollout.tools) <= {"calculator", "python"}, "rollout.tools", "must name calculator or python"),
-            (self.sandbox in ("bwrap", "unsafe-local"), "sandbox", "must be bwrap or unsafe-local"),
-            (set(self.log.backends) <= {"console", "jsonl", "tensorboard", "wandb"}, "log.backends",
-             "must name console, jsonl, tensorboard or wandb"),
-            (self.log.wandb_mode in ("offline", "online", "disabled"), "log.wandb_mode",
-             "must be offline, online or disabled"),
-            (self.checkpoint.every >= 0, "checkpoint.every", "must be >= 0"),
-            (self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1"),
-            (self.rollout.max_turns >= 1, "rollout.max_turns", "must be >= 1"),
-            (self.rollout.max_num_seqs >= 1, "rollout.max_num_seqs", "must be >= 1"),
-            (self.rollout.max_num_batched_tokens >= self.rollout.max_num_seqs, "rollout.max_num_batched_tokens",
-             "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
-            (self.rollout.kv_cache_gb >= 0, "rollout.kv_cache_gb", "must be >= 0 (0 = automatic)"),
-            (0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]"),
-            (0 <= self.rollout.graph_max_batch <= 1024, "rollout.graph_max_batch",
-             "must be in 0..1024 (0 = max_num_seqs)"),
-            (self.rollout.kernels in ("auto", "triton", "torch"), "rollout.kernels", "must be auto, triton or torch"),
-            (self.eval.n >= 1 and self.eval.every >= 0, "eval", "needs eval.n >= 1 and eval.every >= 0"),
-            (1 <= self.task.digits <= 6, "task.digits", "must be 1..6"),
-            (0 <= self.task.teacher_carry_error <= 1, "task.teacher_carry_error", "must be in [0, 1]"),
-            (self.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
-             "must be float32, bfloat16 or float16"),
-            (self.model.rollout_dtype in (None, "float32", "bfloat16", "float16"), "model.rollout_dtype",
-             "must be float32, bfloat16 or float16"),
-            (self.train.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch", "must be >= 0"),
-            (self.train.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1"),
-            (self.train.compute_dtype in ("auto", "float32", "bfloat16", "float16"), "train.compute_dtype",
-             "must be auto, float32, bfloat16 or float16"),
-            (self.rollout.tp == 1, "rollout.tp", "must be 1 (tensor-parallel engines are not in this version)"),
-            (self.algo.tis_cap >= 1, "algo.tis_cap", "must be >= 1"),
-            (self.cluster.backend in ("local", "ray"), "cluster.backend", "must be local or ray"),
-            (self.cluster.train_devices >= 1 and self.cluster.rollout_devices >= 1, "cluster",
-             "needs train_devices >= 1 and rollout_devices >= 1"),
-            (self.cluster.backend == "ray" or (self.cluster.train_devices, self.cluster.rollout_devices) == (1, 1),
-             "cluster.backend", "must be ray for more than one training rank or engine"),
-            (not self.cluster.colocate or self.cluster.rollout_devices in (1, self.cluster.train_devices),
-             "cluster.rollout_devices", "must equal cluster.train_devices when colocated (one engine per rank)"),
-            (self.cluster.timeout_s > 0 and self.cluster.sync_bucket_mb >= 1 and self.cluster.cpus_per_worker >= 1,
-             "cluster", "needs timeout_s > 0, sync_bucket_mb >= 1 and cpus_per_worker >= 1"),
-            (self.rollout.prompts_per_step * self.rollout.n // self.train.mini_batches >= self.cluster.train_devices,
-             "cluster.train_devices", "must be <= the samples per mini-batch (every rank needs a sample)"),
-            (not (self.cluster.async_ and self.rollout.tools), "cluster.async", "does not support rollout.tools yet"),
-            (self.model.num_experts >= 0 and 1 <= self.model.num_experts_per_tok and self.model.moe_intermediate_size
-             >= 1, "model", "needs num_experts >= 0, num_experts_per_tok >= 1 and moe_intermediate_size >= 1"),
-            (self.model.num_experts == 0 or self.model.num_experts_per_tok <= self.model.num_experts,
-             "model.num_experts_per_tok", "must be <= model.num_experts"),
-            (self.train.router_aux_loss_coef >= 0, "train.router_aux_loss_coef", "must be >= 0"),
-            (not self.algo.routing_replay or self.rollout.record_routing, "algo.routing_replay",
-             "needs rollout.record_routing=true (the engine's record is what is replayed)"),
-            (not (self.rollout.record_routing and self.rollout.tools), "rollout.record_routing",
-             "does not support rollout.tools yet"),
-            (self.train.lora.rank >= 0, "train.lora.rank", "must be >= 0 (0 = off)"),
-            (self.train.lora.alpha > 0, "train.lora.alpha", "must be > 0"),
-            (0 <= self.train.lora.dropout < 1, "train.lora.dropout", "must be in [0, 1)"),
-            (self.train.lora.targets == "all" or set(self.train.lora.targets.split(",")) <= set(LORA_TARGETS),
-             "train.lora.targets", f"must be all or a comma list of {','.join(LORA_TARGETS)}"),
-            (not (self.train.lora.dropout > 0 and self.train.activation_checkpointing), "train.lora.dropout",
-             "must be 0 with train.activation_checkpointing (the recomputed block would draw other dropout masks)"),
-            (not self.rollout.lora_merge or self.train.lora.rank > 0, "rollout.lora_merge",
-             "needs train.lora.rank > 0"),
-            (not self.rollout.tools or self.model.path, "rollout.tools",
-             "needs model.path (the built-in demo's digit vocabulary cannot spell tool calls)"),
-            # ranges and choices of every remaining key, then keys that depend on each other
-            (0 <= self.seed < 2**32, "seed", "must be in [0, 2**32)"),
+    @property
+    def samples_per_mini_batch(self) -> int:
+        return self.rollout.samples // self.train.mini_batches
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        return [
             (_DEVICE.fullmatch(self.device) is not None, "device", "must be auto, cpu, cuda or cuda:N"),
-            (0 <= self.threads <= 4096, "threads", "must be >= 0 (0 = torch's default)"),
+            (self.threads <= 4096, "threads", "must be <= 4096"),
             (self.run_dir is None or self.run_dir.strip() != "", "run_dir", "must not be empty"),
-            (self.model.path is None or self.model.path.strip() != "", "model.path", "must not be empty"),
-            (min(self.model.hidden_size, self.model.num_layers, self.model.intermediate_size) >= 1, "model",
-             "needs hidden_size, num_layers and intermediate_size >= 1"),
-            (self.model.num_heads >= 1 and self.model.num_kv_heads >= 1, "model.num_heads",
-             "must be >= 1 (and model.num_kv_heads too)"),
-            (self.model.num_heads % self.model.num_kv_heads == 0, "model.num_kv_heads", "must divide model.num_heads"),
-            (self.model.hidden_size % self.model.num_heads == 0, "model.hidden_size",
-             "must be a multiple of model.num_heads"),
-            (self.model.hidden_size // self.model.num_heads % 2 == 0, "model.hidden_size",
-             "/ model.num_heads (the head size) must be even for rotary embeddings"),
-            (self.data.train_file is None or self.data.train_file.strip() != "", "data.train_file",
-             "must not be empty"),
-            (self.data.prompt_field != "" and self.data.answer_field != "", "data.prompt_field",
-             "and data.answer_field must not be empty"),
-            (self.data.val_size >= 0, "data.val_size", "must be >= 0 (0 = all)"),
-            (self.reward.name.strip() != "", "reward.name", "must not be empty"),
-            (self.reward.step_timeout_s >= 0, "reward.step_timeout_s", "must be >= 0 (0 = no deadline)"),
-            (self.task.heldout_size >= 1, "task.heldout_size", "must be >= 1"),
-            (self.task.heldout_size < 100**min(max(self.task.digits, 1), 6), "task.heldout_size",
-             "must leave training problems (there are 100**task.digits in all)"),
-            (self.warmstart.steps >= 0, "warmstart.steps", "must be >= 0"),
-            (self.warmstart.batch_size >= 1, "warmstart.batch_size", "must be >= 1"),
-            (self.warmstart.lr > 0, "warmstart.lr", "must be > 0"),
-            (self.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)"),
-            (self.rollout.min_new_tokens >= 0, "rollout.min_new_tokens", "must be >= 0"),
-            (self.rollout.min_new_tokens <= self.rollout.max_new_tokens, "rollout.min_new_tokens",
-             "must be <= rollout.max_new_tokens"),
-            (len(set(self.rollout.tools)) == len(self.rollout.tools), "rollout.tools", "must not repeat a tool"),
-            # one sample per prompt has no group to compare with: every advantage is 0 and nothing is learned
-            (self.rollout.n >= 2 or self.train.steps == 0 or self.algo.adv_estimator in ("gae", "reinforce_pp"),
-             "rollout.n", f"must be >= 2: {self.algo.adv_estimator}'s group baseline makes every advantage 0 with "
-             "one sample per prompt"),
-            (self.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0"),
-            (0 <= self.train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]"),
-            (self.train.weight_decay >= 0, "train.weight_decay", "must be >= 0"),
-            (all(0 <= b < 1 for b in self.train.betas), "train.betas", "must each be in [0, 1)"),
-            (self.train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 = off)"),
-            (self.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0"),
-            (self.eval.temperature >= 0, "eval.temperature", "must be >= 0"),
-            (self.eval.n == 1 or self.eval.temperature > 0, "eval.temperature",
-             "must be > 0 when eval.n > 1 (greedy samples are all the same)"),
-            (self.log.wandb_project.strip() != "", "log.wandb_project", "must not be empty"),
-            (self.log.every >= 1, "log.every", "must be >= 1"),
         ]
-        for ok, key, msg in checks:
-            if not ok:
-                value = _get(self, key)
-                raise ConfigError(f"{key}: {msg}" + ("" if dataclasses.is_dataclass(value) else f", got {value!r}"))
+
+    def validate(self) -> None:
+        """Every key against its type's choices and its metadata, then each section's rules across keys (those
+        may count on every key being in range); the first problem is a ConfigError naming its key."""
+        for key, value, t, meta in _settings(self):
+            if (problem := value_problem(value, t, meta)) is not None:
+                raise ConfigError(f"{key}: {problem}, got {value!r}")
+            if meta.get("check") and (problem := meta["check"](value)) is not None:
+                raise ConfigError(f"{key}: {problem}")
+        for section in _sections(self):
+            for ok, key, msg in section.rules(self):
+                if not ok:
+                    value = _get(self, key)
+                    raise ConfigError(f"{key}: {msg}" + ("" if dataclasses.is_dataclass(value) else f", got {value!r}"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self, dict_factory=lambda kv: {_key(k): v for k, v in kv})
@@ -469,18 +555,47 @@ def _get(cfg, dotted: str):
     return cfg
 
 
+def _sections(cfg) -> list:
+    """`cfg` and its sections, nested ones (train.lora) after their parent, in field order."""
+    out = [cfg]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _sections(value)
+    return out
+
+
 @functools.cache
-def _all_keys(cls, prefix="") -> tuple[str, ...]:
-    keys, hints = [], typing.get_type_hints(cls)  # (resolving the hints is the slow part: once per class)
+def _fields(cls, prefix: str = "") -> tuple[tuple[str, str, typing.Any, typing.Mapping], ...]:
+    """(key, attribute path, type, metadata) of every setting under `cls`."""
+    out, hints = [], typing.get_type_hints(cls)  # (resolving the hints is the slow part: once per class)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
-        keys += _all_keys(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else [prefix + _key(f.name)]
-    return tuple(keys)
+        if dataclasses.is_dataclass(t):
+            out += [(k, f"{f.name}.{a}", tt, m) for k, a, tt, m in _fields(t, f"{prefix}{f.name}.")]
+        else:
+            out.append((prefix + _key(f.name), f.name, t, f.metadata))
+    return tuple(out)
+
+
+def _settings(cfg) -> typing.Iterator[tuple[str, typing.Any, typing.Any, typing.Mapping]]:
+    """(key, value, type, metadata) of every setting of `cfg`."""
+    for key, attrs, t, meta in _fields(type(cfg)):
+        value = cfg
+        for a in attrs.split("."):
+            value = getattr(value, a)
+        yield key, value, t, meta
+
+
+def _all_keys(cls) -> tuple[str, ...]:
+    return tuple(key for key, *_ in _fields(cls))
 
 
 def _coerce(value, t, key: str):
     """Check/convert one value to the annotated type; YAML and CLI strings both arrive here."""
     origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is Literal:  # the value's type here; whether it is one of the choices is `validate`'s to say
+        return _coerce(value, type(args[0]), key)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -646,18 +761,14 @@ def _merge(base: dict, dotted: str, value) -> None:
     node[parts[-1]] = value
 
 
-def _is_text(dotted: str) -> bool:
-    """Whether a key holds a string (or an optional string)."""
-    cls: typing.Any = Config
-    for part in dotted.split("."):
-        if not dataclasses.is_dataclass(cls):
-            return False
-        t = typing.get_type_hints(cls).get(_attr(part))
-        if t is None:
-            return False
-        cls = t
-    return cls is str or (typing.get_origin(cls) in (typing.Union, types.UnionType)
-                          and set(typing.get_args(cls)) == {str, type(None)})
+def _is_text(key: str) -> bool:
+    """Whether a key holds a string, an optional string or a choice of strings."""
+    t = next((t for k, _, t, _ in _fields(Config) if k == key), None)
+    if t is None or typing.get_origin(t) is list:
+        return False
+    union = typing.get_origin(t) in (typing.Union, types.UnionType)
+    optional_str = union and set(typing.get_args(t)) == {str, type(None)}
+    return t is str or optional_str or isinstance((choices(t) or [None])[0], str)
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -698,18 +809,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
 
 def config_help() -> str:
-    """Every key with its default and help comment, read from this file's source."""
-    import inspect
-
-    lines = []
-    for name in _all_keys(Config):
-        section, _, leaf = name.rpartition(".")
-        cls = Config
-        for part in filter(None, section.split(".")):  # nested sections (train.lora) walk down
-            cls = typing.get_type_hints(cls)[_attr(part)]
-        src = inspect.getsource(cls).splitlines()
-        field_line = f"{_attr(leaf)}:"
-        comment = next((s.split("#", 1)[1].strip() for s in src if s.strip().startswith(field_line) and "#" in s), "")
-        default = _get(Config(), name)
-        lines.append(f"  {name} = {default!r}" + (f"  # {comment}" if comment else ""))
-    return "\n".join(lines)
+    """Every key with its default and help text."""
+    defaults = Config()
+    return "\n".join(f"  {key} = {value!r}" + (f"  # {meta['help']}" if meta.get("help") else "")
+                     for key, value, _, meta in _settings(defaults))
