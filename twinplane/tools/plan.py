@@ -7,7 +7,8 @@ Only layouts that `train` accepts are ranked: each layout's overrides, on top of
 and the step's shape, go through the same validation as `twinplane train`; the others (tensor-parallel engines,
 which this version does not have, or more training ranks than samples) are listed apart with `train`'s reason.
 
-Everything here is an estimate from the model's shape and the datasheet numbers in `twinplane.platform.devices`:
+Everything here is an estimate from the model's shape and the datasheet numbers in `twinplane.platform.devices`;
+memory comes from `twinplane.model.memory`, the model `train`'s memory gate reads too:
 - dtypes: on a GPU, bf16 params/grads/compute with fp32 master weights and fp32 AdamW moments (16 bytes per
   parameter before sharding); on the CPU, fp32 everything and no master copy (16 bytes per parameter too:
   weights 4 + grads 4 + two moments 8);
@@ -22,7 +23,8 @@ Everything here is an estimate from the model's shape and the datasheet numbers 
   parameter, no grads, master copy or moments), the adapters carry the 16 bytes per parameter of fp32 weights,
   grads and moments; activations add the fp32 copy of each adapted layer's input; the backward skips the base's
   weight gradients (training FLOPs x 2/3); the sync moves only the fp32 adapters; there is no reference copy
-  (the reference is the base with the adapters off) -- and without LoRA the reference copy is not counted either.
+  (the reference is the base with the adapters off). Without LoRA, a KL term's reference copy counts when the
+  run's config (--config, --run-dir) has one.
 Ignored everywhere: framework/runtime context (CUDA context, NCCL buffers, ~1-3 GB per GPU, covered by the
 headroom), allocator fragmentation, pipeline parallelism. Sequences are packed (`train.packing`, the default), so
 a micro-batch holds micro_batch_size x seq_len real tokens and no padding; the LM head's log-probs run in chunks of
