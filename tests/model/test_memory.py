@@ -48,7 +48,7 @@ def test_gate_and_plan_agree(tmp_path, lines):
     gate = preflight.estimate_bytes(cfg, mc, "cpu")
     plan_mc, w = from_run_config(path)
     dt = Dtypes.for_device(CPU)
-    assert plan_mc == mc and preflight.memory_inputs(cfg, mc, "cpu") == (dt, w)  # fp32 on the CPU, either way
+    assert plan_mc == mc and preflight.memory_inputs(cfg, "cpu") == (dt, w)  # fp32 on the CPU, either way
     tm, rm = training_memory(plan_mc, dt, w), rollout_memory(plan_mc, dt, w)
     assert gate == {k: v for k, v in {"weights, grads and AdamW": tm.params + tm.grads + tm.master + tm.moments,
                                       "KV cache": rm.kv_cache, "engine weights": rm.weights,

@@ -88,7 +88,7 @@ def prompt_tokens(cfg: Config) -> int:
     return cfg.data.max_prompt_tokens if cfg.model.path else 2 * cfg.task.digits + 2
 
 
-def memory_inputs(cfg: Config, mc: ModelConfig, device: torch.device | str = "cpu") -> tuple[Dtypes, Workload]:
+def memory_inputs(cfg: Config, device: torch.device | str = "cpu") -> tuple[Dtypes, Workload]:
     """What the memory model (`twinplane.model.memory`) needs of a run on `device`: the bytes per element its
     settings give (AdamW's moments take the weights' dtype, which is the master copy) and the step's shape."""
     precision = platform.train_precision(torch.device(device), cfg.model.dtype, cfg.train.compute_dtype)
@@ -107,7 +107,7 @@ def estimate_bytes(cfg: Config, mc: ModelConfig, device: torch.device | str = "c
     weights, grads and AdamW moments (with LoRA: the frozen base and the adapters' states), the reference model,
     the engine's own copy of the weights, and the KV cache of the sequences in flight. Activations and logits are
     left out: micro-batching, chunking and checkpointing can shrink them."""
-    dt, w = memory_inputs(cfg, mc, device)
+    dt, w = memory_inputs(cfg, device)
     tm = training_memory(mc, dt, w, offload=cfg.train.optimizer_offload)
     rm = rollout_memory(mc, dt, w)
     parts = {"weights, grads and AdamW": tm.params + tm.grads + tm.master + tm.moments, "KV cache": rm.kv_cache,
@@ -124,7 +124,7 @@ def check_memory(cfg: Config, mc: ModelConfig, memory_bytes: int, where: str, de
         detail = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in parts.items())
         raise InputError(f"the run needs at least {total / 1e9:.3g} GB ({detail}: model {mc.num_params / 1e6:.4g}M "
                          f"params, {prompt_tokens(cfg)}+{cfg.rollout.max_new_tokens} tokens x "
-                         f"{min(cfg.rollout.max_num_seqs, cfg.rollout.samples)} sequences) but {where} has "
+                         f"{memory_inputs(cfg, device)[1].in_flight} sequences) but {where} has "
                          f"{memory_bytes / 1e9:.3g} GB; reduce the model, rollout.max_new_tokens or "
                          "rollout.max_num_seqs")
 

@@ -510,7 +510,7 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
         mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
     from twinplane.run.preflight import memory_inputs
 
-    return mc, memory_inputs(cfg, mc)[1]  # (the step's shape as `train`'s memory gate sees it)
+    return mc, memory_inputs(cfg)[1]  # (the step's shape as `train`'s memory gate sees it)
 
 
 def main(argv: list[str] | None = None) -> int:
