@@ -6,18 +6,8 @@ import typing
 import pytest
 
 from twinplane.algos import KL_ESTIMATORS, PRESETS
-from twinplane.config import (
-    Config,
-    ConfigError,
-    _fields,
-    choices,
-    config_help,
-    interval,
-    load_config,
-    opt,
-    value_problem,
-    within,
-)
+from twinplane.config import Config, ConfigError, config_help, load_config
+from twinplane.config.keys import _fields, choices, interval, opt, value_problem, within
 
 SETTINGS = _fields(Config)
 
