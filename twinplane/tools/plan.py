@@ -457,7 +457,7 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
              "devices (cluster.critic_devices=0) or takes K more (cluster.critic_devices=K)",
              "",
              f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
-    for k in ("params", "grads", "master", "moments", "activations", "logits", "total"):
+    for k in ("params", "grads", "master", "moments", "reference", "activations", "logits", "total"):
         lines.append(f"  {k:<12}{tm[k] / div:8.2f}")
     lines.append(f"rollout memory per device ({unit}, TP={rm['tp']}):")
     for k in ("weights", "kv_cache", "workspace", "total"):
