@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from twinplane.model import ModelConfig
-from twinplane.tools.plan import CPU, Workload, rollout_memory, training_memory
+from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
+from twinplane.tools.plan import CPU
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
@@ -70,8 +71,8 @@ def measure(name: str, plane: str, warmup: bool = True) -> float:
 def estimate(name: str, plane: str) -> float:
     w, cfg = WORKLOADS[name], ModelConfig(**MODELS[name])
     if plane == "rollout":
-        return rollout_memory(cfg, CPU, w).total
-    return training_memory(cfg, CPU, w).total
+        return rollout_memory(cfg, Dtypes.for_device(CPU), w).total
+    return training_memory(cfg, Dtypes.for_device(CPU), w).total
 
 
 def check(name: str, plane: str) -> dict:

@@ -289,8 +289,9 @@ def test_bad_lora_config_names_the_key(override, key):
 def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
 
     from twinplane.model import ModelConfig
+    from twinplane.model.memory import Dtypes, Workload, lora_params, training_memory
     from twinplane.platform.devices import BY_KEY
-    from twinplane.tools.plan import Cluster, Workload, layouts, lora_params, recommend, training_memory
+    from twinplane.tools.plan import Cluster, layouts, recommend
 
     small = tiny_model()
     assert lora_params(small.config, 4) == adapter_numel(lora_model(rank=4))  # against the real adapters
@@ -298,7 +299,7 @@ def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
     w, full = Workload(32, 8, 512, 1024, 4, lora_rank=16), Workload(32, 8, 512, 1024, 4)
     lp, p = lora_params(cfg, 16), cfg.num_params
     assert 0.004 < lp / p < 0.006
-    tm = training_memory(cfg, BY_KEY["h100"], w)
+    tm = training_memory(cfg, Dtypes.for_device(BY_KEY["h100"]), w)
     assert tm.resident == pytest.approx(2 * p + 16 * lp)  # bf16 base; fp32 adapters, grads and AdamW moments
     assert not layouts(cfg, Cluster(BY_KEY["h100"], 1, 1, 2.0), full)  # full fine-tuning: not on one H100
     for gpu in ("h100", "mi300x"):

@@ -30,7 +30,7 @@ def attacks(host_file: str, port: int, pid: int) -> list[tuple[str, str, str]]:
          f"print('ESCAPED' if open({host_file!r}).read() else '')"),
         ("filesystem", "read /etc/passwd", "print('ESCAPED', open('/etc/passwd').read()[:20])"),
         ("filesystem", "list the user's home", "import os\nprint('ESCAPED', os.listdir(os.path.expanduser('~root')))"),
-        ("filesystem", "read the installed package", f"print('ESCAPED', open({pkg + '/config.py'!r}).read()[:9])"),
+        ("filesystem", "read the installed package", f"print('ESCAPED', open({pkg + '/cli.py'!r}).read()[:9])"),
         ("filesystem", "write into the installed package",
          f"open({pkg + '/pwned.py'!r}, 'w').write('x')\nprint('ESCAPED')"),
         ("filesystem", "import torch / twinplane (hidden site-packages)", "import torch\nprint('ESCAPED')"),

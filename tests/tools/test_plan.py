@@ -11,18 +11,9 @@ import pytest
 from conftest import QWEN25_7B
 
 from twinplane.model import ModelConfig
+from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
 from twinplane.platform.devices import BY_KEY
-from twinplane.tools.plan import (
-    CPU,
-    Cluster,
-    Workload,
-    format_plan,
-    layouts,
-    main,
-    recommend,
-    rollout_memory,
-    training_memory,
-)
+from twinplane.tools.plan import CPU, Cluster, format_plan, layouts, main, recommend
 
 W = Workload(prompts_per_step=32, n=8, prompt_len=512, response_len=1024, micro_batch_size=4)
 
@@ -38,17 +29,18 @@ def test_training_state_is_16_bytes_per_param_sharded():
     p = cfg.num_params
     assert 7.5e9 < p < 7.7e9
     for dev in (BY_KEY["h100"], CPU):
-        tm = training_memory(cfg, dev, W, fsdp=8)
+        tm = training_memory(cfg, Dtypes.for_device(dev), W, fsdp=8)
         assert tm.resident == pytest.approx(16 * p / 8)
-    off = training_memory(cfg, BY_KEY["h100"], W, fsdp=8, offload=True)
+    gpu = Dtypes.for_device(BY_KEY["h100"])
+    off = training_memory(cfg, gpu, W, fsdp=8, offload=True)
     assert off.resident == pytest.approx(8 * p / 8)  # bf16 weights + grads and the fp32 master weights stay
-    ck = training_memory(cfg, BY_KEY["h100"], W, fsdp=8, checkpointing=True)
-    assert ck.activations < training_memory(cfg, BY_KEY["h100"], W, fsdp=8).activations / 5
+    ck = training_memory(cfg, gpu, W, fsdp=8, checkpointing=True)
+    assert ck.activations < training_memory(cfg, gpu, W, fsdp=8).activations / 5
 
 
 def test_kv_cache_formula():
     cfg = ModelConfig.from_hf(QWEN25_7B)
-    rm = rollout_memory(cfg, BY_KEY["mi300x"], W, tp=2, seqs=10)
+    rm = rollout_memory(cfg, Dtypes.for_device(BY_KEY["mi300x"]), W, tp=2, seqs=10)
     assert rm.kv_cache == 2 * 28 * 4 * 128 * 2 * 10 * (512 + 1024) / 2
     assert rm.weights == cfg.num_params * 2 / 2
 

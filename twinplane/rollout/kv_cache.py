@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from twinplane.model import ModelConfig
+from twinplane.model.memory import kv_bytes_per_token
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Keys + values of `block_size` tokens across all layers."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    return int(kv_bytes_per_token(cfg, dtype.itemsize)) * block_size
 
 
 class KVCache:

@@ -12,17 +12,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from twinplane.cluster.planes import build_algorithm
 from twinplane.config import Config
 from twinplane.errors import InputError
 from twinplane.model import ModelConfig, Transformer, load_model
+from twinplane.model.lora import parse_targets
+from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
 from twinplane.model.weights import checkpoint_files
 from twinplane.platform import platform
 from twinplane.rollout.engine import pool_blocks
 from twinplane.rollout.kernels import self_check as kernel_self_check
 from twinplane.rollout.paged_attention import flex_decode_agrees
 from twinplane.tokenizer import Tokenizer, load_tokenizer
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _first_line(e: BaseException) -> str:
@@ -87,36 +88,44 @@ def prompt_tokens(cfg: Config) -> int:
     return cfg.data.max_prompt_tokens if cfg.model.path else 2 * cfg.task.digits + 2
 
 
-def estimate_bytes(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: torch.device | str = "cpu"
-                   ) -> dict[str, float]:
-    """What the run must hold at once, by part: the training plane's weights, gradients and AdamW moments, the
-    engine's copy when its dtype differs, the reference model, and the KV cache of the sequences in flight.
-    Activations and logits are left out: micro-batching, chunking and checkpointing can shrink them."""
-    p, b = mc.num_params, DTYPE_BYTES[cfg.model.dtype]
-    rb = platform.rollout_dtype(cfg.model, device).itemsize
-    r = cfg.rollout
-    seqs = min(r.max_num_seqs, r.prompts_per_step * r.n)
-    context = prompt_tokens + r.max_new_tokens  # (a multi-turn response, tool tokens too, fits max_new_tokens)
-    parts = {"weights, grads and AdamW": 4.0 * p * b, "KV cache": 2.0 * mc.num_layers * mc.num_kv_heads * mc.head_dim
-             * rb * seqs * context}
-    if rb != b:
-        parts["engine weights"] = float(p * rb)
-    if cfg.algo.kl_coef > 0:
-        parts["reference"] = float(p * b)
-    return parts
+def memory_inputs(cfg: Config, device: torch.device | str = "cpu") -> tuple[Dtypes, Workload]:
+    """What the memory model (`twinplane.model.memory`) needs of a run on `device`: the bytes per element its
+    settings give (AdamW's moments take the weights' dtype, which is the master copy) and the step's shape."""
+    precision = platform.train_precision(torch.device(device), cfg.model.dtype, cfg.train.compute_dtype)
+    b = precision.param.itemsize
+    dt = Dtypes(param=b, grad=b, master=0, moments=2 * b, act=precision.compute.itemsize,
+                engine=platform.rollout_dtype(cfg.model, device).itemsize)
+    r, lora = cfg.rollout, cfg.train.lora
+    w = Workload(r.prompts_per_step, r.n, prompt_tokens(cfg), r.max_new_tokens,  # (a response's every turn)
+                 min(cfg.train.micro_batch_size, r.samples), cfg.train.logprob_chunk_tokens, lora.rank,
+                 tuple(parse_targets(lora.targets)), build_algorithm(cfg).needs_reference, r.max_num_seqs)
+    return dt, w
 
 
-def check_memory(cfg: Config, mc: ModelConfig, prompt_tokens: int, memory_bytes: int, where: str,
-                 device: torch.device | str = "cpu") -> None:
+def estimate_bytes(cfg: Config, mc: ModelConfig, device: torch.device | str = "cpu") -> dict[str, float]:
+    """What the run must hold at once on one device, by part, from the memory model: the training plane's
+    weights, grads and AdamW moments (with LoRA: the frozen base and the adapters' states), the reference model,
+    the engine's own copy of the weights, and the KV cache of the sequences in flight. Activations and logits are
+    left out: micro-batching, chunking and checkpointing can shrink them."""
+    dt, w = memory_inputs(cfg, device)
+    tm = training_memory(mc, dt, w, offload=cfg.train.optimizer_offload)
+    rm = rollout_memory(mc, dt, w)
+    parts = {"weights, grads and AdamW": tm.params + tm.grads + tm.master + tm.moments, "KV cache": rm.kv_cache,
+             "engine weights": rm.weights, "reference": tm.reference}
+    return {k: v for k, v in parts.items() if v}
+
+
+def check_memory(cfg: Config, mc: ModelConfig, memory_bytes: int, where: str, device: torch.device | str = "cpu"
+                 ) -> None:
     """Refuse a run whose model and KV cache alone exceed the memory of `device`, which it runs on."""
-    parts = estimate_bytes(cfg, mc, prompt_tokens, device)
+    parts = estimate_bytes(cfg, mc, device)
     total = sum(parts.values())
     if memory_bytes and total > memory_bytes:
         detail = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in parts.items())
         raise InputError(f"the run needs at least {total / 1e9:.3g} GB ({detail}: model {mc.num_params / 1e6:.4g}M "
-                         f"params, {prompt_tokens}+{cfg.rollout.max_new_tokens} tokens x "
-                         f"{min(cfg.rollout.max_num_seqs, cfg.rollout.prompts_per_step * cfg.rollout.n)} sequences) "
-                         f"but {where} has {memory_bytes / 1e9:.3g} GB; reduce the model, rollout.max_new_tokens or "
+                         f"params, {prompt_tokens(cfg)}+{cfg.rollout.max_new_tokens} tokens x "
+                         f"{memory_inputs(cfg, device)[1].in_flight} sequences) but {where} has "
+                         f"{memory_bytes / 1e9:.3g} GB; reduce the model, rollout.max_new_tokens or "
                          "rollout.max_num_seqs")
 
 

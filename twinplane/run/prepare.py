@@ -238,7 +238,7 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
     if cfg.cluster.backend == "local":
         memory = platform.device_memory(device)
-        preflight.check_memory(cfg, mc, prompt_tokens, memory, f"this {device.type} device", device)
+        preflight.check_memory(cfg, mc, memory, f"this {device.type} device", device)
         preflight.check_kv_budget(cfg, mc, prompt_tokens, device)
     try:  # the template, rendered once on a sample: a missing or broken one fails before the model is loaded
         formatter(cfg).format(Record("What is 1+1?", "2"))

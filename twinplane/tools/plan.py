@@ -7,7 +7,8 @@ Only layouts that `train` accepts are ranked: each layout's overrides, on top of
 and the step's shape, go through the same validation as `twinplane train`; the others (tensor-parallel engines,
 which this version does not have, or more training ranks than samples) are listed apart with `train`'s reason.
 
-Everything here is an estimate from the model's shape and the datasheet numbers in `twinplane.platform.devices`:
+Everything here is an estimate from the model's shape and the datasheet numbers in `twinplane.platform.devices`;
+memory comes from `twinplane.model.memory`, the model `train`'s memory gate reads too:
 - dtypes: on a GPU, bf16 params/grads/compute with fp32 master weights and fp32 AdamW moments (16 bytes per
   parameter before sharding); on the CPU, fp32 everything and no master copy (16 bytes per parameter too:
   weights 4 + grads 4 + two moments 8);
@@ -22,7 +23,8 @@ Everything here is an estimate from the model's shape and the datasheet numbers 
   parameter, no grads, master copy or moments), the adapters carry the 16 bytes per parameter of fp32 weights,
   grads and moments; activations add the fp32 copy of each adapted layer's input; the backward skips the base's
   weight gradients (training FLOPs x 2/3); the sync moves only the fp32 adapters; there is no reference copy
-  (the reference is the base with the adapters off) -- and without LoRA the reference copy is not counted either.
+  (the reference is the base with the adapters off). Without LoRA, a KL term's reference copy counts when the
+  run's config (--config, --run-dir) has one.
 Ignored everywhere: framework/runtime context (CUDA context, NCCL buffers, ~1-3 GB per GPU, covered by the
 headroom), allocator fragmentation, pipeline parallelism. Sequences are packed (`train.packing`, the default), so
 a micro-batch holds micro_batch_size x seq_len real tokens and no padding; the LM head's log-probs run in chunks of
@@ -45,8 +47,15 @@ from twinplane.model.flops import (
     decode_read_params,
     forward_flops_per_token,
     matmul_params,
-    mlp_width,
     train_flops_per_token,
+)
+from twinplane.model.memory import (
+    Dtypes,
+    Workload,
+    kv_bytes_per_token,
+    lora_params,
+    rollout_memory,
+    training_memory,
 )
 from twinplane.model.presets import PRESETS, preset, preset_name
 from twinplane.platform.devices import BY_KEY, DeviceSpec
@@ -70,44 +79,6 @@ def size(nbytes: float) -> str:
 
 
 @dataclass(frozen=True)
-class Dtypes:
-    param: int = 2  # bytes per element of the compute-dtype weights (what the engine holds too)
-    grad: int = 2
-    master: int = 4  # fp32 master copy; 0 when the weights themselves are fp32
-    moments: int = 8  # AdamW exp_avg + exp_avg_sq, fp32
-    act: int = 2  # activations
-
-    @classmethod
-    def for_device(cls, device: DeviceSpec) -> Dtypes:
-        """bf16 mixed precision on GPUs; fp32 everything (no master copy) on the CPU."""
-        return cls(4, 4, 0, 8, 4) if device.key == "cpu" else cls()
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts_per_step: int = 32
-    n: int = 8
-    prompt_len: int = 512
-    response_len: int = 1024
-    micro_batch_size: int = 4  # sequences per forward/backward
-    logprob_chunk_tokens: int = 512  # train.logprob_chunk_tokens
-    lora_rank: int = 0  # train.lora.rank (0 = full fine-tuning)
-
-    @property
-    def sequences(self) -> int:
-        return self.prompts_per_step * self.n
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.response_len
-
-    @property
-    def trained_tokens(self) -> int:
-        """Response tokens per step (the tokens in the loss)."""
-        return self.sequences * self.response_len
-
-
-@dataclass(frozen=True)
 class Cluster:
     device: DeviceSpec
     gpus: int  # per node
@@ -118,36 +89,6 @@ class Cluster:
     @property
     def total(self) -> int:
         return self.gpus * self.nodes
-
-
-@dataclass(frozen=True)
-class TrainMemory:
-    params: float
-    grads: float
-    master: float
-    moments: float
-    activations: float
-    logits: float
-
-    @property
-    def resident(self) -> float:
-        """What stays on the device between steps (weights, grads buffer, optimizer states)."""
-        return self.params + self.grads + self.master + self.moments
-
-    @property
-    def total(self) -> float:
-        return self.resident + self.activations + self.logits
-
-
-@dataclass(frozen=True)
-class RolloutMemory:
-    weights: float
-    kv_cache: float
-    workspace: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.kv_cache + self.workspace
 
 
 @dataclass(frozen=True)
@@ -232,115 +173,6 @@ def _base_config(config: str | None, overrides: tuple[str, ...]):
         return str(e)
 
 
-# ---- memory -------------------------------------------------------------------------------------------------
-
-
-def activation_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int) -> float:
-    """Saved-for-backward activations of one decoder layer, per token (fused/flash attention, no T^2 term).
-
-    Korthikanti et al. (2022) count 34*h*b bytes per token for a GPT layer (fp16, no dropout here); adapted to
-    RMSNorm + GQA attention + rotary + SwiGLU MLP, counting the tensors autograd keeps, in elements:
-      2 RMSNorms: input and normalised output, 2 x 2d
-      q, k, v projections: a + 2k          (a = heads*head_dim, k = kv_heads*head_dim)
-      rotary: q, k and rotate_half(q, k):  2(a + k)
-      attention output (input of o_proj): a, plus the kernel's own rotated q/k/v copies: a + 2k
-      SwiGLU: gate, up, silu(gate), silu(gate)*up (input of down_proj): 4f
-    = 4d + 5a + 6k + 4f elements. Residual adds keep nothing; the attention's log-sum-exp is ignored.
-    MoE: f is the per-token width over the top-k experts (`flops.mlp_width`); router logits are ignored.
-    """
-    d, f = cfg.hidden_size, mlp_width(cfg)
-    a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return float(4 * d + 5 * a + 6 * k + 4 * f) * act_bytes
-
-
-def lora_params(cfg: ModelConfig, rank: int) -> int:
-    """Adapter parameters, rank r on every attention and MLP linear: r (in + out) each, per layer
-    r (7d + 2a + 2k + 3f) with a = heads * head_dim, k = kv_heads * head_dim."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return rank * cfg.num_layers * (7 * d + 2 * a + 2 * k + 3 * f)
-
-
-def logits_bytes(cfg: ModelConfig, response_tokens: int, act_bytes: int, chunk: int = 512) -> float:
-    """The LM head's transient buffers, one chunk of min(tokens, chunk) rows x vocab at a time (forward and the
-    backward's recompute): the chunk's logits in the compute dtype, then fp32 log-probs (normalised in place),
-    their exp and the log-sum-exp's temporary, and the logits' gradient cast back to the compute dtype:
-    3 fp32 copies + 1 compute-dtype copy."""
-    return float(min(response_tokens, chunk)) * cfg.vocab_size * (act_bytes + 3 * 4)
-
-
-def training_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, fsdp: int = 1, checkpointing: bool = False,
-                    offload: bool = False) -> TrainMemory:
-    """Peak bytes per device of the training plane.
-
-    Params, grads, master weights and moments are divided by `fsdp` (plus one gathered layer of bf16 weights
-    per device while it computes, ignored). `offload` (`train.optimizer_offload`) keeps the AdamW moments in
-    host memory between updates; master weights stay on the device.
-    Activations: one micro-batch of `micro_batch_size` x seq_len tokens; with `checkpointing`, each layer keeps
-    only its input (d elements per token) and one layer's activations are live during recompute.
-    With `w.lora_rank`, the base's params count at the compute dtype and the adapters take grads, master and moments
-    (see the module docstring).
-    """
-    dt = Dtypes.for_device(device)
-    p = cfg.num_params
-    tokens = w.micro_batch_size * w.seq_len
-    per_layer = activation_bytes_per_token_layer(cfg, dt.act)
-    if w.lora_rank:  # each adapted layer keeps its input cast to fp32 (5d + a + f) and the r-wide intermediate
-        d, a = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-        per_layer += ((5 * d + a + cfg.intermediate_size) * 4 if dt.act != 4 else 0) + 7 * w.lora_rank * 4
-    if checkpointing:
-        act = tokens * (cfg.num_layers * cfg.hidden_size * dt.act + per_layer)
-    else:
-        act = tokens * cfg.num_layers * per_layer
-    act += tokens * 3 * cfg.hidden_size * dt.act  # embeddings out, final norm in/out
-    if w.lora_rank:
-        lp = lora_params(cfg, w.lora_rank)
-        return TrainMemory(params=(p * dt.param + lp * 4) / fsdp, grads=lp * 4 / fsdp, master=0.0,
-                           moments=0.0 if offload else lp * 8 / fsdp, activations=float(act),
-                           logits=logits_bytes(cfg, w.micro_batch_size * w.response_len, dt.act,
-                                               w.logprob_chunk_tokens))
-    return TrainMemory(
-        params=p * dt.param / fsdp,
-        grads=p * dt.grad / fsdp,
-        master=p * dt.master / fsdp,
-        moments=0.0 if offload else p * dt.moments / fsdp,
-        activations=float(act),
-        logits=logits_bytes(cfg, w.micro_batch_size * w.response_len, dt.act, w.logprob_chunk_tokens),
-    )
-
-
-def kv_bytes_per_token(cfg: ModelConfig, device: DeviceSpec, tp: int = 1) -> float:
-    """2 (K and V) * L * kv_heads * head_dim * bytes, per token, on one TP rank (kv heads replicate when
-    tp > kv_heads)."""
-    kv_heads = max(cfg.num_kv_heads / tp, 1)
-    return 2.0 * cfg.num_layers * kv_heads * cfg.head_dim * Dtypes.for_device(device).param
-
-
-def rollout_workspace(cfg: ModelConfig, device: DeviceSpec, seqs: int, prompt_tokens: int, tp: int = 1) -> float:
-    """Transient engine memory: fp32 logits of the sequences in flight (logits, log-probs and the sampler's
-    temporaries, 3 copies of [seqs, vocab]) plus one layer of prefill activations over the prompt tokens
-    (q/k/v/o + MLP intermediates: 2d + a + 2k + 3f per token, divided by TP)."""
-    b = Dtypes.for_device(device).param
-    logits = 3.0 * seqs * cfg.vocab_size * 4
-    a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    prefill = prompt_tokens * (2 * cfg.hidden_size + (a + 2 * k + 3 * mlp_width(cfg)) / tp) * b
-    return logits + prefill
-
-
-def rollout_memory(cfg: ModelConfig, device: DeviceSpec, w: Workload, tp: int = 1,
-                   seqs: int | None = None) -> RolloutMemory:
-    """Peak bytes per device of one engine rank holding `seqs` sequences (default: all of the step's) of
-    prompt_len + response_len tokens: weights / TP + KV cache / TP + workspace. The engine prefills each prompt
-    once and expands the cache to n rows, so `seqs` counts samples."""
-    seqs = w.sequences if seqs is None else seqs
-    b = Dtypes.for_device(device).param
-    kv = kv_bytes_per_token(cfg, device, tp) * seqs * w.seq_len
-    prompts = max(1, math.ceil(seqs / w.n))
-    lora = lora_params(cfg, w.lora_rank) * 4 / tp  # unmerged fp32 adapters beside the base
-    return RolloutMemory(weights=cfg.num_params * b / tp + lora, kv_cache=kv,
-                         workspace=rollout_workspace(cfg, device, seqs, prompts * w.prompt_len, tp))
-
-
 # ---- throughput and cost ------------------------------------------------------------------------------------
 
 
@@ -357,14 +189,14 @@ def rollout_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, engines: 
     when tp > 1), and is never faster than the matmul FLOPs at PREFILL_MFU. Prefill is compute bound. MoE: the
     step reads the experts the batch's tokens pick (`flops.decode_read_params`), FLOPs count active ones. Assumes
     every sample runs to response_len (no early stop) and static batches."""
-    b = Dtypes.for_device(device).param
+    dt = Dtypes.for_device(device)
     bw = device.hbm_tb_s * 1e12 * DECODE_EFFICIENCY * (TP_EFFICIENCY if tp > 1 else 1.0)
     flops = device.bf16_tflops * 1e12
     per_engine = math.ceil(w.sequences / engines)
     passes = math.ceil(per_engine / in_flight)
     batch = math.ceil(per_engine / passes)
     ctx = w.prompt_len + w.response_len / 2
-    read = (decode_read_params(cfg, batch) * b + batch * ctx * kv_bytes_per_token(cfg, device, 1)) / tp
+    read = (decode_read_params(cfg, batch) * dt.engine + batch * ctx * kv_bytes_per_token(cfg, dt.engine)) / tp
     step = max(read / bw, batch * 2 * matmul_params(cfg) / tp / (flops * PREFILL_MFU))
     if tp > 1:
         step += 2 * cfg.num_layers * ALLREDUCE_LATENCY_S
@@ -383,14 +215,14 @@ def train_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, gpus: int, 
         f *= 2 / 3
     s = f / (gpus * device.bf16_tflops * 1e12 * MFU)
     if offload:
-        p = lora_params(cfg, w.lora_rank) if w.lora_rank else cfg.num_params
+        p = lora_params(cfg, w.lora_rank, w.lora_targets) if w.lora_rank else cfg.num_params
         s += 2 * p * Dtypes.for_device(device).moments / gpus / (HOST_LINK_GB_S * GB)
     return s
 
 
 def sync_payload(cfg: ModelConfig, device: DeviceSpec, lora_rank: int = 0) -> float:
     """Bytes one engine receives per sync: the weights in the rollout dtype, or only the fp32 LoRA adapters."""
-    return float(lora_params(cfg, lora_rank) * 4 if lora_rank else cfg.num_params * Dtypes.for_device(device).param)
+    return float(lora_params(cfg, lora_rank) * 4 if lora_rank else cfg.num_params * Dtypes.for_device(device).engine)
 
 
 def resharding_bytes(cfg: ModelConfig, device: DeviceSpec, dp: int, lora_rank: int = 0) -> float:
@@ -416,8 +248,9 @@ def cost_per_million(cluster: Cluster, step_s: float, w: Workload) -> float:
 
 def max_in_flight(cfg: ModelConfig, device: DeviceSpec, w: Workload, tp: int, budget: float) -> int:
     """Most sequences one engine rank can hold within `budget` bytes (weights, KV and workspace)."""
-    fixed = rollout_memory(cfg, device, w, tp, seqs=0).total
-    per_seq = rollout_memory(cfg, device, w, tp, seqs=w.n).total - fixed
+    dt = Dtypes.for_device(device)
+    fixed = rollout_memory(cfg, dt, w, tp, seqs=0).total
+    per_seq = rollout_memory(cfg, dt, w, tp, seqs=w.n).total - fixed
     if budget <= fixed + per_seq / w.n:
         return 0
     return int((budget - fixed) / (per_seq / w.n))
@@ -427,18 +260,19 @@ def _layout(cfg: ModelConfig, cluster: Cluster, w: Workload, colocated: bool, tr
             tp: int, ckpt: bool, offload: bool) -> Layout | None:
     dev = cluster.device
     budget = dev.memory_gb * GB * (1 - HEADROOM)
-    tm = training_memory(cfg, dev, w, train_gpus, ckpt, offload)
-    engine_weights = rollout_memory(cfg, dev, w, tp, seqs=0).weights
+    dt = Dtypes.for_device(dev)
+    tm = training_memory(cfg, dt, w, train_gpus, ckpt, offload)
+    engine_weights = rollout_memory(cfg, dt, w, tp, seqs=0).weights
     # Colocated: the engine keeps its weights through training (its KV cache is freed), and the trainer's
     # sharded states stay resident through rollout (activations are freed).
     train_peak = tm.total + (engine_weights if colocated else 0.0)
     rollout_budget = budget - (tm.resident if colocated else 0.0)
     dp = rollout_gpus // tp
     share = math.ceil(w.sequences / dp)
-    in_flight = min(share, max_in_flight(cfg, dev, w, tp, rollout_budget))
+    in_flight = min(share, w.max_num_seqs or share, max_in_flight(cfg, dev, w, tp, rollout_budget))
     if train_peak > budget or in_flight < 1:
         return None
-    rollout_peak = rollout_memory(cfg, dev, w, tp, in_flight).total + (tm.resident if colocated else 0.0)
+    rollout_peak = rollout_memory(cfg, dt, w, tp, in_flight).total + (tm.resident if colocated else 0.0)
     r = rollout_seconds(cfg, dev, w, dp, tp, in_flight)
     t = train_seconds(cfg, dev, w, train_gpus, ckpt, offload)
     s = sync_seconds(cfg, dev, tp, colocated, w.lora_rank)
@@ -487,7 +321,7 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload,
         return None, (f"only layouts that `train` refuses fit (the fastest: {_why(options[0].refused)}); add GPUs or "
                       "shrink --micro-batch-size / --response-len")
     best = accepted[0]
-    b = Dtypes.for_device(dev).param
+    b = Dtypes.for_device(dev).engine
     weights = cfg.num_params * b
     unit = "device" if dev.key == "cpu" else "GPU"
     faster = [x for x in options if x.refused and x.step_s < best.step_s]
@@ -519,7 +353,7 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload,
                        "training state, the micro-batch's activations and the engine's weights don't fit together "
                        "on the device otherwise")
     share = math.ceil(w.sequences / best.dp)
-    if best.seqs_in_flight < share:
+    if best.seqs_in_flight < min(share, w.max_num_seqs or share):
         reasons.append(f"memory-limited: each engine decodes {best.seqs_in_flight} of its {share} sequences at a "
                        f"time ({math.ceil(share / best.seqs_in_flight)} passes)")
     return best, "; ".join(reasons)
@@ -546,12 +380,13 @@ def plan(cfg: ModelConfig, cluster: Cluster, w: Workload, check: TrainCheck | No
     best, why = recommend(cfg, cluster, w, options)
     fsdp = best.train_gpus if best else g
     tp = best.tp if best else 1
-    tm = training_memory(cfg, dev, w, fsdp, best.checkpointing if best else False, best.offload if best else False)
-    rm = rollout_memory(cfg, dev, w, tp, best.seqs_in_flight if best else None)
+    dt = Dtypes.for_device(dev)
+    tm = training_memory(cfg, dt, w, fsdp, best.checkpointing if best else False, best.offload if best else False)
+    rm = rollout_memory(cfg, dt, w, tp, best.seqs_in_flight if best else None)
     return {
         "model": {"name": name, "params": cfg.num_params, "active_params": cfg.active_params,
                   "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-                  "trainable_params": lora_params(cfg, w.lora_rank) if w.lora_rank else cfg.num_params},
+                  "trainable_params": lora_params(cfg, w.lora_rank, w.lora_targets) if w.lora_rank else cfg.num_params},
         "cluster": {"device": dev.key, "memory_gb": dev.memory_gb, "gpus": g, "price_per_gpu_hour":
                     cluster.price_per_gpu_hour},
         "workload": asdict(w),
@@ -616,12 +451,13 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
              (f"LoRA r={w.lora_rank} on every attention/MLP linear: {p['model']['trainable_params'] / 1e6:.1f}M "
               f"trainable params ({100 * p['model']['trainable_params'] / cfg.num_params:.2f}%); frozen bf16 base; "
               "no reference copy (the base with adapters off); adapter-only sync" if w.lora_rank else
-              "full fine-tuning (the reference copy for algo.kl_coef > 0 is not counted)"),
+              "full fine-tuning" + (", with the KL term's reference copy" if w.reference else
+                                    " (a KL term's reference copy would hold the weights once more)")),
              "PPO's critic (a policy-sized value model with its own AdamW) is not counted: it shares the training "
              "devices (cluster.critic_devices=0) or takes K more (cluster.critic_devices=K)",
              "",
              f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
-    for k in ("params", "grads", "master", "moments", "activations", "logits", "total"):
+    for k in ("params", "grads", "master", "moments", "reference", "activations", "logits", "total"):
         lines.append(f"  {k:<12}{tm[k] / div:8.2f}")
     lines.append(f"rollout memory per device ({unit}, TP={rm['tp']}):")
     for k in ("weights", "kv_cache", "workspace", "total"):
@@ -672,11 +508,9 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
         from twinplane.tokenizer import build_char_tokenizer
 
         mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
-    from twinplane.run.preflight import prompt_tokens
+    from twinplane.run.preflight import memory_inputs
 
-    r = cfg.rollout
-    return mc, Workload(r.prompts_per_step, r.n, prompt_tokens(cfg), r.max_new_tokens,  # (a response's every turn)
-                        min(cfg.train.micro_batch_size, r.prompts_per_step * r.n), lora_rank=cfg.train.lora.rank)
+    return mc, memory_inputs(cfg)[1]  # (the step's shape as `train`'s memory gate sees it)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -737,6 +571,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["CPU", "Cluster", "Dtypes", "Layout", "RolloutMemory", "TrainCheck", "TrainMemory", "Workload",
-           "format_plan", "layouts", "load_model_config", "lora_params", "main", "plan", "recommend", "rollout_memory",
-           "training_memory"]
+__all__ = ["CPU", "Cluster", "Layout", "TrainCheck", "format_plan", "layouts", "load_model_config", "main", "plan",
+           "recommend"]
