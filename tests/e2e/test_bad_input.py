@@ -218,7 +218,7 @@ CASES = [
     Case("config/train.lr=0", T("train.lr=0"), "train.lr: must be > 0"),
     Case("config/betas out of range", T("train.betas=[0.9,1.5]"), "train.betas: must each be in [0, 1)"),
     Case("config/betas length", T("train.betas=[0.9]"), "train.betas: must be two numbers"),
-    Case("config/schedule", T("train.schedule=linear"), "train.schedule: must be constant or cosine"),
+    Case("config/schedule", T("train.schedule=linear"), "train.schedule: must be constant, cosine or wsd"),
     Case("config/kl_estimator", T("algo.kl_estimator=k9"), "algo.kl_estimator: must be one of k1, k2, k3, abs"),
     Case("config/clip_low", T("algo.clip_low=1.5"), "algo.clip_low: must be in [0, 1)"),
     Case("config/mini_batches divide", T("train.mini_batches=3"), "train.mini_batches: must divide"),

@@ -56,7 +56,7 @@ class ModelSection(Section):
     hidden_size: int = opt(128, "demo model only", bounds=">= 1")
     num_layers: int = opt(4, "demo model only", bounds=">= 1")
     num_heads: int = opt(4, "demo model only", bounds=">= 1")
-    num_kv_heads: int = opt(2, "demo model only", bounds=">= 1")
+    num_kv_heads: int = opt(4, "demo model only", bounds=">= 1")
     intermediate_size: int = opt(512, "demo model only", bounds=">= 1")
     num_experts: int = opt(0, "demo model only: > 0 builds a Qwen3-MoE-style policy with this many experts per layer",
         bounds=">= 0")
@@ -217,7 +217,8 @@ class TrainSection(Section):
     steps: int = opt(150, "RL steps", bounds=">= 0")
     lr: float = opt(1e-4, "AdamW learning rate", bounds="> 0")
     warmup_steps: int = opt(0, "linear warmup steps", bounds=">= 0")
-    schedule: Literal["constant", "cosine"] = opt("constant", "constant | cosine (after warmup)")
+    schedule: Literal["constant", "cosine", "wsd"] = opt(
+        "constant", "constant | cosine | wsd (after warmup; wsd: constant, then a cosine over the last 30% of steps)")
     min_lr_ratio: float = opt(0.1, "cosine floor, as a fraction of lr", bounds="[0, 1]")
     weight_decay: float = opt(0.0, "AdamW decoupled weight decay", bounds=">= 0")
     betas: list[float] = opt(help="AdamW betas, each in [0, 1)", factory=lambda: [0.9, 0.999], bounds="[0, 1)")
