@@ -52,7 +52,7 @@ def test_choices_come_from_the_types():
 
 @pytest.mark.parametrize(("key", "bad", "message"), [
     ("algo.kl_estimator", "k9", "algo.kl_estimator: must be one of k1, k2, k3, abs, got 'k9'"),
-    ("train.schedule", "linear", "train.schedule: must be constant or cosine, got 'linear'"),
+    ("train.schedule", "linear", "train.schedule: must be constant, cosine or wsd, got 'linear'"),
     ("data.template", "html", "data.template: must be auto, chat or plain, got 'html'"),
     ("model.rollout_dtype", "int8", "model.rollout_dtype: must be float32, bfloat16 or float16, got 'int8'"),
     ("log.wandb_mode", "off", "log.wandb_mode: must be offline, online or disabled, got 'off'"),  # (not YAML's false)

@@ -254,7 +254,7 @@ CASES = [
     Case("config/hidden_size=10**6", T("model.hidden_size=1000000", "model.intermediate_size=64"),
          "params, 6+8 tokens"),
     Case("config/KV budget below one sequence", T("rollout.kv_cache_gb=1e-7"),
-         "holds 0 blocks of 16 tokens (4096 bytes each); one sequence of 14 tokens needs 1: raise rollout.kv_cache_gb"),
+         "holds 0 blocks of 16 tokens (8192 bytes each); one sequence of 14 tokens needs 1: raise rollout.kv_cache_gb"),
     Case("config/val_file without train_file", T("data.val_file=x.jsonl"), "data.val_file: needs data.train_file"),
     Case("config/template=chat, no model", T("data.template=chat"), "data.template=chat needs model.path"),
     # ---- data files ----
