@@ -288,6 +288,39 @@ def test_fused_varlen_forward_backward_agree_on_gpu(backend):
                                rtol=0)
 
 
+def test_logprob_chunk_tokens_are_chosen_per_device(monkeypatch):
+    """`train.logprob_chunk_tokens` 0 (the default) is chosen by the platform: 512 rows on CPU, more on a
+    (simulated) GPU, for the trainer, the reference and preflight's memory model; an explicit value is kept."""
+    from twinplane.config import ConfigError, load_config
+    from twinplane.model import Transformer
+    from twinplane.platform import platform
+    from twinplane.run.preflight import memory_inputs
+    from twinplane.train.trainer import Reference
+
+    model, auto, fixed = tiny_model(), TrainSection(), TrainSection(logprob_chunk_tokens=64)
+    assert auto.logprob_chunk_tokens == 0
+    with pytest.raises(ConfigError, match=r"^train\.logprob_chunk_tokens: must be >= 0"):
+        load_config(overrides=["train.logprob_chunk_tokens=-1"])
+
+    def chosen(train: TrainSection) -> tuple[int, int]:
+        return Trainer(model, train, ALGO, 1.0, 10).chunk_tokens, Reference(model, 1.0, 4, train=train).chunk_tokens
+
+    assert chosen(auto) == (512, 512) and chosen(fixed) == (64, 64)
+    assert memory_inputs(load_config(), "cpu")[1].logprob_chunk_tokens == 512
+    platform.reset()
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    try:
+        on_gpu = type("W", (), {"device": torch.device("cuda"), "dtype": torch.float32})()
+        monkeypatch.setattr(Transformer, "output_weight", lambda self: on_gpu)  # the model as if on the GPU
+        assert chosen(auto) == (platform.GPU_LOGPROB_CHUNK_TOKENS,) * 2 and platform.GPU_LOGPROB_CHUNK_TOKENS > 512
+        assert chosen(fixed) == (64, 64)
+        assert memory_inputs(load_config(), "cuda")[1].logprob_chunk_tokens == platform.GPU_LOGPROB_CHUNK_TOKENS
+        assert memory_inputs(load_config(overrides=["train.logprob_chunk_tokens=64"]),
+                             "cuda")[1].logprob_chunk_tokens == 64
+    finally:
+        platform.reset()
+
+
 @pytest.mark.parametrize("gpu,hip", [("NVIDIA H100 80GB HBM3", None), ("AMD Instinct MI300X", "6.2")])
 def test_one_precision_policy_for_1_and_n_ranks(monkeypatch, gpu, hip):
     """On a simulated GPU, the single-rank Trainer and the FSDP2 shards of 2 ranks pick one policy: fp32 master

@@ -45,13 +45,14 @@ class Reference:
         self.train = train or TrainSection()
         self.device = model.output_weight().device
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, self.train.compute_dtype)
+        self.chunk_tokens = platform.logprob_chunk_tokens(self.device, self.train.logprob_chunk_tokens)
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         t = self.train
         self.model.eval()  # (the trainer puts a shared model back in train mode for its own forwards)
         with adapters_disabled(self.model) if self.shared else contextlib.nullcontext():
             return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                         self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision, self.replay,
+                         self.max_tokens, t.packing, self.chunk_tokens, self.precision, self.replay,
                          t.share_prompts)
 
 
@@ -74,6 +75,7 @@ class Trainer:
         self.device = model.output_weight().device
         # one policy for 1 and N ranks: FSDP casts the gathered params (shard_model), autocast does the rest
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
+        self.chunk_tokens = platform.logprob_chunk_tokens(self.device, train.logprob_chunk_tokens)
         self._frozen_sums: dict[torch.dtype, dict[str, int]] = {}
 
     @property
@@ -84,7 +86,7 @@ class Trainer:
         self.model.eval()
         c = self.cfg
         return score(self.model, batch.to(self.device), self.temperature, c.micro_batch_size, self.group,
-                     c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision,
+                     c.max_tokens_per_micro_batch, c.packing, self.chunk_tokens, self.precision,
                      self.algo.cfg.routing_replay, c.share_prompts)
 
     def named_weights(self, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
@@ -136,7 +138,7 @@ class Trainer:
                 shared += int(mb.attention_mask.sum()) - sum(layout.lengths)
             with platform.autocast(self.precision, self.device):
                 lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, packed=c.packing,
-                                            chunk_tokens=c.logprob_chunk_tokens, routing=rs, layout=layout)
+                                            chunk_tokens=self.chunk_tokens, routing=rs, layout=layout)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
             w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap) if tis else None  # [n, R]
