@@ -30,10 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 class PagedLayout(Protocol):
@@ -216,7 +219,7 @@ FLEX_BLOCK = 128  # FlexAttention's sparse block size (the tile its compiled ker
 
 
 def varlen_block_mask(cu_seqlens: torch.Tensor, window: int | None, prefix: list[int] | None,
-                      device: torch.device | str, block: int = FLEX_BLOCK):
+                      device: torch.device | str, block: int = FLEX_BLOCK) -> BlockMask:
     """The varlen layout's FlexAttention BlockMask, built from `cu_seqlens` at block granularity: what
     `create_block_mask` finds by evaluating the mask on all T x T pairs (GB-scale and tens of ms at 8-16k tokens),
     without ever forming a [T, T] tensor.
@@ -225,9 +228,10 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, window: int | None, prefix: list
     (one sequence, one query block), query i sees its own keys [lo(i), i] and its parent's [plo(i), parent end),
     with lo and plo non-decreasing in i, so over the piece and one key block both "some pair is kept" (unions: own
     [lo(first), last], parent [plo(first), end)) and "every pair is kept" (the keys before the sequence's start lie
-    in the last query's parent range, the others in the first query's own range) are O(1) comparisons. A block
+    in the last query's parent range, the others in [lo(last), first]) are O(1) comparisons. A block
     pair is partial if any piece keeps a pair and full if all of them keep all pairs; like `create_block_mask`,
-    blocks cut by the end of the row are never full. Work: O(P x T/block) small integers, on the host."""
+    blocks cut by the end of the row are never full. Work: O(P x T/block) small integers, on the host (one read of
+    `cu_seqlens` per forward; the layers share the mask through `meta.cache`)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     cu = cu_seqlens.cpu().long()
