@@ -12,6 +12,7 @@ from conftest import QWEN25_7B
 
 from twinplane.model import ModelConfig
 from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
+from twinplane.platform import platform
 from twinplane.platform.devices import BY_KEY
 from twinplane.tools.plan import CPU, Cluster, format_plan, layouts, main, recommend
 
@@ -86,6 +87,7 @@ def test_cli_errors_and_json(qwen, capsys):
     (bad / "config.json").write_text(json.dumps(QWEN25_7B | {"hidden_size": "3584"}))
     for args, message in ((["--gpu", "tpu9"], "unknown --gpu 'tpu9' (known: cpu, mi355x"),
                           (["--nodes", "0"], "--nodes 0: must be >= 1"), (["--lora", "-4"], "--lora -4: the rank"),
+                          (["--logprob-chunk-tokens", "-1"], "--logprob-chunk-tokens -1: must be >= 0 (0 = auto)"),
                           (["--price-per-gpu-hour", "nan"], "--price-per-gpu-hour nan: must be a finite number"),
                           (["--price-per-gpu-hour", "-1"], "--price-per-gpu-hour -1.0: must be a finite number"),
                           (["--model", str(bad)], f"{bad / 'config.json'}: hidden_size must be a positive integer")):
@@ -95,6 +97,11 @@ def test_cli_errors_and_json(qwen, capsys):
     assert main(["--model", str(qwen), "--gpu", "h200", "--gpus", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"]["tp"] == 1 and data["layouts"]
+    # the LM-head chunk a run would pick on the planned device, unless given
+    assert data["workload"]["logprob_chunk_tokens"] == platform.GPU_LOGPROB_CHUNK_TOKENS
+    for gpu, chunk, want in (("cpu", "0", platform.CPU_LOGPROB_CHUNK_TOKENS), ("h200", "512", 512)):
+        assert main(["--model", str(qwen), "--gpu", gpu, "--logprob-chunk-tokens", chunk, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["workload"]["logprob_chunk_tokens"] == want
 
 
 def printed(text: str, title: str) -> dict[str, float]:

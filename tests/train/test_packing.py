@@ -1,6 +1,7 @@
 """Training plane at scale: chunked log-probs equal the direct computation, packed (varlen) micro-batches equal
 padded ones, the varlen attention paths agree, micro-batches balance real tokens."""
 
+import dataclasses
 import importlib
 from contextlib import nullcontext
 
@@ -14,8 +15,8 @@ from twinplane.model.attention import flex_varlen, sdpa_varlen, varlen_mask
 from twinplane.rollout.sampling import policy_logprobs
 from twinplane.train import Batch, Trainer
 from twinplane.train.chunked_logprobs import token_logprobs
-from twinplane.train.fsdp import packed_groups
-from twinplane.train.logprobs import response_logprobs, score, shared_layout
+from twinplane.train.fsdp import micro_batch_rows, packed_groups
+from twinplane.train.logprobs import device_micro_batches, packed_layout, response_logprobs, score, shared_layout
 
 attention_module = importlib.import_module("twinplane.model.attention")  # (the package exports a function so named)
 ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
@@ -144,6 +145,37 @@ def test_shared_prompts_equal_one_copy_per_row(window):
         assert (a - b).abs().max() <= 4e-6 * (1 + b.abs().max()), (a - b).abs().max()
     torch.testing.assert_close(score(model, batch, 0.8, 5, share_prompts=True),
                                out[1][0].detach() * batch.response_mask, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_micro_batches_are_planned_on_the_host(share):
+    """Micro-batch rows, trimmed columns and packed layouts come from host copies of the token ids and masks:
+    equal to cutting and laying out each micro-batch itself, and built for a device nothing is read back from
+    (meta tensors cannot be read; the per-token fields live there, as log-probs scored on a GPU do)."""
+    batch = grouped_batch(tiny_model())
+    planned = device_micro_batches(batch, torch.device("cpu"), 5, max_tokens=24, share_prompts=share)
+    rows = micro_batch_rows(batch, 5, max_tokens=24, packed=True)
+    assert len(planned) == len(rows) > 1
+
+    def same_layout(a, b):
+        assert (a.lengths, a.prefix) == (b.lengths, b.prefix)
+        assert torch.equal(a.index, b.index) and torch.equal(a.rows, b.rows)
+
+    for (r, w), (r2, mb, w2, layout, tokens) in zip(rows, planned, strict=True):
+        want = batch.select(r)
+        assert torch.equal(r, r2) and w == w2 and tokens == int(want.attention_mask.sum())
+        assert mb.prompt_len == want.prompt_len
+        for f in dataclasses.fields(Batch):
+            a, b = getattr(mb, f.name), getattr(want, f.name)
+            assert torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b, f.name
+        same_layout(layout, packed_layout(want, share))
+    on_device = dataclasses.replace(batch, advantages=batch.advantages.to("meta"),
+                                    rollout_logprobs=batch.rollout_logprobs.to("meta"))
+    meta = device_micro_batches(on_device, torch.device("meta"), 5, max_tokens=24, share_prompts=share)
+    for (_, mb, _, layout, _), (_, want, _, want_layout, _) in zip(meta, planned, strict=True):
+        assert mb.input_ids.is_meta and mb.advantages.is_meta and mb.input_ids.shape == want.input_ids.shape
+        assert mb.advantages.shape == want.advantages.shape
+        same_layout(layout, want_layout)
 
 
 def test_shared_prompts_train_step_equals_unshared():
@@ -286,6 +318,39 @@ def test_fused_varlen_forward_backward_agree_on_gpu(backend):
     g = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, q, g)[0], torch.autograd.grad(want, q, g)[0], atol=5e-2,
                                rtol=0)
+
+
+def test_logprob_chunk_tokens_are_chosen_per_device(monkeypatch):
+    """`train.logprob_chunk_tokens` 0 (the default) is chosen by the platform: 512 rows on CPU, more on a
+    (simulated) GPU, for the trainer, the reference and preflight's memory model; an explicit value is kept."""
+    from twinplane.config import ConfigError, load_config
+    from twinplane.model import Transformer
+    from twinplane.platform import platform
+    from twinplane.run.preflight import memory_inputs
+    from twinplane.train.trainer import Reference
+
+    model, auto, fixed = tiny_model(), TrainSection(), TrainSection(logprob_chunk_tokens=64)
+    assert auto.logprob_chunk_tokens == 0
+    with pytest.raises(ConfigError, match=r"^train\.logprob_chunk_tokens: must be >= 0"):
+        load_config(overrides=["train.logprob_chunk_tokens=-1"])
+
+    def chosen(train: TrainSection) -> tuple[int, int]:
+        return Trainer(model, train, ALGO, 1.0, 10).chunk_tokens, Reference(model, 1.0, 4, train=train).chunk_tokens
+
+    assert chosen(auto) == (512, 512) and chosen(fixed) == (64, 64)
+    assert memory_inputs(load_config(), "cpu")[1].logprob_chunk_tokens == 512
+    platform.reset()
+    simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    try:
+        on_gpu = type("W", (), {"device": torch.device("cuda"), "dtype": torch.float32})()
+        monkeypatch.setattr(Transformer, "output_weight", lambda self: on_gpu)  # the model as if on the GPU
+        assert chosen(auto) == (platform.GPU_LOGPROB_CHUNK_TOKENS,) * 2 and platform.GPU_LOGPROB_CHUNK_TOKENS > 512
+        assert chosen(fixed) == (64, 64)
+        assert memory_inputs(load_config(), "cuda")[1].logprob_chunk_tokens == platform.GPU_LOGPROB_CHUNK_TOKENS
+        assert memory_inputs(load_config(overrides=["train.logprob_chunk_tokens=64"]),
+                             "cuda")[1].logprob_chunk_tokens == 64
+    finally:
+        platform.reset()
 
 
 @pytest.mark.parametrize("gpu,hip", [("NVIDIA H100 80GB HBM3", None), ("AMD Instinct MI300X", "6.2")])

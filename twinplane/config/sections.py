@@ -232,8 +232,8 @@ class TrainSection(Section):
         True, "padding-free micro-batches: sequences back to back, varlen attention, balanced by tokens")
     share_prompts: bool = opt(
         True, "packed: rows with the same prompt share one copy of it per micro-batch (computed once)")
-    logprob_chunk_tokens: int = opt(512, "tokens per LM-head chunk in log-probs/entropy (memory ~ this x vocab)",
-        bounds=">= 1")
+    logprob_chunk_tokens: int = opt(0, "tokens per LM-head chunk in log-probs/entropy (memory ~ this x vocab); "
+        "0 = auto (512 on CPU, 2048 on GPUs)", bounds=">= 0 (0 = auto)")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "auto (bf16 on GPUs, else model.dtype) | float32 | bfloat16 | float16")
     activation_checkpointing: bool = opt(

@@ -7,7 +7,8 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
 - varlen (packed): one row [1, T] holding several sequences back to back, delimited by `cu_seqlens`; each token
   attends causally within its own sequence only. Portable path ("sdpa"): sequences of similar length gathered into
   batches for the fused causal SDPA kernel (no mask, at most 2x padding per batch). Fused paths: "flex"
-  (FlexAttention with a document mask) and "flash_attn" (flash-attn's varlen kernel).
+  (FlexAttention with a document mask, its BlockMask built from `cu_seqlens` at block granularity) and
+  "flash_attn" (flash-attn's varlen kernel).
   Shared prefixes (`prefix`): a segment may continue another one, e.g. a GRPO group's n responses each continue one
   copy of their prompt, so the prompt is computed once (the prefix sharing of Prefix Grouper, Liu et al. 2025).
   Its tokens then attend to the whole parent segment, then causally to their own. The portable path gathers each
@@ -21,18 +22,21 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
   (GPUs without flash-attn: FlexAttention over the pool with a BlockMask from the block tables, for the decodes;
   prefill chunks as the portable path) and "flash" (flash-attn's `flash_attn_varlen_func(..., block_table=...)`).
 Backends for a layout are chosen by the platform module (stored in `meta.backend`); every fast path keeps the
-portable one and a test that they agree (tests/model/test_attention.py, tests/train/test_packing.py,
-tests/rollout/test_paged_engine.py).
+portable one and a test that they agree (tests/model/test_attention.py, tests/model/test_flex_block_mask.py,
+tests/train/test_packing.py, tests/rollout/test_paged_engine.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 class PagedLayout(Protocol):
@@ -204,20 +208,78 @@ def varlen_mask(meta: AttentionMetadata) -> torch.Tensor:
 def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """FlexAttention with a document mask (sparse blocks are skipped). Compiled on GPUs; eager elsewhere, where
     torch 2.13 runs its forward only (tests compare it with the portable path on CPU without grad)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     block_mask = meta.cache.get("flex_block_mask")
     if block_mask is None:
-        doc, pos, parent = _documents(meta.cu_seqlens.to(q.device), meta.prefix)
-        T, window = len(doc), meta.window
-
-        def document_causal(b, h, qi, ki):
-            keep = ((doc[qi] == doc[ki]) & (ki <= qi)) | (parent[doc[qi]] == doc[ki])
-            return keep & (pos[qi] - pos[ki] < window) if window is not None else keep
-
-        block_mask = meta.cache["flex_block_mask"] = create_block_mask(document_causal, None, None, T, T,
-                                                                       device=q.device)
+        block_mask = meta.cache["flex_block_mask"] = varlen_block_mask(meta.cu_seqlens, meta.window, meta.prefix,
+                                                                       q.device)
     return flex_attention_for(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+FLEX_BLOCK = 128  # FlexAttention's sparse block size (the tile its compiled kernels skip or mask as a whole)
+
+
+def varlen_block_mask(cu_seqlens: torch.Tensor, window: int | None, prefix: list[int] | None,
+                      device: torch.device | str, block: int = FLEX_BLOCK) -> BlockMask:
+    """The varlen layout's FlexAttention BlockMask, built from `cu_seqlens` at block granularity: what
+    `create_block_mask` finds by evaluating the mask on all T x T pairs (GB-scale and tens of ms at 8-16k tokens),
+    without ever forming a [T, T] tensor.
+
+    The row is cut into pieces at every block start and sequence start (P <= T/block + S pieces); within a piece
+    (one sequence, one query block), query i sees its own keys [lo(i), i] and its parent's [plo(i), parent end),
+    with lo and plo non-decreasing in i, so over the piece and one key block both "some pair is kept" (unions: own
+    [lo(first), last], parent [plo(first), end)) and "every pair is kept" (the keys before the sequence's start lie
+    in the last query's parent range, the others in [lo(last), first]) are O(1) comparisons. A block
+    pair is partial if any piece keeps a pair and full if all of them keep all pairs; like `create_block_mask`,
+    blocks cut by the end of the row are never full. Work: O(P x T/block) small integers, on the host (one read of
+    `cu_seqlens` per forward; the layers share the mask through `meta.cache`)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    cu = cu_seqlens.cpu().long()
+    T, S = int(cu[-1]), len(cu) - 1
+    n = -(-T // block)  # blocks per side
+    starts = torch.unique(torch.cat([torch.arange(0, T, block), cu[:-1]]))  # [P] sorted piece starts
+    last = torch.cat([starts[1:], torch.tensor([T])])[:, None] - 1  # [P, 1] each piece's last query
+    first = starts[:, None]  # [P, 1]
+    seq = torch.searchsorted(cu[1:], starts, right=True)  # [P] the sequence each piece belongs to
+    c = cu[seq][:, None]  # [P, 1] its first token
+    par = torch.tensor(prefix if prefix is not None else [-1] * S)[seq]
+    has = (par >= 0)[:, None]
+    p = par.clamp(min=0)
+    p0 = torch.where(has, cu[p][:, None], 0)  # [P, 1] parent keys are [p0, p_end)
+    p_end = torch.where(has, cu[p + 1][:, None], 0)
+    before = p_end - p0  # parent tokens, seen first: query i sits at position before + i - c
+
+    def lo(i):  # first own key of query i
+        return c if window is None else torch.maximum(c, i - window + 1)
+
+    def plo(i):  # first parent key of query i (p_end or more: none)
+        return p0 if window is None else torch.maximum(p0, p0 + before + i - c - window + 1)
+
+    k0 = torch.arange(n)[None] * block  # [1, n] key blocks [k0, k1)
+    k1 = k0 + block
+    k_end = k1.clamp(max=T)
+    some = ((lo(first) < k_end) & (last >= k0)) | ((plo(first) < p_end) & (plo(first) < k_end) & (p_end > k0))
+    parent_part = (k0 >= c) | ((plo(last) <= k0) & (p_end >= torch.minimum(k1, c)))  # keys [k0, min(k1, c))
+    own_part = (k1 <= c) | ((lo(last) <= torch.maximum(k0, c)) & (first >= k1 - 1))  # keys [max(k0, c), k1)
+    q_block = starts // block  # [P]
+    some_blk = torch.zeros(n, n, dtype=torch.int32).index_add_(0, q_block, some.int()) > 0  # [n, n]
+    not_all = torch.zeros(n, n, dtype=torch.int32).index_add_(0, q_block, (~(parent_part & own_part)).int())
+    whole = (torch.arange(n) + 1) * block <= T  # [n] blocks inside the row
+    full = (not_all == 0) & some_blk & whole[:, None] & whole[None]
+    partial = some_blk & ~full
+
+    def kv_lists(blocks: torch.Tensor):  # [n, n] bool -> counts [1, 1, n], indices [1, 1, n, n] (listed first)
+        order = torch.argsort(blocks.int(), dim=-1, descending=True, stable=True)
+        return (blocks.sum(-1).to(torch.int32)[None, None].to(device), order.to(torch.int32)[None, None].to(device))
+
+    doc, pos, parent = _documents(cu_seqlens.to(device), prefix)
+
+    def document_causal(b, h, qi, ki):
+        keep = ((doc[qi] == doc[ki]) & (ki <= qi)) | (parent[doc[qi]] == doc[ki])
+        return keep & (pos[qi] - pos[ki] < window) if window is not None else keep
+
+    return BlockMask.from_kv_blocks(*kv_lists(partial), *kv_lists(full), BLOCK_SIZE=block, mask_mod=document_causal,
+                                    seq_lengths=(T, T))
 
 
 _FLEX: dict[str, object] = {}

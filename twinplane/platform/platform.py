@@ -206,6 +206,21 @@ def autocast(precision: Precision, device: torch.device):
     return torch.autocast(torch.device(device).type, dtype=precision.compute)
 
 
+CPU_LOGPROB_CHUNK_TOKENS = 512
+# Each chunk's LM-head GEMM [chunk, d] x [d, vocab] re-reads the whole head weight and launches its own kernels:
+# at a few hundred rows it is bound by memory traffic on a GPU (an H100 needs ~300 flops per byte read), so GPUs
+# take larger chunks; the transient grows to chunk x vocab x 14 bytes (4.4 GB at a 152k vocab, in preflight's
+# memory model).
+GPU_LOGPROB_CHUNK_TOKENS = 2048
+
+
+def logprob_chunk_tokens(device: torch.device | str, requested: int = 0) -> int:
+    """Rows per LM-head chunk in log-probs/entropy (`train.logprob_chunk_tokens`; 0 = chosen for the device)."""
+    if requested:
+        return requested
+    return GPU_LOGPROB_CHUNK_TOKENS if torch.device(device).type == "cuda" else CPU_LOGPROB_CHUNK_TOKENS
+
+
 def varlen_backend(device: torch.device, compute_dtype: torch.dtype, shared_prefix: bool = False,
                    head_dim: int = 64) -> str:
     """Kernel for packed (varlen) rows, `AttentionMetadata.backend`: flash-attn's varlen kernel where it is

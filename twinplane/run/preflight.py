@@ -96,8 +96,9 @@ def memory_inputs(cfg: Config, device: torch.device | str = "cpu") -> tuple[Dtyp
     dt = Dtypes(param=b, grad=b, master=0, moments=2 * b, act=precision.compute.itemsize,
                 engine=platform.rollout_dtype(cfg.model, device).itemsize)
     r, lora = cfg.rollout, cfg.train.lora
+    chunk = platform.logprob_chunk_tokens(device, cfg.train.logprob_chunk_tokens)
     w = Workload(r.prompts_per_step, r.n, prompt_tokens(cfg), r.max_new_tokens,  # (a response's every turn)
-                 min(cfg.train.micro_batch_size, r.samples), cfg.train.logprob_chunk_tokens, lora.rank,
+                 min(cfg.train.micro_batch_size, r.samples), chunk, lora.rank,
                  tuple(parse_targets(lora.targets)), build_algorithm(cfg).needs_reference, r.max_num_seqs)
     return dt, w
 

@@ -58,6 +58,7 @@ from twinplane.model.memory import (
     training_memory,
 )
 from twinplane.model.presets import PRESETS, preset, preset_name
+from twinplane.platform import platform
 from twinplane.platform.devices import BY_KEY, DeviceSpec
 
 GB = 1e9
@@ -493,8 +494,9 @@ def load_model_config(path: str) -> ModelConfig:
                             f"(presets: {', '.join(PRESETS)})")
 
 
-def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, Workload]:
-    """The model and the step's shape of a twinplane run, from its config (the demo's built-in model included)."""
+def from_run_config(path: Path, model: str | None = None, device: DeviceSpec = CPU) -> tuple[ModelConfig, Workload]:
+    """The model and the step's shape of a twinplane run on `device`, from its config (the demo's built-in model
+    included)."""
     from twinplane.config import load_config
 
     if not path.is_file():
@@ -510,7 +512,13 @@ def from_run_config(path: Path, model: str | None = None) -> tuple[ModelConfig, 
         mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
     from twinplane.run.preflight import memory_inputs
 
-    return mc, memory_inputs(cfg)[1]  # (the step's shape as `train`'s memory gate sees it)
+    w = memory_inputs(cfg)[1]  # (the step's shape as `train`'s memory gate sees it)
+    return mc, replace(w, logprob_chunk_tokens=chunk_tokens(device, cfg.train.logprob_chunk_tokens))
+
+
+def chunk_tokens(device: DeviceSpec, requested: int) -> int:
+    """`train.logprob_chunk_tokens` as a run on `device` resolves it (0 = the platform's choice)."""
+    return platform.logprob_chunk_tokens("cpu" if device is CPU else "cuda", requested)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (data.max_prompt_tokens)")
     ap.add_argument("--response-len", type=int, default=1024, help="response tokens (rollout.max_new_tokens)")
     ap.add_argument("--micro-batch-size", type=int, default=4, help="train.micro_batch_size, sequences")
-    ap.add_argument("--logprob-chunk-tokens", type=int, default=512, help="train.logprob_chunk_tokens")
+    ap.add_argument("--logprob-chunk-tokens", type=int, default=0,
+                    help="train.logprob_chunk_tokens (0 = auto: what a run on --gpu picks)")
     ap.add_argument("--overlap", action="store_true",
                     help="price disaggregated layouts as overlapping (one step off-policy) instead of alternating")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK",
@@ -539,9 +548,10 @@ def main(argv: list[str] | None = None) -> int:
     device = CPU if ns.gpu.lower() == "cpu" else BY_KEY.get(ns.gpu.lower())
     if device is None:
         raise InputError(f"unknown --gpu {ns.gpu!r} (known: cpu, {', '.join(BY_KEY)})")
-    counts = ("gpus", "nodes", "prompts_per_step", "n", "prompt_len", "response_len", "micro_batch_size",
-              "logprob_chunk_tokens")
+    counts = ("gpus", "nodes", "prompts_per_step", "n", "prompt_len", "response_len", "micro_batch_size")
     bad = [f"--{k.replace('_', '-')} {getattr(ns, k)}: must be >= 1" for k in counts if getattr(ns, k) < 1]
+    if ns.logprob_chunk_tokens < 0:
+        bad.append(f"--logprob-chunk-tokens {ns.logprob_chunk_tokens}: must be >= 0 (0 = auto)")
     if ns.lora < 0:
         bad.append(f"--lora {ns.lora}: the rank must be >= 0 (0 = full fine-tuning)")
     if not (math.isfinite(ns.price_per_gpu_hour) and ns.price_per_gpu_hour >= 0):
@@ -549,12 +559,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise InputError(bad[0])
     w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
-                 ns.logprob_chunk_tokens, ns.lora)
+                 chunk_tokens(device, ns.logprob_chunk_tokens), ns.lora)
     run_config, extra = None, ["cluster.async=true"] if ns.overlap else []
     try:
         if ns.run_dir or ns.config:
             run_config = str(Path(ns.config) if ns.config else Path(ns.run_dir) / "config.yaml")
-            cfg, w = from_run_config(Path(run_config), ns.model)
+            cfg, w = from_run_config(Path(run_config), ns.model, device)
             w = replace(w, lora_rank=ns.lora or w.lora_rank)
             extra += [f"model.path={ns.model}"] if ns.model else []
         elif ns.model:

@@ -87,16 +87,18 @@ class Batch:
     def to(self, device: torch.device) -> Batch:
         return self._map(lambda t: t.to(device), lambda t: t.to(device))
 
-    def select(self, rows: slice | torch.Tensor) -> Batch:
-        """Rows of the batch, with columns that are padding in every selected row cut off."""
-        sub = self._map(lambda t: t[rows], lambda t: t[rows])
-        prompt_cols = sub.attention_mask[:, :sub.prompt_len].any(0)
-        cut = int(prompt_cols.long().argmax()) if prompt_cols.any() else sub.prompt_len - 1
-        cut = min(cut, sub.prompt_len - 1)  # keep the last prompt column: its logits predict token 0
-        resp_cols = sub.attention_mask[:, sub.prompt_len:].any(0)
+    def select(self, rows: slice | torch.Tensor, attention_mask: torch.Tensor | None = None) -> Batch:
+        """Rows of the batch, with columns that are padding in every selected row cut off, found in
+        `attention_mask` when given (a host copy of a device batch's: no wait for the device)."""
+        P = self.prompt_len
+        mask = (self.attention_mask if attention_mask is None else attention_mask)[rows]
+        prompt_cols = mask[:, :P].any(0)
+        cut = int(prompt_cols.long().argmax()) if prompt_cols.any() else P - 1
+        cut = min(cut, P - 1)  # keep the last prompt column: its logits predict token 0
+        resp_cols = mask[:, P:].any(0)
         keep_r = int(resp_cols.nonzero().max()) + 1 if resp_cols.any() else 1
-        sub = sub._map(lambda t: t[:, cut:sub.prompt_len + keep_r], lambda t: t[:, :keep_r])
-        return replace(sub, prompt_len=sub.prompt_len - cut)
+        sub = self._map(lambda t: t[rows][:, cut:P + keep_r], lambda t: t[rows][:, :keep_r])
+        return replace(sub, prompt_len=P - cut)
 
     def split(self, size: int) -> list[Batch]:
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]

@@ -43,8 +43,6 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
     resp = valid[:, P:]  # [N, R] real response tokens (tool outputs included: the loss mask is the caller's)
     targets = batch.response_ids[resp]  # [M]
     if packed:
-        if bool((valid[:, :P].sum(1) == 0).any()):
-            raise ValueError("every row needs at least one prompt token (its last one predicts the response)")
         dev = batch.input_ids.device
         lengths, prefix, index, rows = layout or packed_layout(batch, share_prompts, routing)
         meta = AttentionMetadata.packed(lengths, dev, window=model.config.sliding_window, prefix=prefix,
@@ -78,7 +76,35 @@ class PackedLayout(NamedTuple):
 def packed_layout(batch: Batch, share_prompts: bool = False, routing: RoutingState | None = None) -> PackedLayout:
     """`shared_layout` with `share_prompts`, else `row_layout`. MoE routing record/replay (`routing`) keeps one
     prompt copy per row: its record is laid out that way."""
+    if bool((batch.attention_mask[:, :batch.prompt_len].sum(1) == 0).any()):
+        raise ValueError("every row needs at least one prompt token (its last one predicts the response)")
     return shared_layout(batch) if share_prompts and routing is None else row_layout(batch)
+
+
+class MicroBatch(NamedTuple):
+    rows: torch.Tensor  # its rows of the batch (host)
+    batch: Batch  # on the device
+    weight: float  # its loss weight (0: a padding micro-batch, see `fsdp.micro_batch_rows`)
+    layout: PackedLayout | None  # its packed row (None = padded)
+    tokens: int  # its real tokens
+
+
+def device_micro_batches(batch: Batch, device: torch.device, size: int, group=None, max_tokens: int = 0,
+                         packed: bool = True, share_prompts: bool = False) -> list[MicroBatch]:
+    """`batch`'s micro-batches (`fsdp.micro_batch_rows`) on `device`, planned on the host: choosing rows, trimming
+    columns and laying out packed rows read token ids and masks, which on a GPU would wait for the device at each
+    step; the micro-batches are then cut and copied without reading anything back. `share_prompts` as
+    `packed_layout` (callers pass False where MoE routing is recorded or replayed)."""
+    cpu = torch.device("cpu")
+    plan = Batch(batch.input_ids.to(cpu), batch.attention_mask.to(cpu), batch.response_mask.to(cpu),
+                 batch.prompt_len)  # what planning reads (a no-op for a batch built on the host)
+    out = []
+    for rows, weight in fsdp.micro_batch_rows(plan, size, group, max_tokens, packed):
+        mb = plan.select(rows)
+        layout = packed_layout(mb, share_prompts) if packed else None
+        out.append(MicroBatch(rows, batch.select(rows, plan.attention_mask).to(device), weight, layout,
+                              int(mb.attention_mask.sum())))
+    return out
 
 
 def row_layout(batch: Batch) -> PackedLayout:
@@ -138,18 +164,20 @@ def _compute_dtype(model: Transformer) -> torch.dtype:
 def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size: int, group=None,
           max_tokens: int = 0, packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
           precision: platform.Precision | None = None, replay: bool = False,
-          share_prompts: bool = False) -> torch.Tensor:
-    """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs).
+          share_prompts: bool = False, device: torch.device | None = None) -> torch.Tensor:
+    """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs), computed on
+    `device` (default: the batch's), where the result is.
 
     With an FSDP `group`, every rank runs as many forwards (padding micro-batches, weight 0, are scored and
     dropped): each forward all-gathers the parameters, so a rank that stopped early would hang the others."""
-    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
-    dev = batch.input_ids.device
-    for rows, weight in fsdp.micro_batch_rows(batch, micro_batch_size, group, max_tokens, packed):
-        mb = batch.select(rows)
+    dev = device or batch.input_ids.device
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=dev)
+    share = share_prompts and batch.routing is None  # (see packed_layout)
+    for rows, mb, weight, layout, _ in device_micro_batches(batch, dev, micro_batch_size, group, max_tokens, packed,
+                                                            share):
         with platform.autocast(precision, dev) if precision is not None else contextlib.nullcontext():
             lp, _ = response_logprobs(model, mb, temperature, packed=packed, chunk_tokens=chunk_tokens,
-                                      routing=routing_state(mb, replay, packed), share_prompts=share_prompts)
+                                      routing=routing_state(mb, replay, packed), layout=layout)
         if weight:
-            out[rows, :lp.shape[1]] = lp * mb.response_mask
+            out[rows.to(dev), :lp.shape[1]] = lp * mb.response_mask
     return out

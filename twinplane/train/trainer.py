@@ -22,7 +22,7 @@ from twinplane.model.lora import adapters_disabled, has_lora, is_adapter
 from twinplane.platform import platform
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
-from twinplane.train.logprobs import packed_layout, response_logprobs, score
+from twinplane.train.logprobs import device_micro_batches, response_logprobs, score
 from twinplane.train.offload import move_optimizer_state
 from twinplane.train.optim import build_optimizer
 from twinplane.train.routing import RoutingStats, routing_state
@@ -45,14 +45,14 @@ class Reference:
         self.train = train or TrainSection()
         self.device = model.output_weight().device
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, self.train.compute_dtype)
+        self.chunk_tokens = platform.logprob_chunk_tokens(self.device, self.train.logprob_chunk_tokens)
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         t = self.train
         self.model.eval()  # (the trainer puts a shared model back in train mode for its own forwards)
         with adapters_disabled(self.model) if self.shared else contextlib.nullcontext():
-            return score(self.model, batch.to(self.device), self.temperature, self.micro_batch_size, self.group,
-                         self.max_tokens, t.packing, t.logprob_chunk_tokens, self.precision, self.replay,
-                         t.share_prompts)
+            return score(self.model, batch, self.temperature, self.micro_batch_size, self.group, self.max_tokens,
+                         t.packing, self.chunk_tokens, self.precision, self.replay, t.share_prompts, self.device)
 
 
 class Trainer:
@@ -74,6 +74,7 @@ class Trainer:
         self.device = model.output_weight().device
         # one policy for 1 and N ranks: FSDP casts the gathered params (shard_model), autocast does the rest
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
+        self.chunk_tokens = platform.logprob_chunk_tokens(self.device, train.logprob_chunk_tokens)
         self._frozen_sums: dict[torch.dtype, dict[str, int]] = {}
 
     @property
@@ -83,9 +84,9 @@ class Trainer:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
         c = self.cfg
-        return score(self.model, batch.to(self.device), self.temperature, c.micro_batch_size, self.group,
-                     c.max_tokens_per_micro_batch, c.packing, c.logprob_chunk_tokens, self.precision,
-                     self.algo.cfg.routing_replay, c.share_prompts)
+        return score(self.model, batch, self.temperature, c.micro_batch_size, self.group,
+                     c.max_tokens_per_micro_batch, c.packing, self.chunk_tokens, self.precision,
+                     self.algo.cfg.routing_replay, c.share_prompts, self.device)
 
     def named_weights(self, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
                       merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,7 +117,6 @@ class Trainer:
         min(pi_old / pi_rollout, tis_cap), reported as `actor/tis_weight_mean` and `actor/tis_clip_frac`.
         """
         self.model.train()
-        batch = batch.to(self.device)
         num_tokens = max(self._global(batch.num_response_tokens), 1)  # for token-mean metrics
         norm = max(self._global(self.algo.normaliser(batch.response_mask)), 1)  # the loss's global denominator
         horizon = self.algo.horizon
@@ -126,17 +126,18 @@ class Trainer:
         keys = ["pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"]
         sums = dict.fromkeys(keys + (["tis_weight_mean", "tis_clip_frac"] if tis else []), 0.0)
         c = self.cfg
-        mbs = fsdp.micro_batches(batch, c.micro_batch_size, self.group, c.max_tokens_per_micro_batch, c.packing)
         moe = RoutingStats(self.config, self.device) if self.config.num_experts else None
+        share = c.share_prompts and batch.routing is None and moe is None  # (MoE: see packed_layout)
+        mbs = device_micro_batches(batch, self.device, c.micro_batch_size, self.group, c.max_tokens_per_micro_batch,
+                                   c.packing, share)
         shared = 0  # prompt tokens not recomputed (train.share_prompts), for the FLOP count
-        for mb, weight in mbs:
+        for _, mb, weight, layout, tokens in mbs:
             rs = routing_state(mb, self.algo.cfg.routing_replay, c.packing, keep_logits=moe is not None)
-            layout = packed_layout(mb, c.share_prompts, rs) if c.packing else None
             if layout is not None and weight:
-                shared += int(mb.attention_mask.sum()) - sum(layout.lengths)
+                shared += tokens - sum(layout.lengths)
             with platform.autocast(self.precision, self.device):
                 lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, packed=c.packing,
-                                            chunk_tokens=c.logprob_chunk_tokens, routing=rs, layout=layout)
+                                            chunk_tokens=self.chunk_tokens, routing=rs, layout=layout)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
             w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap) if tis else None  # [n, R]
