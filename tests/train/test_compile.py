@@ -31,6 +31,7 @@ def step(model, compile: str, **train):
     return metrics, grads
 
 
+@pytest.mark.slow  # inductor's first compile: 30-70 s on a busy 2-core host
 @needs_compiler
 @pytest.mark.parametrize("packing,checkpointing", [(True, False), (False, False), (True, True)])
 def test_compiled_step_equals_eager(packing, checkpointing):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from twinplane.model.attention import AttentionMetadata, attention, build_mask
+from twinplane.model.attention import AttentionMetadata, attention, build_mask, varlen_plan
 from twinplane.model.config import ModelConfig, rope_inv_freq
 from twinplane.model.moe import RoutingState, SparseMoE
 
@@ -214,6 +214,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope(meta.positions, x.dtype)
         training = self.training and torch.is_grad_enabled()
         recompute, compiled = self.activation_checkpointing and training, self.compile_layers and training
+        if compiled and meta.varlen and meta.backend == "sdpa":
+            varlen_plan(meta)  # its host read would break the compiled graph (and a checkpointed one entirely)
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta, recompute, routing, compiled)
         return self.model.norm(x)
