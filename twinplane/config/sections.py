@@ -238,6 +238,8 @@ class TrainSection(Section):
         "auto", "auto (bf16 on GPUs, else model.dtype) | float32 | bfloat16 | float16")
     activation_checkpointing: bool = opt(
         False, "recompute each decoder block in backward: less memory, ~30% more compute")
+    compile: Literal["auto", "on", "off"] = opt(
+        "auto", "torch.compile each decoder layer for training forwards: auto (on for GPUs, off on CPU) | on | off")
     optimizer_offload: bool = opt(False, "keep AdamW state in host memory between updates (frees device memory)")
     router_aux_loss_coef: float = opt(0.0, "MoE: weight of the load-balancing loss (transformers' formula; 0 = off)",
         bounds=">= 0")

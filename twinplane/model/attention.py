@@ -109,10 +109,7 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
     per group, instead of a block-diagonal mask over many sequences (O(T x block), mostly masked out). Consecutive
     sequences of one length (uniform batches) are a view of the row: no gather, no scatter."""
     gqa = q.shape[1] != k.shape[1]
-    plan = meta.cache.get("varlen_plan")
-    if plan is None:
-        plan = meta.cache["varlen_plan"] = _varlen_plan(meta.cu_seqlens.tolist(), meta.window, q.device, meta.prefix)
-    groups, unpermute = plan
+    groups, unpermute = varlen_plan(meta)
     outs = []
     for index, key_index, G, L, Lk, mask in groups:
         qg, kg, vg = (_rows(x, i).unflatten(1, (G, n)).transpose(0, 1)  # [G, h, n, D]
@@ -122,6 +119,16 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
         outs.append(y.transpose(0, 1).flatten(1, 2))  # [H, G * L, D], padding included
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return (out if unpermute is None else out.index_select(1, unpermute))[None]
+
+
+def varlen_plan(meta: AttentionMetadata):
+    """`sdpa_varlen`'s grouping of `meta`'s sequences, made once per forward (one host read of cu_seqlens); a
+    compiled layer finds it made already (`Transformer.hidden_states`), as the read would break its graph."""
+    plan = meta.cache.get("varlen_plan")
+    if plan is None:
+        plan = meta.cache["varlen_plan"] = _varlen_plan(meta.cu_seqlens.tolist(), meta.window,
+                                                        meta.cu_seqlens.device, meta.prefix)
+    return plan
 
 
 def _rows(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ exception, mapped in `moe.checkpoint_to_param`). A family's MLP block comes from
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from twinplane.model.attention import AttentionMetadata, attention, build_mask
+from twinplane.model.attention import AttentionMetadata, attention, build_mask, varlen_plan
 from twinplane.model.config import ModelConfig, rope_inv_freq
 from twinplane.model.moe import RoutingState, SparseMoE
 
@@ -127,9 +128,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, recompute: bool = False, routing: RoutingState | None = None):
-        """`recompute`: activation checkpointing. It sits inside the block's forward so that FSDP2's unshard hooks
-        (on this module's call) stay outside the recomputed region, the arrangement torchtitan uses."""
+    def forward(self, x, cos, sin, meta, recompute: bool = False, routing: RoutingState | None = None,
+                compiled: bool = False):
+        """`recompute`: activation checkpointing; `compiled`: run through `torch.compile`, one region per layer.
+        Both sit inside the block's forward so that FSDP2's unshard hooks (on this module's call) stay outside the
+        recomputed and the compiled region, the arrangement torchtitan uses; the compiled region holds the
+        checkpoint (torchtitan's order: compile wraps the checkpointed block)."""
+        run = compiled_layer() if compiled else DecoderLayer.run
+        return run(self, x, cos, sin, meta, recompute, routing)
+
+    def run(self, x, cos, sin, meta, recompute: bool, routing: RoutingState | None):
         if recompute:  # no dropout anywhere, so there is no RNG state to replay
             return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, meta, routing, use_reentrant=False,
                                                      preserve_rng_state=False)
@@ -138,6 +146,13 @@ class DecoderLayer(nn.Module):
     def block(self, x, cos, sin, meta, routing=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x), routing)
+
+
+@functools.cache
+def compiled_layer() -> Callable:
+    """`DecoderLayer.run` compiled once for every layer (they share the code and its graphs). Dynamic shapes:
+    packed micro-batches change length every call, and a graph per length would recompile all the time."""
+    return torch.compile(DecoderLayer.run, dynamic=True)
 
 
 class Backbone(nn.Module):
@@ -154,6 +169,9 @@ class Transformer(nn.Module):
         self.config = cfg
         # Recompute each decoder block in backward instead of storing its activations (training forwards only).
         self.activation_checkpointing = False
+        # Run each decoder block compiled (`compiled_layer`), training forwards only: eval forwards (scoring, a
+        # rollout engine's copy) stay eager.
+        self.compile_layers = False
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -194,9 +212,12 @@ class Transformer(nn.Module):
             meta = self.dense_metadata(input_ids, attention_mask)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(meta.positions, x.dtype)
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        training = self.training and torch.is_grad_enabled()
+        recompute, compiled = self.activation_checkpointing and training, self.compile_layers and training
+        if compiled and meta.varlen and meta.backend == "sdpa":
+            varlen_plan(meta)  # its host read would break the compiled graph (and a checkpointed one entirely)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, recompute, routing)
+            x = layer(x, cos, sin, meta, recompute, routing, compiled)
         return self.model.norm(x)
 
     def dense_metadata(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> AttentionMetadata:

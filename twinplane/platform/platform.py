@@ -206,6 +206,20 @@ def autocast(precision: Precision, device: torch.device):
     return torch.autocast(torch.device(device).type, dtype=precision.compute)
 
 
+COMPILE_MODES = ("auto", "on", "off")
+
+
+def compile_layers(device: torch.device | str, requested: str = "auto") -> bool:
+    """Whether the training plane runs each decoder layer through `torch.compile` (`train.compile`). "auto": on
+    GPUs (NVIDIA and AMD), where inductor fuses each RMSNorm, rope, SiLU-gate and residual into a few Triton
+    kernels; off on CPU, where inductor's C++ code for these small shapes does not repay its compile time."""
+    if requested not in COMPILE_MODES:
+        raise InputError(f"train.compile must be one of {', '.join(COMPILE_MODES)}, got {requested!r}")
+    if requested != "auto":
+        return requested == "on"
+    return torch.device(device).type == "cuda"
+
+
 CPU_LOGPROB_CHUNK_TOKENS = 512
 # Each chunk's LM-head GEMM [chunk, d] x [d, vocab] re-reads the whole head weight and launches its own kernels:
 # at a few hundred rows it is bound by memory traffic on a GPU (an H100 needs ~300 flops per byte read), so GPUs

@@ -72,6 +72,7 @@ class Trainer:
             model.parameters(), train.lr, train.betas, train.weight_decay, train.warmup_steps, total_steps,
             train.schedule, train.min_lr_ratio)
         self.device = model.output_weight().device
+        model.compile_layers = platform.compile_layers(self.device, train.compile)
         # one policy for 1 and N ranks: FSDP casts the gathered params (shard_model), autocast does the rest
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
         self.chunk_tokens = platform.logprob_chunk_tokens(self.device, train.logprob_chunk_tokens)
