@@ -58,6 +58,12 @@ def sandbox_report() -> dict:
         return {"backend": None, "isolated": False, "detail": str(e)}
 
 
+def training_report(info: platform.PlatformInfo) -> dict:
+    """What the training plane picks here with its "auto" settings (`train.compile`, `train.logprob_chunk_tokens`)."""
+    device = info.device_type
+    return {"compile": platform.compile_layers(device), "logprob_chunk_tokens": platform.logprob_chunk_tokens(device)}
+
+
 def rollout_report(info: platform.PlatformInfo) -> dict:
     """What the rollout engine would run here, and why: its kernels (`rollout.kernels=auto`; on a GPU this runs
     the Triton self-check), the paged attention backend and block size, and how decode steps run."""
@@ -125,6 +131,7 @@ def report() -> dict:
         "summary": _plain_words(info, gpu),
         "copy_bandwidth_gb_s": bandwidth,
         "rollout": rollout_report(info),
+        "training": training_report(info),
         "sandbox": sandbox_report(),
     }
 
@@ -148,7 +155,7 @@ def format_report(d: dict) -> str:
     def yn(x):
         return "yes" if x else "no"
 
-    a, r = d["attention"], d["rollout"]
+    a, r, t = d["attention"], d["rollout"], d["training"]
     devs = [f"  [{x['index']}] {x['name']}  {x['memory_gb']:.1f} GB" for x in d["devices"]]
     peak = f"{_flops(d['peak_tflops'])} ({d['peak_source']})" if d["peak_tflops"] else "unknown (MFU null)"
     mfu = f"{d['gemm_mfu']:.0%}" if d["gemm_mfu"] is not None else "n/a"
@@ -178,6 +185,8 @@ def format_report(d: dict) -> str:
         f"          paged attention {r['paged_attention']}, {r['kv_block_size']}-token blocks "
         f"({r['paged_attention_why']})",
         f"          decode {r['graphs']} ({r['graphs_why']})",
+        f"training  decoder layers {'compiled' if t['compile'] else 'eager'} (train.compile=auto), log-prob chunks of "
+        f"{t['logprob_chunk_tokens']} tokens (train.logprob_chunk_tokens=0)",
         f"sandbox   {d['sandbox']['backend'] or 'NONE (python tool and code reward need sandbox=unsafe-local)'}: "
         f"{d['sandbox']['detail']}",
     ]
