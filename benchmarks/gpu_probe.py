@@ -50,7 +50,7 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # + the checkout
 
 import torch  # noqa: E402
 
@@ -385,13 +385,16 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
         t, r = us(tri), us(ref)
         return {"triton_us": t, "torch_us": r, "speedup": r / t}
 
-    per_seq = -(-ctx // bs)
-    k_pool, v_pool = rand(B * per_seq + 1, bs, H_kv, D), rand(B * per_seq + 1, bs, H_kv, D)
-    tables = torch.randperm(B * per_seq, generator=g).view(B, per_seq).to(device, torch.int32)
+    def pool(bs: int):  # a KV pool of `bs`-token blocks, each sequence's blocks shuffled; its last-token slots
+        per_seq = -(-ctx // bs)
+        k, v = rand(B * per_seq + 1, bs, H_kv, D), rand(B * per_seq + 1, bs, H_kv, D)
+        tables = torch.randperm(B * per_seq, generator=g).view(B, per_seq).to(device, torch.int32)
+        return k, v, tables, (tables[:, -1].long() * bs + (ctx - 1) % bs).contiguous()
+
+    k_pool, v_pool, tables, slots = pool(bs)
     lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
     q, x, r, w, gate, up = rand(B, H, D), rand(B, hidden), rand(B, hidden), rand(hidden), rand(B, inter), rand(B, inter)
     qn, kn, vn, cos, sin = rand(B, H, D), rand(B, H_kv, D), rand(B, H_kv, D), rand(B, D), rand(B, D)
-    slots = (tables[:, -1].long() * bs + (ctx - 1) % bs).contiguous()
     res = {"paged_decode": pair(lambda: paged_decode(q, k_pool, v_pool, tables, lens, None, ctx),
                                 lambda: paged_decode_torch(q, k_pool, v_pool, tables, lens))}
     res["paged_decode"] |= {"splits": num_splits(B, H_kv, ctx, device), "kv_bytes_per_s":
@@ -408,8 +411,9 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, kn, vn))
     res["attention_layer_us"] = {}
     for backend in ("triton", "flex", "sdpa"):
-        paged = PagedKV(k_pool[None], v_pool[None], slots, tables, lens,
-                        torch.arange(B + 1, device=device, dtype=torch.int32), [1] * B, B, per_seq * bs, static=True)
+        kb, vb, tb, sb = pool(platform.PAGED_BLOCK_SIZES[backend])  # (flex reads 128-token blocks)
+        paged = PagedKV(kb[None], vb[None], sb, tb, lens, torch.arange(B + 1, device=device, dtype=torch.int32),
+                        [1] * B, B, tb.shape[1] * kb.shape[1], static=True)
         meta = AttentionMetadata(torch.zeros(1, B, dtype=torch.long, device=device), backend=backend, paged=paged)
         try:
             res["attention_layer_us"][backend] = us(lambda meta=meta: paged_attention(q4, k4, v4, meta, 0))
@@ -541,6 +545,9 @@ def isolated(a, name: str) -> dict:
     try:
         subprocess.run(cmd, timeout=max(a.until - time.perf_counter(), 1.0), check=False)
     except subprocess.TimeoutExpired:
+        done = json.loads((out / "probe.json").read_text()) if (out / "probe.json").exists() else {}
+        if name in done:  # the section ended; the child was still exiting (compile workers shutting down)
+            return done[name]
         log = (out / "probe.log").read_text()[-2000:] if (out / "probe.log").exists() else ""
         return {"error": "cut at the probe's deadline", "log_tail": log}
     return json.loads((out / "probe.json").read_text())[name]

@@ -175,6 +175,15 @@ def assert_same(got, want, atol=1e-5):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=atol, rtol=0)
 
 
+def on_device(case, device):
+    """A case from paged_case or static_case with its tensors on `device` (the device tests' GPU)."""
+    q, k, v, paged, *rest = case
+    paged = copy.copy(paged)
+    for name in ("k_cache", "v_cache", "slot_mapping", "block_tables", "context_lens", "cu_seqlens_q"):
+        setattr(paged, name, getattr(paged, name).to(device))
+    return q.to(device), k.to(device), v.to(device), paged, *rest
+
+
 def paged_case(window=None, bs=8, lockstep=False):
     """Six sequences in a pool of `bs`-token blocks: two decodes (contexts bs - 3 and 2 bs + 3, or both 2 bs + 3
     with `lockstep`), a later prefill chunk of 4 tokens (context bs + 1), then three prompts prefilled whole (3, 3
@@ -205,8 +214,8 @@ def run_paged(case, backend):
     q, k, v, paged, *_, window = case
     paged = copy.copy(paged)
     paged.k_cache, paged.v_cache = paged.k_cache.clone(), paged.v_cache.clone()
-    meta = AttentionMetadata(torch.zeros(1, q.shape[2], dtype=torch.long), window=window, backend=backend,
-                             paged=paged)
+    meta = AttentionMetadata(torch.zeros(1, q.shape[2], dtype=torch.long, device=q.device), window=window,
+                             backend=backend, paged=paged)
     return paged_attention(q, k, v, meta, 0), paged
 
 

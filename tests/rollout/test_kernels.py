@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from conftest import EOS, PROMPTS, assert_same, paged_case, run_paged, static_case, tiny_model  # noqa: E402
+from conftest import EOS, PROMPTS, assert_same, on_device, paged_case, run_paged, static_case, tiny_model  # noqa: E402
 
 from twinplane.rollout import (  # noqa: E402
     RolloutEngine,
@@ -103,7 +103,7 @@ def test_split_count_is_fixed_by_host_integers(monkeypatch):
 def test_triton_backend_equals_portable_on_a_mixed_row():
     """Through `paged_attention`: the decodes read the pool in the kernel, the prefill chunk and the fresh prompts
     keep the portable path, and the new k/v land in the same slots."""
-    case = paged_case(None, 16)
+    case = on_device(paged_case(None, 16), DEV)
     (got, got_pool), (want, want_pool) = run_paged(case, "triton"), run_paged(case, "sdpa")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert torch.equal(got_pool.k_cache, want_pool.k_cache)
@@ -113,7 +113,7 @@ def test_triton_backend_equals_portable_on_a_mixed_row():
 def test_triton_backend_in_the_static_decode(window, monkeypatch):
     """Five decodes and two padding rows on the reserved block, fixed-width tables; on a GPU also no host reads
     (the static decode is captured as a graph)."""
-    case = static_case(16, window)
+    case = on_device(static_case(16, window), DEV)
     torch.testing.assert_close(run_paged(case, "triton")[0], run_paged(case, "sdpa")[0], atol=1e-5, rtol=0)
     if DEV.type == "cpu":  # (the interpreter copies its arguments to the host: the check is the GPU's)
         return

@@ -137,6 +137,7 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]  # read before the next replay overwrites it (the engine samples from it at once)
 
+    @torch.no_grad()  # (the Triton kernels' module variants run their kernels only without autograd)
     def forward(self, size: int) -> torch.Tensor:
         """The static decode of the first `size` rows of `inputs` -> logits [size, V]: what a graph captures."""
         x, bs = self.inputs[:size], self.block_size
