@@ -629,26 +629,27 @@ def flex_paged_ok(device: torch.device, dtype: torch.dtype, check: FlexCheck) ->
     return _FLEX_PAGED[key]
 
 
-def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float) -> int:
+def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float, held: int = 0) -> int:
     """Bytes the rollout engine may give its KV pool: `kv_cache_bytes` when set, else on GPUs a fraction of the
     memory free now (after the weights), else CPU_KV_CACHE_BYTES. Free on a GPU counts what torch's caching
-    allocator holds unused, as well as what the driver has: the previous call's pool goes back to that cache, not
-    to the driver, and counting the driver's figure alone would shrink every later pool to a fraction of the
-    first."""
+    allocator holds unused, as well as what the driver has, and `held`, the engine's own pool kept from its last
+    call: a released pool goes back to that cache, not to the driver, and a kept one is the engine's to reuse;
+    leaving either out would shrink every later pool to a fraction of the first."""
     if kv_cache_bytes > 0:
         return int(kv_cache_bytes)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int((free + cached) * gpu_memory_utilization)
+        return int((free + cached + held) * gpu_memory_utilization)
     return CPU_KV_CACHE_BYTES
 
 
 def keep_kv_pool(device: torch.device) -> bool:
-    """Whether the rollout engine keeps its KV pool between `generate` calls. On CPU hosts, yes: a fresh pool of
-    fresh pages costs a page fault per 4 KiB on first touch (~10 ms per call at the demo's size, about as long as
-    two decode steps), and the pool is at most CPU_KV_CACHE_BYTES of host memory. On GPUs, no: the caching
-    allocator makes a new pool free, and a colocated trainer needs the memory between rollouts."""
+    """Whether a rollout engine that shares `device` with a trainer keeps its KV pool (and the decode graphs over
+    it) between `generate` calls. On CPU hosts, yes: a fresh pool of fresh pages costs a page fault per 4 KiB on
+    first touch (~10 ms per call at the demo's size, about as long as two decode steps), and the pool is at most
+    CPU_KV_CACHE_BYTES of host memory. On GPUs, no: the trainer needs the memory between rollouts, and a new pool
+    costs a recapture of the graphs (twinplane.rollout.graphs). An engine with a device of its own keeps both."""
     return torch.device(device).type == "cpu"
 
 
