@@ -598,7 +598,7 @@ def main() -> None:
     if "env" in want:
         probe.section("env", env, device, dtype)
         probe.result["env"]["commit"] = a.commit
-    if "copy" in want:
+    if "copy" in want or gpu:  # (0.1 s; the rooflines need the measured bandwidth)
         res = probe.section("copy", copy_section, device)
         bw = (res or {}).get("copy_bandwidth_bytes_per_s", bw)
     for name, fn, args, need in (("decode", decode_section, (a, device, dtype, bw), 60),
