@@ -544,7 +544,8 @@ def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.flo
 
 
 KERNELS = ("auto", "triton", "torch")
-_TRITON_OK: dict[tuple[str, torch.dtype], str | None] = {}  # the Triton self-check per (device, dtype): why it failed
+# the Triton self-checks per (kernel set, device, dtype): why one failed (None: it passed)
+_TRITON_OK: dict[tuple[str, str, torch.dtype], str | None] = {}
 
 
 KernelCheck = Callable[[torch.device, torch.dtype], "str | None"]  # (device, dtype) -> why the kernels disagree
@@ -581,20 +582,33 @@ def rollout_kernels(device: torch.device, dtype: torch.dtype = torch.float32, re
     return "triton", f"auto: Triton passed its self-check on {detect().device_name} ({str(dtype)[6:]})"
 
 
-def triton_kernels_ok(device: torch.device, dtype: torch.dtype, check: KernelCheck) -> str | None:
-    """None when the Triton kernels agree with their torch references on `device` in `dtype` (`check`, once per
-    pair), else why not (with one warning: the engine then runs the torch path)."""
-    key = (str(device), dtype)
+def triton_kernels_ok(device: torch.device, dtype: torch.dtype, check: KernelCheck,
+                      what: str = "rollout") -> str | None:
+    """None when the Triton kernels `what` ("rollout": the engine's; "logprob": the training plane's log-softmax)
+    agree with their torch references on `device` in `dtype` (`check`, once per pair), else why not (with one
+    warning: the torch path runs instead)."""
+    key = (what, str(device), dtype)
     if key not in _TRITON_OK:
         try:
             why = check(device, dtype)
         except Exception as e:  # a failed compile raises many types (triton's, RuntimeError, ...)
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if why is not None:
-            warnings.warn(f"rollout kernels: the Triton kernels failed their self-check on {device} ({why}); the "
-                          "rollout engine uses the torch path", stacklevel=3)
+            warnings.warn(f"{what} kernels: the Triton kernels failed their self-check on {device} ({why}); the "
+                          "torch path runs instead", stacklevel=3)
         _TRITON_OK[key] = why
     return _TRITON_OK[key]
+
+
+def logprob_kernels(device: torch.device, dtype: torch.dtype, *, check: KernelCheck) -> str:
+    """What follows the LM head's GEMM in the training plane's log-probs (twinplane.train.chunked_logprobs):
+    "triton" (twinplane.train.logprob_kernels: one kernel each way over the logits in their own dtype) on GPUs
+    where Triton imports and `check` (the kernels' self-check) passes for (device, dtype), else "torch" (fp32
+    passes; the CPU path: Triton runs there only in its interpreter, for tests)."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype == torch.float64 or not _has_module("triton"):
+        return "torch"
+    return "torch" if triton_kernels_ok(device, dtype, check, "logprob") else "triton"
 
 
 def has_flex_attention() -> bool:
