@@ -1,6 +1,7 @@
 """What several test files build on: tiny models, a training batch, the engine's reference decode and cases,
 simulated GPUs, spawned ranks, and `twinplane train` runs on tiny settings (in this process, or on a Ray cluster).
-The `gpu` marker skips a test where torch sees no CUDA/HIP device."""
+The `gpu` marker skips a test where torch sees no CUDA/HIP device. Without one, Triton's kernels run in its CPU
+interpreter (TRITON_INTERPRET=1, set here first: Triton reads it once, when it is imported)."""
 
 import copy
 import itertools
@@ -15,6 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from twinplane.cli import main
 from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_model, save_pretrained

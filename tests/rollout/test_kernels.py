@@ -1,17 +1,14 @@
 """The Triton kernels of the rollout engine's decode path (twinplane.rollout.kernels) against their torch references
 and a brute-force attention, on odd shapes; then the whole engine with kernels=triton against the torch path. Without a
-GPU the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set here before any kernel is
-defined: Triton decides at decoration), with a GPU on the GPU. The interpreter is slow, so shapes are tiny."""
+GPU the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by conftest), with a GPU on the
+GPU. The interpreter is slow, so shapes are tiny."""
 
 import copy
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from conftest import EOS, PROMPTS, assert_same, on_device, paged_case, run_paged, static_case, tiny_model  # noqa: E402

@@ -1,14 +1,10 @@
 """The training plane's Triton log-softmax kernels (twinplane.train.logprob_kernels) against their torch references
 and the whole chunked log-prob path against the torch path, values and gradients. Without a GPU the kernels run in
-Triton's CPU interpreter (TRITON_INTERPRET=1, set here before any kernel is defined)."""
-
-import os
+Triton's CPU interpreter (TRITON_INTERPRET=1, set by conftest)."""
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from twinplane.platform import platform  # noqa: E402

@@ -106,3 +106,22 @@ def test_seq_mean_token_sum_norm_loss_by_hand():
     trainer.train_step(batch)
     for n, p in model2.named_parameters():
         torch.testing.assert_close(p.grad, dict(model.named_parameters())[n].grad, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_autocast_runs_the_residual_stream_in_the_compute_dtype():
+    """Mixed precision with fp32 master weights (one rank, autocast): each decoder layer's input, and cos/sin,
+    are in the compute dtype, as with FSDP's params cast to it; the logits equal a bf16 copy's within bf16's
+    rounding."""
+    model = tiny_model()
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, args[1].dtype)))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        got = model(ids).float()
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * len(model.model.layers)
+    with torch.no_grad():
+        want = copy.deepcopy(model).to(torch.bfloat16)(ids).float()
+        full = model(ids)
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    assert (got - full).abs().max() < 0.2 and seen[-1] == (torch.float32, torch.float32)  # no autocast: fp32

@@ -211,6 +211,9 @@ class Transformer(nn.Module):
         if meta is None:
             meta = self.dense_metadata(input_ids, attention_mask)
         x = self.model.embed_tokens(input_ids)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):  # mixed precision: the residual stream and cos/sin in the compute dtype,
+            x = x.to(torch.get_autocast_dtype(dev))  # as with FSDP's params cast to it (half the elementwise bytes)
         cos, sin = self.rope(meta.positions, x.dtype)
         training = self.training and torch.is_grad_enabled()
         recompute, compiled = self.activation_checkpointing and training, self.compile_layers and training

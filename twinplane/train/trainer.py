@@ -106,6 +106,17 @@ class Trainer:
     def _global(self, x: float, op=None) -> float:
         return x if self.group is None else fsdp.all_reduce(x, self.group, *(() if op is None else (op,)))
 
+    def _readback(self, sums: dict[str, float | torch.Tensor],
+                  grad_norm: torch.Tensor) -> tuple[dict[str, float], float]:
+        """The step's metric sums, reduced over the ranks, and the grad norm (global already): one host read."""
+        keys = list(sums)
+        vals = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=self.device) for k in keys])
+        if self.group is not None:
+            vals = platform.collective_tensor(vals, self.group)
+            dist.all_reduce(vals, group=self.group)
+        *vals, norm = torch.cat([vals, grad_norm.detach().to(vals.device, torch.float64).reshape(1)]).tolist()
+        return dict(zip(keys, vals, strict=True)), norm
+
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (gradient-accumulated over micro-batches): the mechanics. The loss of each
         micro-batch is the algorithm's (`algos.Algorithm.loss`), normalised by the global batch's denominator, so
@@ -153,22 +164,21 @@ class Trainer:
             if mb.rollout_logprobs is not None:
                 stats["logprob_gap"] = token_sum((lp.detach() - mb.rollout_logprobs).abs(), m, num_tokens)
             (loss * weight).backward()
-            for k, v in stats.items():
-                sums[k] += weight * float(v)
-        if self.group is not None:
-            sums = {k: fsdp.all_reduce(v, self.group) for k, v in sums.items()}
+            for k, v in stats.items():  # kept on the device: no host sync between micro-batches
+                sums[k] = sums[k] + weight * torch.as_tensor(v).detach().to(self.device, torch.float64)
         lr = self.sched.get_last_lr()[0]  # the rate this update uses, read before the scheduler steps
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
-                                  self.cfg.optimizer_offload)
+                                  self.cfg.optimizer_offload, readback=False)
+        sums, grad_norm = self._readback(sums, grad_norm)
         out = {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr,
                                                              "actor/prompt_tokens_shared": self._global(shared)}
         return out | (moe.metrics(self.group) if moe is not None else {})
 
 
 def clip_and_step(model: torch.nn.Module, opt, sched, grad_clip: float, device: torch.device,
-                  offload: bool = False) -> float:
+                  offload: bool = False, readback: bool = True) -> float | torch.Tensor:
     """Clip the global grad norm (0 = off), take the optimizer and scheduler steps, zero the grads; returns the
-    norm before clipping. Shared by the policy and the critic."""
+    norm before clipping (a device tensor unless `readback`). Shared by the policy and the critic."""
     clip = grad_clip if grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     if isinstance(grad_norm, DTensor):
@@ -180,4 +190,4 @@ def clip_and_step(model: torch.nn.Module, opt, sched, grad_clip: float, device: 
         move_optimizer_state(opt, "cpu")
     sched.step()
     opt.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return float(grad_norm) if readback else grad_norm
