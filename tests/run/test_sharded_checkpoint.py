@@ -192,7 +192,7 @@ def measure_save_memory(tmp, rank: int, world: int) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_rank0_memory_while_saving_is_a_fraction_of_the_full_state(tmp_path):
-    """Rank 0 of 2 saves its shards of a 6.3M-parameter model and its AdamW state (75 MB in all). Measured: the
+    """Rank 0 of 2 saves its shards of a 5M-parameter model and its AdamW state (60 MB in all). Measured: the
     growth of rank 0's peak resident set (VmHWM, reset through /proc/self/clear_refs just before) during the save,
     over the full state's bytes. The sharded save stays at or under 0.6 (its own half of the state is already
     resident: what it adds is DCP's per-tensor staging); gathering the full tensors, as the full format does,
