@@ -5,16 +5,19 @@ never holds the full state while saving."""
 import datetime
 import os
 import re
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import make_batch, spawn, tiny_model
+from conftest import make_batch, outcome, spawn, tiny_model, train
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from twinplane.cli import main
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import load_weights
-from twinplane.run import sharded
+from twinplane.run import checkpoint, sharded
 from twinplane.train import Trainer
 from twinplane.train.fsdp import shard_model, split_for_rank
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
@@ -143,7 +146,6 @@ def test_one_file_per_rank(saved):
 
 def test_a_metadata_file_that_pickles_other_objects_is_refused(saved, tmp_path):
     import pickle
-    import shutil
 
     bad = tmp_path / "bad"
     shutil.copytree(saved / "sharded1", bad)
@@ -203,3 +205,51 @@ def test_rank0_memory_while_saving_is_a_fraction_of_the_full_state(tmp_path):
           f"sharded {m['sharded']:.3f}, full-tensor gather {m['full']:.3f}")
     assert m["sharded"] <= 0.6
     assert m["full"] >= 0.9
+
+
+# --- whole runs: resume, export, damaged checkpoints ----------------------------------------------------------------
+
+RUN = ["train.steps=4", "checkpoint.every=2", "eval.every=0", "eval.after=false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run uninterrupted with full-tensor checkpoints, and with sharded ones preempted at step 3 and
+    resumed."""
+    tmp = tmp_path_factory.mktemp("runs")
+    assert train(tmp / "full", *RUN, "checkpoint.format=full") == 0
+    assert train(tmp / "sharded", *RUN, "checkpoint.format=sharded", fault="train@3") == 75
+    assert train(tmp / "sharded", *RUN, "checkpoint.format=sharded", "--resume", "auto") == 0
+    return tmp
+
+
+def test_sharded_run_preempted_and_resumed_is_bitwise_the_uninterrupted_one(runs):
+    ckpt = runs / "sharded" / "checkpoints" / "step_00000004"
+    assert sharded.is_sharded(ckpt / "policy") and not (ckpt / "optimizer.pt").exists()
+    assert outcome(runs / "sharded") == outcome(runs / "full")
+
+
+def test_export_of_a_sharded_checkpoint_equals_the_full_one(runs, tmp_path, capsys):
+    for name in ("full", "sharded"):
+        assert main(["export", str(runs / name / "checkpoints" / "step_00000004"), "--out", str(tmp_path / name)]) == 0
+    a, b = load_file(tmp_path / "sharded" / "model.safetensors"), load_file(tmp_path / "full" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in b)
+    files = {name: sorted(p.name for p in (tmp_path / name).iterdir()) for name in ("full", "sharded")}
+    assert files["sharded"] == files["full"]
+
+
+def test_incomplete_sharded_checkpoint_is_skipped_and_a_damaged_one_named_is_exit_2(runs, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs / "sharded", run)
+    newest, older = checkpoint.list_checkpoints(run)[-1], checkpoint.list_checkpoints(run)[-2]
+    (newest / checkpoint.MANIFEST).unlink()  # as a kill before the manifest leaves it
+    assert checkpoint.resolve(run, "auto", log=lambda m: None) == older
+    shard = older / "policy" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert train(run, *RUN, "train.steps=6", "checkpoint.format=sharded", "--resume", str(older)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "policy/__0_0.distcp fails its checksum" in err, err
+    assert main(["export", str(older), "--out", str(tmp_path / "hf")]) == 2
