@@ -253,3 +253,28 @@ def test_incomplete_sharded_checkpoint_is_skipped_and_a_damaged_one_named_is_exi
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "policy/__0_0.distcp fails its checksum" in err, err
     assert main(["export", str(older), "--out", str(tmp_path / "hf")]) == 2
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param(["train.lora.rank=4", "train.lr=2e-2"], id="lora"),
+    pytest.param(["algo.name=ppo", "critic.warmup_steps=1", "critic.lr=1e-3"], id="ppo")])
+def test_lora_and_critic_state_resume_bitwise_from_shards(tmp_path, extra):
+    """LoRA (the adapters and their AdamW state; the base is not copied) and PPO's critic, sharded: preempted and
+    resumed equals uninterrupted; a LoRA checkpoint exports (merged, and the adapters alone) as the full one does."""
+    assert train(tmp_path / "full", *RUN, *extra, "checkpoint.format=full") == 0
+    assert train(tmp_path / "sharded", *RUN, *extra, "checkpoint.format=sharded", fault="train@3") == 75
+    assert train(tmp_path / "sharded", *RUN, *extra, "checkpoint.format=sharded", "--resume", "auto") == 0
+    assert outcome(tmp_path / "sharded") == outcome(tmp_path / "full")
+    ckpt = {name: tmp_path / name / "checkpoints" / "step_00000004" for name in ("full", "sharded")}
+    if "algo.name=ppo" in extra:
+        assert sharded.is_sharded(ckpt["sharded"] / "critic")
+        return
+    saved = sharded.SafeReader(ckpt["sharded"] / "policy").read_metadata().state_dict_metadata
+    params = [k for k in saved if k.startswith("model.")]
+    assert params and all(k.endswith((".lora_A", ".lora_B")) for k in params)  # the frozen base is not copied
+    for fmt, weights_file in (("merged", "model.safetensors"), ("peft", "adapter_model.safetensors")):
+        out = {name: tmp_path / f"{name}-{fmt}" for name in ckpt}
+        for name in ckpt:
+            assert main(["export", str(ckpt[name]), "--out", str(out[name]), "--format", fmt]) == 0
+        a, b = load_file(out["sharded"] / weights_file), load_file(out["full"] / weights_file)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in b)
