@@ -153,6 +153,9 @@ def test_a_metadata_file_that_pickles_other_objects_is_refused(saved, tmp_path):
     tr = make_trainer(1)
     with pytest.raises(pickle.UnpicklingError, match=re.escape("refused: posix.system")):
         sharded.load(bad, tr.model, tr.opt)
+    other = Trainer(tiny_model(hidden_size=32), TRAIN, AlgoSection(), 1.0, total_steps=10)
+    with pytest.raises(ValueError, match="Size mismatch between saved .* for model.model.embed_tokens.weight"):
+        sharded.load(saved / "sharded1", other.model, other.opt)  # a plain error, not DCP's BaseException
 
 
 BIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,

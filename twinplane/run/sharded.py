@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import pickle
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 METADATA = ".metadata"
@@ -75,7 +77,7 @@ def save(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, group
     """Write this rank's shards of `model` and `opt` to `folder` (a collective over `group`: every rank calls;
     None: one process). No tensor is gathered: each rank writes the local shards of its DTensors."""
     msd, osd = get_state_dict(model, opt, options=_OPTIONS)
-    with warnings.catch_warnings():  # one process: DCP warns that it saves without torch.distributed, as asked
+    with warnings.catch_warnings(), _plain_errors(folder):  # one process: DCP warns it saves without torch.distributed
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": msd, "optim": osd["state"]}, storage_writer=FileSystemWriter(folder), **_dist_options(group))
     if group is None or dist.get_rank(group) == 0:
@@ -108,7 +110,20 @@ def load_model_only(folder: Path, model: torch.nn.Module) -> None:
 
 
 def _load(state: dict, folder: Path, group) -> None:
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _plain_errors(folder):
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=SafeReader(folder), **_dist_options(group))
+
+
+@contextmanager
+def _plain_errors(folder: Path):
+    """DCP's CheckpointException (a BaseException, past every `except Exception`) as a ValueError naming the first
+    rank's cause, e.g. a saved tensor's shape that is not the model's."""
+    try:
+        yield
+    except CheckpointException as e:
+        causes = [f[0] for f in e.failures.values() if isinstance(f, tuple) and f] if isinstance(
+            getattr(e, "failures", None), dict) else []
+        cause = causes[0] if causes else e
+        raise ValueError(f"{folder}: {type(cause).__name__}: {(str(cause).splitlines() or [''])[-1]}") from None
 
