@@ -160,7 +160,7 @@ def greedy_no_cache(model, prompt, max_new):
     out = []
     with torch.no_grad():
         for _ in range(max_new):
-            tok = int(model(torch.tensor([ids]))[0, -1].argmax())
+            tok = int(model(torch.tensor([ids], device=model.output_weight().device))[0, -1].argmax())
             out.append(tok)
             ids.append(tok)
             if tok == EOS:

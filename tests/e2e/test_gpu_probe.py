@@ -34,6 +34,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
         assert all(isinstance(row["attention_layer_us"][b], float) for b in ("triton", "flex", "sdpa"))
     # the engine's tokens are the samples' own: 4 prompts x 2 samples, at most 16 new tokens each
     assert 8 <= res["engine"]["tokens"] <= 4 * 2 * 16 and res["engine"]["hf_tokens"] > 0
+    assert res["engine"]["second_call"]["tokens"] > 0 and "partial" not in res["engine"]
     train = res["train"]
     assert train["response_tokens"] < train["tokens"] and 0 < train["mfu"] < 1
     assert (tmp_path / "probe.log").read_text().count(": start") == len(SECTIONS)

@@ -114,6 +114,8 @@ def test_automatic_kv_budget_is_the_same_for_every_call(monkeypatch):
     assert first == int(70 * GB * 0.9)
     mem["reserved"] += first  # the first call's pool, freed into the caching allocator
     assert platform.kv_cache_budget(gpu, 0, 0.9) == first
+    mem["allocated"] += first  # or kept by the engine, which counts it as its own
+    assert platform.kv_cache_budget(gpu, 0, 0.9, held=first) == first
     assert platform.kv_cache_budget(gpu, 5 * GB, 0.9) == 5 * GB  # an explicit budget is taken as given
 
 

@@ -54,8 +54,24 @@ def test_static_seeded_sampling_equals_eager(sp):
     assert len({tuple(s.token_ids) for s in got}) > 4  # sampled, not one sequence repeated
 
 
-def test_static_and_eager_steps_mixed_with_preemption_and_chunked_prefill():
-    """Decode batches above graph_max_batch run eagerly, prefill steps always do; a tight pool preempts."""
+def rows_checked(step):
+    """`DecodeGraphs.step`, checking that the rows it hands the forward are those built afresh from the sequences
+    (token, position, slot, context length, block table padded with the reserved block; padding rows after)."""
+    def checked(self, seqs):
+        bs, size = self.block_size, self.bucket(len(seqs))
+        want = [[s.tokens[s.num_computed], s.num_computed, s.block_table[s.num_computed // bs] * bs +
+                 s.num_computed % bs, s.num_computed + 1, *s.block_table,
+                 *[self.pad_block] * (self.max_blocks - len(s.block_table))] for s in seqs]
+        out = step(self, seqs)
+        assert self.inputs[:size].tolist() == want + [self.pad_row] * (size - len(seqs))
+        return out
+    return checked
+
+
+def test_static_and_eager_steps_mixed_with_preemption_and_chunked_prefill(monkeypatch):
+    """Decode batches above graph_max_batch run eagerly, prefill steps always do; a tight pool preempts. The rows
+    staged between steps always equal rows built afresh (tables grown, copied on write, freed and given again)."""
+    monkeypatch.setattr(DecodeGraphs, "step", rows_checked(DecodeGraphs.step))
     model = tiny_model()
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, n=3, seed=5)
     want = engine(model, "eager", eos_token_id=None).generate(PROMPTS, sp)
@@ -87,8 +103,9 @@ def test_padding_rows_write_only_the_reserved_block(monkeypatch):
         seen.append((len(seqs), self.bucket(len(seqs)), len(changed & written) == len(written)))
         return out
 
-    monkeypatch.setattr(DecodeGraphs, "step", checked)
-    e.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=1))
+    monkeypatch.setattr(DecodeGraphs, "step", rows_checked(checked))
+    for _ in range(2):  # the second call's sequences get the first call's rows and blocks again
+        e.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=1))
     assert any(n < size for n, size, _ in seen)  # some steps had padding rows
     assert all(ok for _, _, ok in seen)  # and every real row's k/v landed in its own slot
 
@@ -180,10 +197,12 @@ class FakeGraph:
         FakeGraph.capturing = None
 
 
-def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(monkeypatch):
-    """The cuda_graph mode's bookkeeping on CPU: each bucket captured once per call on the engine's one side stream;
-    warm-up forwards only for shapes the engine has not decoded before (none in a second call of the same shapes);
-    replays give the eager engine's outputs."""
+@pytest.mark.parametrize("keep_pool", [True, False])
+def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(keep_pool, monkeypatch):
+    """The cuda_graph mode's bookkeeping on CPU, replays giving the eager engine's outputs. An engine that keeps its
+    pool captures each bucket once in its lifetime: later calls that fit replay the same graphs, also after a
+    weight sync. One that releases its pool after each call (a trainer shares the device) captures each bucket once
+    per call, on the engine's one side stream, with warm-up forwards only for shapes it has not decoded before."""
     main = FakeStream()
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
@@ -204,15 +223,25 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(monkeypatch):
     captures, capture = [], DecodeGraphs._capture
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, size: captures.append(size) or capture(self, size))
     model, sp = tiny_model(), SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5)
-    graphed, eager = engine(model, "cuda_graph"), engine(model, "eager")
-    want = eager.generate(PROMPTS, sp)
-    for call in range(2):
+    graphed, eager = engine(model, "cuda_graph", keep_pool=keep_pool), engine(model, "eager")
+    want, first = eager.generate(PROMPTS, sp), None
+    for call in range(3):
+        if call == 2:  # in place, as a weight sync loads them
+            for e in (graphed, eager):
+                e.load_weights(tiny_model(seed=1).named_parameters())
+            want = eager.generate(PROMPTS, sp)
         captures.clear()
         calls.update(warmup=0, capture=0)
         assert_same(graphed.generate(PROMPTS, sp), want)
-        assert captures and len(set(captures)) == len(captures) == calls["capture"]
+        assert len(set(captures)) == len(captures) == calls["capture"]
+        assert captures != [] if call == 0 or not keep_pool else captures == []
         assert calls["warmup"] == (decode_graphs.WARMUP_RUNS * len(captures) if call == 0 else 0)
         assert graphed.pop_metrics()["rollout/engine_steps_graphed"] > 5
+        if keep_pool:  # the same static decode and pool, their graphs replayed
+            first = first or graphed.decoder
+            assert graphed.decoder is first and graphed.decoder.kv is graphed.kv
+        else:
+            assert graphed.decoder is None and graphed.kv is None
     assert isinstance(graphed.warmth.stream, FakeStream) and graphed.warmth.stream is not main
 
 
@@ -229,9 +258,8 @@ def test_captured_graphs_equal_eager_before_and_after_weight_sync(monkeypatch):
     greedy = SamplingParams(temperature=0, max_new_tokens=16, n=3)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=16, n=3, seed=4)
     for sp in (greedy, sampled):
-        captures.clear()
         assert_same(graphed.generate(PROMPTS, sp), eager.generate(PROMPTS, sp), atol=1e-4)
-        assert captures and len(set(captures)) == len(captures)  # each bucket once per call, and in every call
+    assert captures and len(set(captures)) == len(captures)  # each bucket once in the engine's lifetime
     assert graphed.pop_metrics()["rollout/engine_steps_graphed"] > 10 and graphed.graph_backend == "cuda_graph"
     for e in (graphed, eager):
         e.load_weights(b.named_parameters())

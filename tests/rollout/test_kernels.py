@@ -230,3 +230,30 @@ def test_engine_with_triton_kernels_equals_the_torch_path(mode, over, sp):
     assert type(tri.model.model.layers[0]).__name__ == "TritonDecoderLayer"
     assert_same(tri.generate(PROMPTS, sp), engines["torch"].generate(PROMPTS, sp), atol=1e-5)
     assert (tri.pop_metrics()["rollout/engine_steps_graphed"] > 0) == (mode == "static")
+
+
+def test_stacked_projections_follow_weights_loaded_in_place():
+    """The Triton side's q/k/v and gate/up GEMMs read one stacked weight each, of which the per-projection
+    parameters are views: a weight sync in place lands in it (the engine then equals the torch path's on the new
+    weights), names and state dict are unchanged, and LoRA-adapted projections keep their own GEMMs."""
+    from twinplane.model.lora import apply_lora
+    from twinplane.rollout.kernels.layers import stack
+
+    a, b = tiny_model(seed=0).to(DEV), tiny_model(seed=1).to(DEV)
+    engines = {k: RolloutEngine(copy.deepcopy(a), eos_token_id=EOS, kernels=k) for k in ("triton", "torch")}
+    attn, mlp = engines["triton"].model.model.layers[0].self_attn, engines["triton"].model.model.layers[0].mlp
+    w, _ = attn.stacked
+    src = a.model.layers[0].self_attn
+    assert torch.equal(w, torch.cat([src.q_proj.weight, src.k_proj.weight, src.v_proj.weight]))
+    assert attn.q_proj.weight.data_ptr() == w.data_ptr() and mlp.stacked is not None
+    assert engines["triton"].model.state_dict().keys() == a.state_dict().keys()
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    for e in engines.values():
+        e.load_weights(b.named_parameters())
+    assert torch.equal(attn.stacked[0][-attn.v_proj.out_features:], b.model.layers[0].self_attn.v_proj.weight)
+    assert_same(engines["triton"].generate(PROMPTS, greedy), engines["torch"].generate(PROMPTS, greedy), atol=1e-5)
+    adapted = copy.deepcopy(a)
+    apply_lora(adapted, rank=2, alpha=4.0)
+    adapted = adapted.model.layers[0].self_attn
+    before = adapted.q_proj.weight
+    assert stack(adapted, ("q_proj", "k_proj", "v_proj")) is None and adapted.q_proj.weight is before

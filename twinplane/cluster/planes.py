@@ -114,10 +114,13 @@ def build_algorithm(cfg: Config) -> Algorithm:
     return Algorithm(cfg.algo, cfg.algo.loss_agg_horizon or cfg.rollout.max_new_tokens)
 
 
-def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_offset: int = 0) -> RolloutEngine:
-    """An engine generating with `model` itself (callers pass a copy when the model also trains)."""
+def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_offset: int = 0,
+                 shared: bool = False) -> RolloutEngine:
+    """An engine generating with `model` itself (callers pass a copy when the model also trains); `shared`: it
+    shares its device with a trainer (`platform.keep_kv_pool` then decides whether its KV pool stays)."""
+    keep = not shared or platform.keep_kv_pool(model.output_weight().device)
     return RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=cfg.seed + seed_offset,
-                         **engine_options(cfg.rollout))
+                         keep_pool=keep, **engine_options(cfg.rollout))
 
 
 def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Tokenizer):
@@ -174,7 +177,7 @@ class LocalPlanes:
     def build(cls, cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer,
               total_steps: int, tis_cap: float | None) -> LocalPlanes:
         r, t = cfg.rollout, cfg.train
-        engine = build_engine(cfg, engine_model(cfg, model), tokenizer)
+        engine = build_engine(cfg, engine_model(cfg, model), tokenizer, shared=True)
         rollout = build_rollout(cfg, engine, tokenizer)
         trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap, horizon=r.max_new_tokens)
         if reference_is_base(cfg):

@@ -109,7 +109,8 @@ class _Worker:
         dtype = platform.rollout_dtype(s.cfg.model, self.device)
         model = build_model(s.model_config, policy, self.device, dtype, s.cfg.train.lora, s.cfg.rollout.lora_merge)
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
-        self.engine = build_engine(s.cfg, model, s.tokenizer, seed_offset=1_000_003 * index)
+        self.engine = build_engine(s.cfg, model, s.tokenizer, seed_offset=1_000_003 * index,
+                                   shared=s.cfg.cluster.colocate)
         self.rollout = build_rollout(s.cfg, self.engine, s.tokenizer)
         self.engine_dtype = dtype
 
@@ -120,7 +121,7 @@ class _Worker:
         samples = self.rollout.generate(requests, sampling)
         platform.synchronize(self.device)
         if self.spec.cfg.cluster.colocate:
-            platform.empty_cache(self.device)  # hand the KV cache's memory back to the training plane
+            platform.empty_cache(self.device)  # hand the KV cache's memory (released by the engine) to training
         return samples, self.engine.pop_stats()
 
     def engine_state(self) -> tuple[torch.Tensor, int]:

@@ -544,7 +544,8 @@ def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.flo
 
 
 KERNELS = ("auto", "triton", "torch")
-_TRITON_OK: dict[tuple[str, torch.dtype], str | None] = {}  # the Triton self-check per (device, dtype): why it failed
+# the Triton self-checks per (kernel set, device, dtype): why one failed (None: it passed)
+_TRITON_OK: dict[tuple[str, str, torch.dtype], str | None] = {}
 
 
 KernelCheck = Callable[[torch.device, torch.dtype], "str | None"]  # (device, dtype) -> why the kernels disagree
@@ -581,20 +582,33 @@ def rollout_kernels(device: torch.device, dtype: torch.dtype = torch.float32, re
     return "triton", f"auto: Triton passed its self-check on {detect().device_name} ({str(dtype)[6:]})"
 
 
-def triton_kernels_ok(device: torch.device, dtype: torch.dtype, check: KernelCheck) -> str | None:
-    """None when the Triton kernels agree with their torch references on `device` in `dtype` (`check`, once per
-    pair), else why not (with one warning: the engine then runs the torch path)."""
-    key = (str(device), dtype)
+def triton_kernels_ok(device: torch.device, dtype: torch.dtype, check: KernelCheck,
+                      what: str = "rollout") -> str | None:
+    """None when the Triton kernels `what` ("rollout": the engine's; "logprob": the training plane's log-softmax)
+    agree with their torch references on `device` in `dtype` (`check`, once per pair), else why not (with one
+    warning: the torch path runs instead)."""
+    key = (what, str(device), dtype)
     if key not in _TRITON_OK:
         try:
             why = check(device, dtype)
         except Exception as e:  # a failed compile raises many types (triton's, RuntimeError, ...)
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if why is not None:
-            warnings.warn(f"rollout kernels: the Triton kernels failed their self-check on {device} ({why}); the "
-                          "rollout engine uses the torch path", stacklevel=3)
+            warnings.warn(f"{what} kernels: the Triton kernels failed their self-check on {device} ({why}); the "
+                          "torch path runs instead", stacklevel=3)
         _TRITON_OK[key] = why
     return _TRITON_OK[key]
+
+
+def logprob_kernels(device: torch.device, dtype: torch.dtype, *, check: KernelCheck) -> str:
+    """What follows the LM head's GEMM in the training plane's log-probs (twinplane.train.chunked_logprobs):
+    "triton" (twinplane.train.logprob_kernels: one kernel each way over the logits in their own dtype) on GPUs
+    where Triton imports and `check` (the kernels' self-check) passes for (device, dtype), else "torch" (fp32
+    passes; the CPU path: Triton runs there only in its interpreter, for tests)."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype == torch.float64 or not _has_module("triton"):
+        return "torch"
+    return "torch" if triton_kernels_ok(device, dtype, check, "logprob") else "triton"
 
 
 def has_flex_attention() -> bool:
@@ -629,26 +643,27 @@ def flex_paged_ok(device: torch.device, dtype: torch.dtype, check: FlexCheck) ->
     return _FLEX_PAGED[key]
 
 
-def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float) -> int:
+def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float, held: int = 0) -> int:
     """Bytes the rollout engine may give its KV pool: `kv_cache_bytes` when set, else on GPUs a fraction of the
     memory free now (after the weights), else CPU_KV_CACHE_BYTES. Free on a GPU counts what torch's caching
-    allocator holds unused, as well as what the driver has: the previous call's pool goes back to that cache, not
-    to the driver, and counting the driver's figure alone would shrink every later pool to a fraction of the
-    first."""
+    allocator holds unused, as well as what the driver has, and `held`, the engine's own pool kept from its last
+    call: a released pool goes back to that cache, not to the driver, and a kept one is the engine's to reuse;
+    leaving either out would shrink every later pool to a fraction of the first."""
     if kv_cache_bytes > 0:
         return int(kv_cache_bytes)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int((free + cached) * gpu_memory_utilization)
+        return int((free + cached + held) * gpu_memory_utilization)
     return CPU_KV_CACHE_BYTES
 
 
 def keep_kv_pool(device: torch.device) -> bool:
-    """Whether the rollout engine keeps its KV pool between `generate` calls. On CPU hosts, yes: a fresh pool of
-    fresh pages costs a page fault per 4 KiB on first touch (~10 ms per call at the demo's size, about as long as
-    two decode steps), and the pool is at most CPU_KV_CACHE_BYTES of host memory. On GPUs, no: the caching
-    allocator makes a new pool free, and a colocated trainer needs the memory between rollouts."""
+    """Whether a rollout engine that shares `device` with a trainer keeps its KV pool (and the decode graphs over
+    it) between `generate` calls. On CPU hosts, yes: a fresh pool of fresh pages costs a page fault per 4 KiB on
+    first touch (~10 ms per call at the demo's size, about as long as two decode steps), and the pool is at most
+    CPU_KV_CACHE_BYTES of host memory. On GPUs, no: the trainer needs the memory between rollouts, and a new pool
+    costs a recapture of the graphs (twinplane.rollout.graphs). An engine with a device of its own keeps both."""
     return torch.device(device).type == "cpu"
 
 

@@ -101,7 +101,7 @@ class RolloutEngine:
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
                  max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
                  record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 0,
-                 kernels: str = "auto", batch_invariant: bool = False):
+                 kernels: str = "auto", batch_invariant: bool = False, keep_pool: bool = True):
         """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
         `record_routing`: MoE, keep each token's experts per sparse layer in its sample; `graphs`: decode steps of
         up to `graph_max_batch` sequences (0 = max_num_seqs) as captured graphs where the platform can
@@ -111,7 +111,8 @@ class RolloutEngine:
         kernels round a row differently with the number of rows on Intel CPUs, ~4e-6, enough to flip a sampled
         token). Attention is not covered: its masked padding to the step's longest context still rounds a row by
         the batch (~1e-7). Dense models without separate LoRA adapters (experts and rank-r adapters run
-        `F.linear`)."""
+        `F.linear`). `keep_pool`: keep the KV pool and the decode graphs over it between calls (else `release`
+        after each: an engine sharing its device with a trainer, `platform.keep_kv_pool`)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, graph_max_batch >= 0")
         self.model = model.eval().requires_grad_(False)
@@ -132,6 +133,7 @@ class RolloutEngine:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.keep_pool = keep_pool
         self.kv_cache_bytes, self.gpu_memory_utilization = kv_cache_bytes, gpu_memory_utilization
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
@@ -232,13 +234,16 @@ class RolloutEngine:
             if self.decoder is not None:
                 self.stats.graph_steps += self.decoder.steps
                 if self.decoder.broken:  # a capture failed (warned): stay eager
-                    self.graph_backend = "eager"
-            # On GPUs the pool's memory goes back (e.g. to a colocated trainer), and the graphs pointing at it
-            # with it; `blocks` stays to inspect.
-            self.decoder = None
-            if not platform.keep_kv_pool(self.device):
-                self.kv = None
+                    self.graph_backend, self.decoder = "eager", None
+            if not self.keep_pool:
+                self.release()
         return [done[k] for k in sorted(done)]
+
+    def release(self) -> None:
+        """Drop the KV pool and the decode graphs that point at it, so that their memory can go back; the next
+        call allocates and captures again. Until then the engine keeps both: a later call that fits in the pool
+        replays the graphs already captured."""
+        self.decoder = self.kv = None  # (`blocks` stays to inspect)
 
     def pop_stats(self) -> EngineStats:
         """The counters since the last call (what a remote engine hands to the driver, which merges them)."""
@@ -258,24 +263,28 @@ class RolloutEngine:
         mode = decode_graphs.decode_mode(self.graph_backend, self.model, self.record_routing)
         reserved = int(mode != "eager")
         usable = pool_blocks(cfg, self.device, self.dtype, bs, reserved, self.kv_cache_bytes,
-                             self.gpu_memory_utilization, longest)
+                             self.gpu_memory_utilization, longest, 0 if self.kv is None else self.kv.nbytes)
         need_one = -(-longest // bs)
         num_blocks = min(usable, need_all)
-        # The previous call's pool (kept on CPU, platform.keep_kv_pool) serves when it is large enough and within
+        # The previous call's pool (kept unless released, `keep_pool`) serves when it is large enough and within
         # the budget; the block manager hands out this call's `num_blocks` of it (so the metrics and preemptions
         # do not depend on earlier calls), and its last block stays the reserved one. Zeroed like a new pool
         # (cheap on pages already mapped), so nothing of an earlier call, NaN included, is ever read.
         kept = self.kv.num_blocks if self.kv is not None and self.kv.dtype == self.dtype else -1
         if num_blocks + reserved <= kept <= usable + reserved:
-            self.kv.zero_()
+            self.kv.zero_()  # in place: graphs captured over it stay valid
         else:
-            self.kv = None  # free the old pool before the new one exists
+            self.decoder = self.kv = None  # free the old pool (and the graphs over it) before the new one exists
             self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, bs)  # the reserved block (the pool's last) is never handed out
-        self.decoder = decode_graphs.DecodeGraphs(self.model, self.kv, mode, self.backend, need_one,
-                                                  self.graph_max_batch, sum(s.width for s in seqs), self.head,
-                                                  self.warmth) \
-            if reserved else None
+        limit = sum(s.width for s in seqs)
+        if not reserved:
+            self.decoder = None
+        elif self.decoder is None or not self.decoder.serves(mode, need_one, limit):
+            self.decoder = decode_graphs.DecodeGraphs(self.model, self.kv, mode, self.backend, need_one,
+                                                      self.graph_max_batch, limit, self.head, self.warmth)
+        else:  # the earlier call's static decode, and its captured graphs, serve this call too
+            self.decoder.steps = 0
 
     def _step(self, batch: ScheduledBatch, sched: Scheduler, sp: SamplingParams) -> list[Seq]:
         """One forward over `batch`; sample for the sequences whose pending tokens all ran. Returns the finished."""
@@ -378,12 +387,13 @@ class RolloutEngine:
 
 
 def pool_blocks(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int, reserved: int,
-                kv_cache_bytes: int, gpu_memory_utilization: float, tokens: int) -> int:
-    """Blocks of `block_size` tokens the KV budget holds beside `reserved` ones; an InputError when that is less
+                kv_cache_bytes: int, gpu_memory_utilization: float, tokens: int, held: int = 0) -> int:
+    """Blocks of `block_size` tokens the KV budget holds beside `reserved` ones (`held`: bytes of the engine's
+    kept pool, `platform.kv_cache_budget`); an InputError when that is less
     than one sequence of `tokens` tokens needs, which no preemption can help. Every `generate` checks its longest
     sequence here, and `twinplane train` the config's before loading anything (`preflight.check_kv_budget`)."""
     per_block = bytes_per_block(cfg, block_size, dtype)
-    budget = platform.kv_cache_budget(device, kv_cache_bytes, gpu_memory_utilization)
+    budget = platform.kv_cache_budget(device, kv_cache_bytes, gpu_memory_utilization, held)
     usable, need = budget // per_block - reserved, -(-tokens // block_size)
     if usable < need:
         key = "rollout.kv_cache_gb" if kv_cache_bytes or device.type == "cpu" else \

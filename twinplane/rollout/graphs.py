@@ -13,10 +13,11 @@ is ever given, and attend to that block only; their logits are dropped.
 
 Modes (the engine's `graph_backend`, from `platform.decode_graph_backend`, then `decode_mode` below):
 - "cuda_graph": a bucket is captured the first time a decode step of its size runs in a `generate` call (on the
-  engine's side stream, into one memory pool shared by the call's graphs), and replayed after one host-to-device
-  copy of the step's rows. The graphs point at the KV pool, which the engine frees after every call (a colocated
-  trainer gets the memory back), so they are dropped with it and captured again in the next call. That recapture
-  is kept cheap: warm-up forwards (lazy initialisation: compiled kernels, cuBLAS workspaces) run only for the
+  engine's side stream, into one memory pool shared by the engine's graphs), and replayed after one host-to-device
+  copy of the step's rows. The graphs point at the KV pool: the engine keeps both for later calls that fit (see
+  `serves`), so a bucket is captured once in its lifetime; an engine that releases its pool after each call (a
+  trainer shares the GPU) drops the graphs with it and captures again in the next call. That recapture is kept
+  cheap: warm-up forwards (lazy initialisation: compiled kernels, cuBLAS workspaces) run only for the
   shapes the engine has not decoded before (`Warmth`), and the capture skips `torch.cuda.graph`'s device sync,
   allocator `empty_cache` and host cache flush, so the pool's memory stays cached for the next bucket.
   They read the weights in place: `load_weights` copies into the same tensors, so a weight sync is always seen.
@@ -81,8 +82,9 @@ class Warmth:
 
 
 class DecodeGraphs:
-    """Static (and on GPUs captured) decode steps for one `generate` call over `kv`, whose last block is reserved
-    for padding rows. `max_blocks`: the block-table width (the longest sequence of the call, in blocks);
+    """Static (and on GPUs captured) decode steps over `kv`, whose last block is reserved for padding rows, for a
+    `generate` call and the later ones it `serves`. `max_blocks`: the block-table width (the longest sequence of
+    the first call, in blocks);
     `max_batch`: the largest bucket (`rollout.graph_max_batch`); `limit`: the most sequences the call can run at
     once (buckets above the first one that holds them are never needed)."""
 
@@ -95,17 +97,30 @@ class DecodeGraphs:
         self.window = model.config.sliding_window
         self.block_size, self.max_blocks = kv.block_size, max_blocks
         self.pad_block = kv.num_blocks - 1  # the engine's block manager never hands it out
-        sizes = buckets(max_batch)
+        self.max_batch, sizes = max_batch, buckets(max_batch)
         self.buckets = sizes[:next((i for i, b in enumerate(sizes) if b >= limit), len(sizes) - 1) + 1]
         dev = kv.k.device
         # columns: token id, position, slot, context length, block table [max_blocks]
         self.inputs = torch.zeros(self.buckets[-1], 4 + max_blocks, dtype=torch.long, device=dev)
         self.cu_seqlens = torch.arange(self.buckets[-1] + 1, dtype=torch.int32, device=dev)  # one query each
         self.pad_row = [0, 0, self.pad_block * self.block_size, 1] + [self.pad_block] * max_blocks
+        # The rows are staged on the host (pinned on GPUs: one asynchronous copy per step) and kept between
+        # steps: a row's block table is rewritten only when its sequence's table changed (`_held`), since
+        # building every row from Python lists costs milliseconds a step at a few hundred sequences.
+        self.host = torch.tensor([self.pad_row] * self.buckets[-1], dtype=torch.long)
+        if dev.type == "cuda":
+            self.host = self.host.pin_memory()
+        self._held: list[tuple[list[int], int, int] | None] = [None] * self.buckets[-1]  # None: a padding row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # the graphs' shared memory pool (cuda_graph mode)
         self.steps = 0  # decode steps run here
         self.broken = False  # a capture failed: the engine runs eager from then on
+
+    def serves(self, mode: str, max_blocks: int, limit: int) -> bool:
+        """Whether this static decode (over the same pool) can run a later call's steps too: same mode, tables as
+        wide as that call needs, and the bucket that holds `limit` sequences."""
+        return (not self.broken and mode == self.mode and max_blocks <= self.max_blocks
+                and self.buckets[-1] >= min(limit, self.max_batch))
 
     def fits(self, batch: ScheduledBatch) -> bool:
         """Decode-only, within the largest bucket, every block table within the fixed width."""
@@ -122,14 +137,30 @@ class DecodeGraphs:
         size = self.bucket(n)
         if self.mode == "cuda_graph" and size not in self.graphs and not self._capture(size):
             return None
-        rows = []
-        for seq in seqs:
+        host, held, toks, pos, slots = self.host.numpy(), self._held, [], [], []
+        for i, seq in enumerate(seqs):
             p, table = seq.num_computed, seq.block_table
-            rows.append([seq.tokens[p], p, table[p // bs] * bs + p % bs, p + 1, *table,
-                         *[self.pad_block] * (self.max_blocks - len(table))])
+            toks.append(seq.tokens[p])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
             seq.num_computed = p + 1
-        rows += [self.pad_row] * (size - n)
-        self.inputs[:size].copy_(torch.tensor(rows, dtype=torch.long))
+            # The block manager appends to a table, replaces its last block (copy-on-write) or gives the
+            # sequence a new list (freed): the same list, length and last block mean the same table. (Holding
+            # the list keeps its identity from being reused.)
+            h = held[i]
+            if h is None or h[0] is not table or h[1] != len(table) or h[2] != table[-1]:
+                host[i, 4:4 + len(table)] = table
+                host[i, 4 + len(table):] = self.pad_block
+                held[i] = table, len(table), table[-1]
+        host[:n, 0], host[:n, 1], host[:n, 2] = toks, pos, slots
+        host[:n, 3] = host[:n, 1] + 1
+        for i in range(n, size):
+            if held[i] is not None:
+                host[i] = self.pad_row
+                held[i] = None
+        # (asynchronous from pinned memory: the host rows change again only after this step's tokens are read
+        # back, which waits for the copy, queued before the forward on the same stream)
+        self.inputs[:size].copy_(self.host[:size], non_blocking=True)
         self.steps += 1
         if self.mode == "static":
             return self.forward(size)[:n]

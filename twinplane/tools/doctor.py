@@ -18,7 +18,7 @@ import torch
 
 import twinplane
 from twinplane.platform import platform
-from twinplane.rollout.kernels import self_check as kernel_self_check
+from twinplane.rollout.kernels import self_check as kernelkernel_self_check
 from twinplane.rollout.paged_attention import flex_decode_agrees
 
 
@@ -59,9 +59,14 @@ def sandbox_report() -> dict:
 
 
 def training_report(info: platform.PlatformInfo) -> dict:
-    """What the training plane picks here with its "auto" settings (`train.compile`, `train.logprob_chunk_tokens`)."""
+    """What the training plane picks here with its "auto" settings (`train.compile`, `train.logprob_chunk_tokens`,
+    the log-softmax after the LM head: on a GPU this runs its Triton self-check)."""
+    from twinplane.train.chunked_logprobs import kernel_self_check
+
     device = info.device_type
-    return {"compile": platform.compile_layers(device), "logprob_chunk_tokens": platform.logprob_chunk_tokens(device)}
+    compute = platform.train_precision(torch.device(device), torch.float32).compute
+    return {"compile": platform.compile_layers(device), "logprob_chunk_tokens": platform.logprob_chunk_tokens(device),
+            "logprob_kernels": platform.logprob_kernels(torch.device(device), compute, check=kernel_self_check)}
 
 
 def checkpoint_report(info: platform.PlatformInfo) -> dict:
@@ -81,7 +86,7 @@ def rollout_report(info: platform.PlatformInfo) -> dict:
     the Triton self-check), the paged attention backend and block size, and how decode steps run."""
     device = info.device
     dtype = torch.bfloat16 if device.type == "cuda" and info.bf16 else torch.float32
-    kernels, kernels_why = platform.rollout_kernels(device, dtype, check=kernel_self_check)
+    kernels, kernels_why = platform.rollout_kernels(device, dtype, check=kernelkernel_self_check)
     backend, block = platform.paged_attention_backend(device, dtype, 64, kernels, flex_check=flex_decode_agrees)
     forced = os.environ.get("TWINPLANE_PAGED_BACKEND")
     prefill = "; prefill chunks: gather + SDPA"
@@ -199,7 +204,7 @@ def format_report(d: dict) -> str:
         f"({r['paged_attention_why']})",
         f"          decode {r['graphs']} ({r['graphs_why']})",
         f"training  decoder layers {'compiled' if t['compile'] else 'eager'} (train.compile=auto), log-prob chunks of "
-        f"{t['logprob_chunk_tokens']} tokens (train.logprob_chunk_tokens=0)",
+        f"{t['logprob_chunk_tokens']} tokens (train.logprob_chunk_tokens=0) through {t['logprob_kernels']} kernels",
         f"checkpoint {c['bytes_per_param']} bytes/param (weights + AdamW moments): "
         f"{c['gb_per_billion_params_per_rank']:.1f} GB per 1B params per rank, sharded over {c['ranks']} training "
         f"rank(s) here (checkpoint.format=sharded writes 1/N from each of N ranks)",

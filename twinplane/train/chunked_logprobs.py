@@ -4,11 +4,17 @@
 the entropy of that distribution) but runs over `chunk` tokens at a time, in forward and again in backward:
 the backward recomputes each chunk's logits instead of saving them, the trade Liger-Kernel's fused linear
 cross-entropy makes. Extra memory is a few [chunk, V] fp32 buffers instead of ~4 copies of [tokens, V].
+
+After each chunk's GEMM, the log-softmax, gather and entropy (and in backward the logits' gradient) run as torch's
+fp32 passes or, on GPUs where the platform picks them (`platform.logprob_kernels`), as one Triton kernel each over
+the logits in the GEMM's dtype (twinplane.train.logprob_kernels): one [chunk, V] buffer in that dtype, one read.
 """
 
 from __future__ import annotations
 
 import torch
+
+from twinplane.platform import platform
 
 
 def _chunk_logprobs(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -26,8 +32,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, triton):
         # hidden [M, D] and weight [V, D] already in the compute dtype; targets [M]
+        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.triton = temperature, chunk, with_entropy, triton
+        if triton:
+            return _triton_forward(ctx, hidden, weight, targets)
         M = hidden.shape[0]
         lp = torch.empty(M, dtype=_acc(hidden.dtype), device=hidden.device)
         ent = torch.empty(M, dtype=_acc(hidden.dtype), device=hidden.device) if with_entropy else None
@@ -37,13 +46,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if with_entropy:
                 ent[s:s + chunk] = -logp.exp().mul_(logp).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, ent if with_entropy else lp)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         """d lp / d z = onehot(y) - p and d H / d z = -p (log p + H), with z = logits / T; fp32 throughout, the
         two matmuls per chunk in the compute dtype, the weight grad accumulated in fp32."""
+        if ctx.triton:
+            return _triton_backward(ctx, g_lp, g_ent)
         hidden, weight, targets, ent = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -72,20 +82,76 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     grad_w.addmm_(gz.T, h)
                 else:  # a [V, D] product in the compute dtype, summed in fp32
                     grad_w.add_(gz.T @ h)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return _grads(ctx, grad_h, grad_w, weight)
+
+
+def _grads(ctx, grad_h, grad_w, weight):
+    return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def _triton_forward(ctx, hidden, weight, targets):
+    from twinplane.train.logprob_kernels import row_stats
+
+    lp, ent, lse = [], [], []
+    for s in range(0, hidden.shape[0], ctx.chunk):
+        a, b, c = row_stats(hidden[s:s + ctx.chunk] @ weight.T, targets[s:s + ctx.chunk], ctx.temperature,
+                            ctx.with_entropy)
+        lp.append(a)
+        ent.append(b)
+        lse.append(c)
+    lp, lse = torch.cat(lp), torch.cat(lse)
+    ent = torch.cat(ent) if ctx.with_entropy else None
+    ctx.save_for_backward(hidden, weight, targets, lse, ent)
+    return lp, ent
+
+
+def _triton_backward(ctx, g_lp, g_ent):
+    """As the torch path's backward, the logits' gradient from the Triton kernel, in the GEMM's dtype."""
+    from twinplane.train.logprob_kernels import logit_grad_
+
+    hidden, weight, targets, lse, ent = ctx.saved_tensors
+    chunk, use_ent = ctx.chunk, ctx.with_entropy and g_ent is not None
+    grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=_acc(weight.dtype), device=weight.device) \
+        if ctx.needs_input_grad[1] else None
+    for s in range(0, hidden.shape[0], chunk):
+        h, rows = hidden[s:s + chunk], slice(s, s + chunk)
+        gz = logit_grad_(h @ weight.T, targets[rows], lse[rows], ctx.temperature,
+                         None if g_lp is None else g_lp[rows].contiguous(), ent[rows] if use_ent else None,
+                         g_ent[rows].contiguous() if use_ent else None)  # [c, V]
+        if grad_h is not None:
+            grad_h[rows] = gz @ weight
+        if grad_w is not None:
+            if gz.dtype == grad_w.dtype:
+                grad_w.addmm_(gz.T, h)
+            else:
+                grad_w.add_(gz.T @ h)
+    return _grads(ctx, grad_h, grad_w, weight)
+
+
+def kernel_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The Triton kernels' self-check (`platform.logprob_kernels`)."""
+    from twinplane.train.logprob_kernels import self_check  # (imports Triton: only where it may be used)
+
+    return self_check(device, dtype)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   chunk: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk: int, with_entropy: bool = False,
+                   kernels: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(targets) [M] and, with `with_entropy`, the entropy of pi [M], both fp32, where
     pi = softmax(hidden [M, D] @ weight [V, D].T / temperature) (temperature 0 scores at 1, as the engine's greedy).
 
     The matmuls run in the autocast dtype when autocast is on (else `weight`'s dtype); log-softmax and
-    reductions in fp32. `chunk` > 0 bounds the transient memory to a few [chunk, V] buffers."""
+    reductions in fp32. `chunk` > 0 bounds the transient memory to a few [chunk, V] buffers. `kernels`: "torch" or
+    "triton" for what follows each GEMM (None: the platform's choice for this device and dtype)."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     dev = hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     t = temperature if temperature > 0 else 1.0
+    if kernels is None:
+        kernels = platform.logprob_kernels(hidden.device, dtype, check=kernel_self_check)
     with torch.autocast(dev, enabled=False):
-        return _ChunkedLogprobs.apply(hidden.to(dtype), weight.to(dtype), targets, t, chunk, with_entropy)
+        return _ChunkedLogprobs.apply(hidden.to(dtype), weight.to(dtype), targets, t, chunk, with_entropy,
+                                      kernels == "triton" and dtype != torch.float64)

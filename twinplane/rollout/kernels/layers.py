@@ -1,15 +1,17 @@
 """The decoder's modules as the rollout engine runs them on the "triton" side of the kernel seam.
 
 `swap(model)` changes the classes of the engine's own copy of the model in place (parameters, names and state
-dict stay: weight syncs and LoRA adapters work as before), as twinplane.rollout.packed does for the CPU GEMMs. Each
-variant runs its kernels on the paged (engine) path without autograd, and the torch forward otherwise. Per layer
-the decode runs: RMSNorm; the q/k/v GEMMs; rope + KV write; paged attention; o_proj; residual add + RMSNorm; the
-gate/up GEMMs; SiLU * up; down_proj; residual add.
+dict stay: weight syncs and LoRA adapters work as before), as twinplane.rollout.packed does for the CPU GEMMs.
+q/k/v and gate/up become one stacked weight each (`stack`), the per-projection parameters views into it, so a
+weight load in place lands in the stack. Each variant runs its kernels on the paged (engine) path without
+autograd, and the torch forward otherwise. Per layer the decode runs: RMSNorm; the q/k/v GEMM; rope + KV write;
+paged attention; o_proj; residual add + RMSNorm; the gate/up GEMM; SiLU * up; down_proj; residual add.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from twinplane.model.transformer import MLP, Attention, DecoderLayer, RMSNorm
@@ -26,20 +28,51 @@ class TritonRMSNorm(RMSNorm):
         return rms_norm(x, self.weight, self.eps)
 
 
+def stack(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight [sum of out features, in] (and bias) for `module`'s linears `names`, each linear's parameters
+    made views into it; None, changing nothing, where one is not a plain nn.Linear (a LoRA-adapted one keeps its
+    own GEMMs) or only some have a bias."""
+    linears = [getattr(module, n) for n in names]
+    if any(type(m) is not nn.Linear for m in linears) or len({m.bias is None for m in linears}) > 1:
+        return None
+    w = torch.cat([m.weight.detach() for m in linears])
+    b = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    start = 0
+    for m in linears:
+        end = start + m.out_features
+        m.weight = nn.Parameter(w[start:end], requires_grad=False)
+        if b is not None:
+            m.bias = nn.Parameter(b[start:end], requires_grad=False)
+        start = end
+    return w, b
+
+
 class TritonMLP(MLP):
+    stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None  # gate/up (`stack`)
+
     def forward(self, x, routing=None):
         if torch.is_grad_enabled():
             return super().forward(x, routing)
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.stacked is None:
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = F.linear(x, *self.stacked).chunk(2, dim=-1)  # views of one GEMM's output
+        return self.down_proj(silu_mul(gate, up))
 
 
 class TritonAttention(Attention):
+    stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None  # q/k/v (`stack`)
+
     def forward(self, x, cos, sin, meta):
         p = meta.paged
         if p is None or torch.is_grad_enabled():
             return super().forward(x, cos, sin, meta)
         B, T, _ = x.shape  # the paged row: B == 1
-        q, k, v = self.project(x)  # [1, T, H, hd], [1, T, H_kv, hd] x 2
+        if self.stacked is None:
+            q, k, v = self.project(x)  # [1, T, H, hd], [1, T, H_kv, hd] x 2
+        else:  # views of one GEMM's output
+            hd, c = self.cfg.head_dim, self.cfg
+            q, k, v = (t.unflatten(-1, (-1, hd)) for t in F.linear(x, *self.stacked).split(
+                [c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1))
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope_write(q[0], k[0], v[0], cos[0, 0], sin[0, 0], p.k_cache[self.layer], p.v_cache[self.layer],
@@ -69,4 +102,8 @@ def swap(model: nn.Module) -> int:
         if cls is not None:
             m.__class__ = cls
             count += 1
+            if cls is TritonAttention:
+                m.stacked = stack(m, ("q_proj", "k_proj", "v_proj"))
+            elif cls is TritonMLP:
+                m.stacked = stack(m, ("gate_proj", "up_proj"))
     return count
