@@ -102,14 +102,47 @@ def test_fsdp2_ranks_on_ray_train_like_one_process_and_engines_follow(tmp_path):
         setup.scorer.close()
 
 
-def test_colocated_fsdp2_run(tmp_path):
-    """2 training ranks (FSDP2 over gloo), each hosting an engine: a 2-step run with checkpoints."""
-    assert cluster_train(tmp_path, *RAY, "cluster.colocate=true", "cluster.train_devices=2",
-                         "cluster.rollout_devices=2") == 0
-    got = rows(tmp_path)
+COLOCATED2 = ["cluster.colocate=true", "cluster.train_devices=2", "cluster.rollout_devices=2"]
+
+
+@pytest.fixture(scope="module")
+def colocated_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("colocated")
+    assert cluster_train(d, *RAY, *COLOCATED2) == 0
+    return d
+
+
+def test_colocated_fsdp2_run(colocated_run):
+    """2 training ranks (FSDP2 over gloo), each hosting an engine: a 2-step run with checkpoints, sharded (each rank
+    wrote its own file; no full weights or optimizer state in the checkpoint)."""
+    got = rows(colocated_run)
     assert [r["step"] for r in got] == [1, 2]
     assert all(r["sync/bytes"] > 0 and r["rollout/weight_version"] == r["step"] - 1 for r in got)
-    assert (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").exists()
+    ckpt = colocated_run / "checkpoints" / "step_00000002"
+    assert (ckpt / "manifest.json").exists()
+    assert {p.name for p in (ckpt / "policy").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert not (ckpt / "optimizer.pt").exists() and not list((ckpt / "model").glob("*.safetensors"))
+
+
+def test_sharded_checkpoint_on_ray_resumes_exactly_and_onto_one_rank(tmp_path, monkeypatch, colocated_run):
+    """Preempted after step 1 with 2 training ranks (sharded checkpoint), resumed on 2 ranks: the uninterrupted
+    run's weights and metrics, bitwise. The same checkpoint resumed on 1 rank (2 -> 1; the engine count changes with
+    it, so sampling is reseeded: not bitwise) runs to the end."""
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cluster_train(a, *RAY, *COLOCATED2, "checkpoint.every=0", fault="weight_sync@1",
+                         monkeypatch=monkeypatch) == 75
+    monkeypatch.delenv("TWINPLANE_FAULT")
+    shutil.copytree(a, b)
+    assert main(["train", "--run-dir", str(a), *CLUSTER_RUN, *RAY, *COLOCATED2, "checkpoint.every=0", "--resume",
+                 "auto"]) == 0
+    got, want = weights(a), weights(colocated_run)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert [computed(r) for r in rows(a)] == [computed(r) for r in rows(colocated_run)]
+    assert main(["train", "--run-dir", str(b), *CLUSTER_RUN, *RAY, "cluster.colocate=true", "cluster.train_devices=1",
+                 "cluster.rollout_devices=1", "checkpoint.every=0", "--resume", "auto"]) == 0
+    assert [r["step"] for r in rows(b)] == [1, 2]
 
 
 def test_killed_engine_names_worker_and_checkpoint_then_resumes(tmp_path, monkeypatch, capsys,

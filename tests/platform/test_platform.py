@@ -153,6 +153,9 @@ def test_doctor_on_this_machine(capsys):
     if d["device_type"] == "cpu":  # the peak is the best GEMM seen, this run's included: never above 100%
         assert 0 < d["gemm_mfu"] <= 1.0
     assert d["sandbox"]["backend"] in ("bwrap", None) and "sandbox" in text  # which backend can run code here
+    if d["device_type"] == "cpu":  # fp32 weights + 2 fp32 moments, one training rank
+        assert d["checkpoint"] == {"bytes_per_param": 12, "ranks": 1, "gb_per_billion_params_per_rank": 12.0}
+        assert "checkpoint 12 bytes/param (weights + AdamW moments): 12.0 GB per 1B params per rank" in text
     assert doctor.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["device_type"] == platform.detect().device_type
 

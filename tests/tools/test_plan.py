@@ -14,7 +14,7 @@ from twinplane.model import ModelConfig
 from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
 from twinplane.platform import platform
 from twinplane.platform.devices import BY_KEY
-from twinplane.tools.plan import CPU, Cluster, format_plan, layouts, main, recommend
+from twinplane.tools.plan import CPU, Cluster, format_plan, layouts, main, plan, recommend
 
 W = Workload(prompts_per_step=32, n=8, prompt_len=512, response_len=1024, micro_batch_size=4)
 
@@ -37,6 +37,21 @@ def test_training_state_is_16_bytes_per_param_sharded():
     assert off.resident == pytest.approx(8 * p / 8)  # bf16 weights + grads and the fp32 master weights stay
     ck = training_memory(cfg, gpu, W, fsdp=8, checkpointing=True)
     assert ck.activations < training_memory(cfg, gpu, W, fsdp=8).activations / 5
+
+
+def test_sharded_checkpoint_per_rank_is_12_bytes_per_param_over_the_ranks(qwen, capsys):
+    """fp32 weights (the master copy on a GPU) + AdamW's two fp32 moments, 1/N from each of N training ranks;
+    with LoRA the fp32 adapters and their moments only."""
+    cfg = ModelConfig.from_file(qwen)
+    p = plan(cfg, Cluster(BY_KEY["h100"], 8, 1, 2.0), W)
+    n = p["checkpoint"]["ranks"]
+    assert n == p["training_memory"]["fsdp"]
+    assert p["checkpoint"]["per_rank"] == pytest.approx(12 * cfg.num_params / n)
+    lora = plan(cfg, Cluster(BY_KEY["h100"], 8, 1, 2.0), dataclasses.replace(W, lora_rank=16))
+    assert lora["checkpoint"]["total"] == pytest.approx(12 * lora["model"]["trainable_params"])
+    assert main(["--model", str(qwen), "--gpu", "h100", "--gpus", "8"]) == 0
+    gb = p["checkpoint"]["per_rank"] / 1e9
+    assert f"checkpoint: {gb:.2f} GB per training rank with checkpoint.format=sharded" in capsys.readouterr().out
 
 
 def test_kv_cache_formula():

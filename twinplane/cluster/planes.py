@@ -3,7 +3,8 @@
 `Planes` is the protocol: the training plane `trainer`, the `reference` and `critic` planes (or None: which roles
 exist is the algorithm's call, `algos.Algorithm.needs_reference` / `needs_critic`), `rollout` for validation,
 `submit` for the step's rollout, `sync(version)` to move the trainer's weights to the engines, `state()` /
-`load_state(...)` for checkpoints and `close()`. `LocalPlanes` keeps everything in this process; `RayPlanes`
+`load_state(...)` for checkpoints (full tensors by name, or with `shards` each rank's own, written and read by the
+ranks themselves: `twinplane.run.sharded`) and `close()`. `LocalPlanes` keeps everything in this process; `RayPlanes`
 (`twinplane.cluster.ray_planes`) places training ranks, engines and critic ranks as Ray actors. The engine, the
 trainer, the reference and the critic are built here (and by the Ray workers from the same `build_*` functions);
 `twinplane eval` builds its engine here too.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -26,6 +28,7 @@ from twinplane.model.lora import cast_base, merge_lora
 from twinplane.platform import platform
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
 from twinplane.rollout.engine import EngineStats
+from twinplane.run import sharded
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer
 from twinplane.train.critic import Critic, build_value_model
@@ -68,9 +71,9 @@ class CriticPlane(Protocol):
 
     def train_step(self, batch: Batch) -> dict[str, float]: ...
 
-    def state(self) -> dict: ...
+    def state(self, shards: Path | None = None) -> dict | None: ...
 
-    def load_state(self, state: dict) -> None: ...
+    def load_state(self, state: dict | None, shards: Path | None = None) -> None: ...
 
 
 class Planes(Protocol):
@@ -93,13 +96,16 @@ class Planes(Protocol):
         """Push the trainer's weights to every engine as `version`; the report says what each one holds."""
         ...
 
-    def state(self) -> dict:
+    def state(self, shards: Path | None = None) -> dict:
         """For a checkpoint: {policy (None: `model` is the trainer's own), optimizer, scheduler, engine_rng,
-        weight_version, critic}."""
+        weight_version, critic}. With `shards`, the training ranks write the policy and its optimizer to
+        `shards/policy/` and the critic ranks theirs to `shards/critic/`; policy, optimizer and critic are then None."""
         ...
 
-    def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
-                   critic: dict | None = None) -> None: ...
+    def load_state(self, optimizer: dict | None, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
+                   critic: dict | None = None, shards: Path | None = None) -> None:
+        """`shards`: a sharded checkpoint, read by the ranks (then the engines take the loaded weights)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -200,18 +206,29 @@ class LocalPlanes:
     def sync(self, version: int) -> SyncReport:
         return sync_in_process(self.engine, self.trainer, version)
 
-    def state(self) -> dict:
+    def state(self, shards: Path | None = None) -> dict:
         """Policy weights are the trainer's model itself here (None: nothing to copy)."""
         tr = self.trainer
-        return {"policy": None, "optimizer": named_optimizer_state(tr.model, tr.opt),
-                "scheduler": tr.sched.state_dict(), "engine_rng": [self.engine.generator.get_state()],
-                "weight_version": self.engine.weight_version, "critic": critic_state(self.critic)}
+        if shards is not None:
+            sharded.save(shards / "policy", tr.model, tr.opt)
+            if self.critic is not None:
+                sharded.save(shards / "critic", self.critic.model, self.critic.opt)
+        optimizer = named_optimizer_state(tr.model, tr.opt) if shards is None else None
+        return {"policy": None, "optimizer": optimizer, "scheduler": tr.sched.state_dict(),
+                "engine_rng": [self.engine.generator.get_state()], "weight_version": self.engine.weight_version,
+                "critic": self.critic.state() if self.critic is not None and shards is None else None}
 
-    def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
-                   critic: dict | None = None) -> None:
-        load_critic_state(self.critic, critic)
-        load_named_optimizer_state(self.trainer.model, self.trainer.opt, optimizer)
-        self.trainer.sched.load_state_dict(scheduler)
+    def load_state(self, optimizer: dict | None, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
+                   critic: dict | None = None, shards: Path | None = None) -> None:
+        tr = self.trainer
+        if shards is None:
+            load_critic_state(self.critic, critic)
+            load_named_optimizer_state(tr.model, tr.opt, optimizer)
+        else:
+            if self.critic is not None:
+                sharded.load(critic_shards(shards), self.critic.model, self.critic.opt)
+            sharded.load(shards / "policy", tr.model, tr.opt)
+        tr.sched.load_state_dict(scheduler)
         sync_in_process(self.engine, self.trainer, version)
         restore_generator(self.engine.generator, engine_rng[0] if len(engine_rng) == 1 else None, version)
 
@@ -219,17 +236,30 @@ class LocalPlanes:
         pass
 
 
-def critic_state(critic) -> dict | None:
-    """A critic plane's full state for the checkpoint (None: no critic); the same on every backend."""
-    return None if critic is None else critic.state()
-
-
-def load_critic_state(critic, state: dict | None) -> None:
+def load_critic_state(critic, state: dict | None, shards: Path | None = None) -> None:
     if critic is None:
         return
+    if shards is not None:
+        critic.load_state(None, critic_shards(shards))
+        return
     if state is None:
-        raise ValueError("the checkpoint has no critic state (it was written by a run without a critic)")
+        raise ValueError(NO_CRITIC)
     critic.load_state(state)
+
+
+NO_CRITIC = "the checkpoint has no critic state (it was written by a run without a critic)"
+
+
+def critic_shards(shards: Path) -> Path:
+    if not sharded.is_sharded(shards / "critic"):
+        raise ValueError(NO_CRITIC)
+    return shards / "critic"
+
+
+def sharded_checkpoints(cfg: Config, train_devices: int) -> bool:
+    """Whether checkpoints are written sharded (`checkpoint.format`; auto: with more than one training rank)."""
+    fmt = cfg.checkpoint.format
+    return fmt == "sharded" or (fmt == "auto" and train_devices > 1)
 
 
 def restore_generator(gen: torch.Generator, state: torch.Tensor | None, salt: int) -> bool:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from twinplane.cluster.planes import WorkerError, critic_state, load_critic_state, reference_is_base
+from twinplane.cluster.planes import WorkerError, load_critic_state, reference_is_base
 from twinplane.cluster.sync import SyncReport
 from twinplane.cluster.workers import CriticWorker, RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config, ConfigError
@@ -200,16 +201,22 @@ class RayPlanes:
                           sent["bytes"], max(r["seconds"] for r in results[:len(self.trainers)]))
 
     # --- checkpoints --------------------------------------------------------------------------------------------
-    def state(self) -> dict:
-        trained = self._wait([(t, t.state.remote()) for t in self.trainers], "checkpoint")[0]
+    def state(self, shards: Path | None = None) -> dict:
+        """Full tensors gathered by rank 0, or with `shards` each rank's own written there (run dir storage that
+        every node sees)."""
+        where = None if shards is None else str(shards)
+        trained = self._wait([(t, t.state.remote(where)) for t in self.trainers], "checkpoint")[0]
         engines = self._wait([(e, e.engine_state.remote()) for e in self.engines], "checkpoint")
-        return trained | {"engine_rng": [g for g, _ in engines], "weight_version": engines[0][1],
-                          "critic": critic_state(self.critic)}
+        critic = None if self.critic is None else self.critic.state(where)
+        return trained | {"engine_rng": [g for g, _ in engines], "weight_version": engines[0][1], "critic": critic}
 
-    def load_state(self, optimizer: dict, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
-                   critic: dict | None = None) -> None:
-        load_critic_state(self.critic, critic)
-        self._wait([(t, t.load_state.remote(optimizer, scheduler)) for t in self.trainers], "restore")
+    def load_state(self, optimizer: dict | None, scheduler: dict, engine_rng: list[torch.Tensor], version: int,
+                   critic: dict | None = None, shards: Path | None = None) -> None:
+        load_critic_state(self.critic, critic, shards)
+        where = None if shards is None else str(shards)
+        self._wait([(t, t.load_state.remote(optimizer, scheduler, where)) for t in self.trainers], "restore")
+        if shards is not None:  # the engines were built from the driver's weights, not the checkpoint's
+            self.sync(version)
         exact = len(engine_rng) == len(self.engines)
         self._wait([(e, e.set_engine_state.remote(engine_rng[i] if exact else None, version))
                     for i, e in enumerate(self.engines)], "restore")
@@ -245,7 +252,8 @@ class _TrainerProxy:
 
 class _CriticProxy:
     """The critic plane over its ranks (the training ranks, or critic ranks of its own): each takes its
-    token-balanced share of the rows, as the trainer's; state is gathered to full tensors by name."""
+    token-balanced share of the rows, as the trainer's; state is gathered to full tensors by name, or each rank
+    writes and reads its own shards."""
 
     def __init__(self, planes: RayPlanes, actors: list):
         self.planes, self.actors = planes, actors
@@ -256,12 +264,13 @@ class _CriticProxy:
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.planes._per_rank("critic_train_step", batch, self.actors)[0][0]  # global reductions
 
-    def state(self) -> dict:
-        return self.planes._wait([(a, a.critic_state.remote()) for a in self.actors], "checkpoint")[0]
+    def state(self, shards: str | None = None) -> dict | None:
+        return self.planes._wait([(a, a.critic_state.remote(shards)) for a in self.actors], "checkpoint")[0]
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict | None, shards: Path | None = None) -> None:
         ref = ray.put(state)
-        self.planes._wait([(a, a.critic_load_state.remote(ref)) for a in self.actors], "restore")
+        where = None if shards is None else str(shards)
+        self.planes._wait([(a, a.critic_load_state.remote(ref, where)) for a in self.actors], "restore")
 
 
 class _ReferenceProxy:

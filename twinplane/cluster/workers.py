@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
+from twinplane.run import sharded
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer
 from twinplane.train.critic import Critic
@@ -160,6 +162,7 @@ class _CriticCalls:
     """The critic plane's calls, the same on a training rank (critic_devices=0) and on a critic rank."""
 
     critic: Critic
+    critic_group: object  # the group the critic's ranks save and load shards over (its own, or the training one)
 
     def critic_values(self, batch):
         return self.critic.values(batch).cpu()
@@ -167,13 +170,20 @@ class _CriticCalls:
     def critic_train_step(self, batch) -> dict[str, float]:
         return self.critic.train_step(batch)
 
-    def critic_state(self) -> dict | None:
-        """Full state (collectives: every rank calls), returned by the group's first rank."""
+    def critic_state(self, shards: str | None = None) -> dict | None:
+        """Full state (collectives: every rank calls), returned by the group's first rank; with `shards` each rank
+        writes its own to `shards/critic/` instead."""
+        if shards is not None:
+            sharded.save(Path(shards) / "critic", self.critic.model, self.critic.opt, self.critic_group)
+            return None
         state = self.critic.state()
         return state if self.critic.group is None or dist.get_rank(self.critic.group) == 0 else None
 
-    def critic_load_state(self, state: dict) -> None:
-        self.critic.load_state(state)
+    def critic_load_state(self, state: dict | None, shards: str | None = None) -> None:
+        if shards is not None:
+            sharded.load(Path(shards) / "critic", self.critic.model, self.critic.opt, self.critic_group)
+        else:
+            self.critic.load_state(state)
 
 
 class TrainWorker(_CriticCalls, _Worker):
@@ -201,6 +211,7 @@ class TrainWorker(_CriticCalls, _Worker):
                                        routing_replay=cfg.algo.routing_replay)
         if critic is not None:
             self.critic = build_critic(cfg, s.model_config, critic.items(), self.device, group)
+            self.critic_group = self.train_group
         if cfg.cluster.colocate:
             self._build_engine(policy, self.rank)
 
@@ -249,17 +260,25 @@ class TrainWorker(_CriticCalls, _Worker):
             return out | {"checksum": self.engine.checksum()}
         return out if self.rank == 0 else None
 
-    def state(self) -> dict | None:
-        """Full policy weights and named optimizer state (collectives: every rank calls), returned by rank 0."""
+    def state(self, shards: str | None = None) -> dict | None:
+        """Full policy weights and named optimizer state (collectives: every rank calls), returned by rank 0; with
+        `shards` each rank writes its own to `shards/policy/` and rank 0 returns the scheduler alone."""
         tr = self.trainer
+        if shards is not None:  # the training group, not the world: a 1-rank plane's world holds the engines too
+            sharded.save(Path(shards) / "policy", tr.model, tr.opt, self.train_group)
+            return {"policy": None, "optimizer": None, "scheduler": tr.sched.state_dict()} if self.rank == 0 else None
         lora = self.spec.cfg.train.lora.rank > 0  # the base never changes: only the adapters come back
         policy = {n: t.cpu().clone() for n, t in tr.named_weights(adapters_only=lora)}
         opt = named_optimizer_state(tr.model, tr.opt)
         return {"policy": policy, "optimizer": opt, "scheduler": tr.sched.state_dict()} if self.rank == 0 else None
 
-    def load_state(self, optimizer: dict, scheduler: dict) -> None:
-        load_named_optimizer_state(self.trainer.model, self.trainer.opt, optimizer)
-        self.trainer.sched.load_state_dict(scheduler)
+    def load_state(self, optimizer: dict | None, scheduler: dict, shards: str | None = None) -> None:
+        tr = self.trainer
+        if shards is not None:
+            sharded.load(Path(shards) / "policy", tr.model, tr.opt, self.train_group)
+        else:
+            load_named_optimizer_state(tr.model, tr.opt, optimizer)
+        tr.sched.load_state_dict(scheduler)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -278,6 +297,7 @@ class CriticWorker(_CriticCalls, _Worker):
                                 rank=index, world_size=s.num_critics, timeout=timeout)
         group = dist.group.WORLD if s.num_critics > 1 else None  # one rank: the plain model, as one process
         self.critic = build_critic(s.cfg, s.model_config, weights.items(), self.device, group)
+        self.critic_group = dist.group.WORLD
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,

@@ -342,6 +342,11 @@ class CheckpointSection(Section):
     every: int = opt(50, "steps between checkpoints in RUN_DIR/checkpoints (0 = only on preemption); also at the end",
         bounds=">= 0")
     keep: int = opt(2, "newest complete checkpoints kept", bounds=">= 1")
+    format: Literal["auto", "full", "sharded"] = opt(
+        "auto", "auto | full | sharded: full = the policy as an HF folder and full AdamW state, gathered through the "
+        "driver; sharded = each training and critic rank writes its own shards (torch.distributed.checkpoint, "
+        "loads onto any rank count; the run dir on storage every node sees); auto = sharded with more than one "
+        "training rank")
 
 
 @dataclass

@@ -177,6 +177,15 @@ def training_memory(cfg: ModelConfig, dt: Dtypes, w: Workload, fsdp: int = 1, ch
                        reference=p * dt.param / fsdp if w.reference else 0.0, activations=float(act), logits=logits)
 
 
+def checkpoint_bytes(cfg: ModelConfig, dt: Dtypes, w: Workload) -> float:
+    """Bytes of a checkpoint's training state: the trainable weights as the ranks store them (the fp32 master copy
+    where there is one) and their AdamW moments; with LoRA the fp32 adapters only (the base is referred to). A
+    sharded checkpoint (`checkpoint.format=sharded`) writes 1/N of it from each of N training ranks."""
+    if w.lora_rank:
+        return lora_params(cfg, w.lora_rank, w.lora_targets) * (4 + 8)
+    return cfg.num_params * ((dt.master or dt.param) + dt.moments)
+
+
 def rollout_workspace(cfg: ModelConfig, dt: Dtypes, seqs: int, prompt_tokens: int, tp: int = 1) -> float:
     """Transient engine memory: fp32 logits of the sequences in flight (logits, log-probs and the sampler's
     temporaries, 3 copies of [seqs, vocab]) plus one layer of prefill activations over the prompt tokens

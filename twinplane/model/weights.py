@@ -81,10 +81,7 @@ def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], 
 def save_pretrained(model: Transformer, out: str | Path, max_shard_bytes: int | None = None) -> None:
     """Write config.json + safetensors (sharded with an index above `max_shard_bytes`) that transformers loads."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_hf()
-    cfg["torch_dtype"] = str(model.output_weight().dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_config(model, out)
     from twinplane.model.export import export_weights  # lazily: it loads torch.distributed.tensor (seconds)
 
     state = {name: t.contiguous().cpu() for n, p in export_weights(model)
@@ -107,6 +104,15 @@ def save_pretrained(model: Transformer, out: str | Path, max_shard_bytes: int | 
         weight_map.update({n: fname for n in shard})
     total = sum(t.nbytes for t in state.values())
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def save_config(model: Transformer, out: str | Path) -> None:
+    """config.json (transformers' form, with the weights' dtype), the folder created if needed."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf()
+    cfg["torch_dtype"] = str(model.output_weight().dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def load_model(path: str | Path, device: str | torch.device | None = None,

@@ -1,19 +1,29 @@
 """Full-state checkpoints: written atomically, verified on load, pruned only after a newer one is complete.
 
-Layout of `RUN_DIR/checkpoints/step_00000010/`:
+Layout of `RUN_DIR/checkpoints/step_00000010/` (`checkpoint.format=full`, the default with one training rank):
   model/               the policy as an HF folder (config.json, model.safetensors, tokenizer, generation_config.json)
   adapter/             instead of model/ with LoRA: the adapters as a PEFT folder; the frozen base is not copied,
                        state.json's `lora_base` names it by path and sha256 (checked on resume and export)
   reference.safetensors the frozen reference policy, when it is not simply the unchanged `model.path`
   optimizer.pt         AdamW state (tensors and numbers only: loaded with `weights_only=True`)
+  critic.safetensors, critic_optimizer.pt   PPO's value model and its AdamW state
   rng.safetensors      torch CPU / GPU generator states and the rollout engine's sampling generator
   state.json           step, scheduler, data cursor, weight version, python/numpy RNG, controller sums
   config.yaml          the resolved config of the run
   manifest.json        written last: every file's size and sha256. No manifest, no checkpoint.
 
+`checkpoint.format=sharded` (the default with more than one training rank) keeps the rest but replaces the full
+tensors with each rank's own shards, written by the ranks into the same temp folder (`twinplane.run.sharded`):
+  policy/              the policy's trainable parameters and their AdamW state: DCP's .metadata, __R_0.distcp from
+                       each training rank R, optimizer.json (param groups); with LoRA the adapters only
+  critic/              the same for PPO's critic, from its ranks
+  model/               the HF folder without its safetensors (export writes them from policy/); none with LoRA
+A sharded checkpoint loads onto any number of ranks; the manifest covers its files like any others.
+
 A checkpoint is assembled in `.tmp-step_*` beside its final name, each file fsynced, then renamed into place, so
 a crash or a second SIGTERM mid-write leaves only a temp folder that resume ignores (and the next save removes).
-Nothing here unpickles arbitrary objects: safetensors, JSON, YAML (safe) and `torch.load(weights_only=True)`.
+Nothing here unpickles arbitrary objects: safetensors, JSON, YAML (safe), `torch.load(weights_only=True)` and DCP's
+metadata through an unpickler that builds its own classes only.
 """
 
 from __future__ import annotations

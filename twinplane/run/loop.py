@@ -16,6 +16,7 @@ import yaml
 from rich.console import Console
 
 from twinplane.cluster import WorkerError, build_algorithm, build_planes
+from twinplane.cluster.planes import sharded_checkpoints
 from twinplane.config import ConfigError
 from twinplane.controller import Controller
 from twinplane.data import PromptStream
@@ -192,7 +193,7 @@ class Run:
         state, c = self.state, self.controller
         try:
             self.planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"],
-                                   state["weight_version"], critic=state.get("critic"))
+                                   state["weight_version"], critic=state.get("critic"), shards=state["shards"])
             c.version = state["weight_version"]
             c.load_state_dict(state.get("controller", {}))
             c.load_pending(state.get("pending"))
@@ -270,16 +271,21 @@ class Run:
         summary so far, the controller's state and any rollout in flight."""
         t0 = time.perf_counter()
         cfg, s, c = self.cfg, self.s, self.controller
-        planes_state = self.pull_policy()
+        shards = sharded_checkpoints(cfg, self.planes.train_devices)  # else full tensors, gathered here first
+        planes_state = None if shards else self.pull_policy()
         self.summary["wall_seconds"] = self.wall_before + time.perf_counter() - self.t_start
         extra = {"summary": self.summary, "phase_sums": self.phase_sums, "pending": c.pending_state(),
                  "controller": c.state_dict()}
-        path = checkpoint.save(self.run_dir, step, lambda out: run_state.write(
-            out, config=cfg.to_dict(), policy=s.model,
-            save_policy_extras=lambda m, d: save_hf_folder(m, s.tokenizer, d),
-            reference=self.reference if self.warm else None, planes_state=planes_state, stream=self.stream, step=step,
-            extra=extra, lora_base=self.lora_base), cfg.checkpoint.keep,
-            before_manifest=lambda: self.faults("checkpoint"))
+
+        def write(out: Path) -> None:  # sharded: the ranks write theirs into the temp folder, sealed with the rest
+            run_state.write(
+                out, config=cfg.to_dict(), policy=s.model,
+                save_policy_extras=lambda m, d, weights: save_hf_folder(m, s.tokenizer, d, weights),
+                reference=self.reference if self.warm else None, planes_state=planes_state or self.planes.state(out),
+                stream=self.stream, step=step, extra=extra, lora_base=self.lora_base)
+
+        path = checkpoint.save(self.run_dir, step, write, cfg.checkpoint.keep,
+                               before_manifest=lambda: self.faults("checkpoint"))
         self.live.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
 
     def pull_policy(self) -> dict:

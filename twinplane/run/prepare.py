@@ -23,7 +23,7 @@ from twinplane.data import DataError, PromptFormatter, Record, load_code_records
 from twinplane.data.prompts import Prompt, encode_prompts
 from twinplane.data.tasks import ALPHABET, ArithmeticTask
 from twinplane.errors import InputError
-from twinplane.model import ModelConfig, Transformer, save_pretrained
+from twinplane.model import ModelConfig, Transformer, save_config, save_pretrained
 from twinplane.platform import platform
 from twinplane.rewards.runner import RewardRunner
 from twinplane.run import checkpoint, preflight, run_state
@@ -56,8 +56,12 @@ def build_demo_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) ->
     return model.to(device)
 
 
-def save_hf_folder(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
-    save_pretrained(model, out)
+def save_hf_folder(model: Transformer, tokenizer: Tokenizer, out: Path, weights: bool = True) -> None:
+    """An HF model folder; without `weights` all of it but the safetensors (a sharded checkpoint's `model/`)."""
+    if weights:
+        save_pretrained(model, out)
+    else:
+        save_config(model, out)
     tokenizer.save(out)
     c = model.config
     gen = {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id}

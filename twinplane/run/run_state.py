@@ -18,11 +18,13 @@ from safetensors.torch import load_file, save_file
 from twinplane.model import Transformer, iter_safetensors, load_weights
 from twinplane.model.export import export_weights
 from twinplane.model.lora_io import load_adapter, save_adapter
+from twinplane.run import sharded
 from twinplane.run.checkpoint import CheckpointError
 from twinplane.run.run_dir import respect_umask
 
 # Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
-# Where the planes run and how memory is traded for compute are mutable too: checkpoints hold full tensors by name.
+# Where the planes run and how memory is traded for compute are mutable too: checkpoints hold full tensors by name
+# or shards that load onto any rank count.
 MUTABLE = ("train.steps", "log.", "eval.", "checkpoint.", "threads", "device", "reward.timeout_s",
            "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.kv_cache_gb",
            "rollout.gpu_memory_utilization", "rollout.graphs", "rollout.graph_max_batch", "rollout.kernels",
@@ -83,17 +85,21 @@ def _set_rng_state(tensors: dict, plain: dict) -> None:
 def write(out: Path, *, config: dict, policy: Transformer, save_policy_extras, reference: Transformer | None,
           planes_state: dict, stream, step: int, extra: dict, lora_base: dict | None = None) -> None:
     """Fill a checkpoint folder (see `twinplane.run.checkpoint` for the layout). `planes_state` is `Planes.state()`:
-    optimizer state by parameter name with full tensors (loadable on any rank count), scheduler, engine RNGs.
+    optimizer state by parameter name with full tensors (loadable on any rank count), scheduler, engine RNGs; or
+    (optimizer None) the ranks have written their shards into `out` already, and `policy` is not read for weights.
     `lora_base` ({path, sha256}): the policy is LoRA on that base; only its adapters are written."""
+    shards = planes_state["optimizer"] is None
     if lora_base is not None:  # LoRA: the adapters only (PEFT folder); the base is referred to by path + sha256
-        save_adapter(policy, out / "adapter", lora_base["path"], lora_base.get("dropout", 0.0))
+        if not shards:
+            save_adapter(policy, out / "adapter", lora_base["path"], lora_base.get("dropout", 0.0))
         extra = extra | {"lora_base": lora_base}
-    else:
-        save_policy_extras(policy, out / "model")  # HF folder: weights, config, tokenizer, generation config
+    else:  # HF folder: weights (not when sharded: policy/ holds them), config, tokenizer, generation config
+        save_policy_extras(policy, out / "model", not shards)
     if reference is not None:
         save_file({n: t.contiguous().cpu() for n, t in export_weights(reference)},
                   out / "reference.safetensors")
-    torch.save(planes_state["optimizer"], out / "optimizer.pt")
+    if not shards:
+        torch.save(planes_state["optimizer"], out / "optimizer.pt")
     if planes_state.get("critic") is not None:  # PPO's value model and its AdamW state
         save_file({n: t.contiguous() for n, t in planes_state["critic"]["weights"].items()}, out / "critic.safetensors")
         torch.save(planes_state["critic"]["optimizer"], out / "critic_optimizer.pt")
@@ -125,8 +131,9 @@ def read_lora_base(ckpt: Path) -> dict | None:
 def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:
     """Load a checkpoint's weights into freshly built models (on any device), the data cursor and the process
     RNGs; returns state.json's contents plus `optimizer`, `engine_rng` and (with a critic) `critic`, for
-    `Planes.load_state`. A file of the wrong shape (its checksum can be right: it was written so) is a
-    CheckpointError naming it."""
+    `Planes.load_state`. A sharded checkpoint leaves the policy as it is and returns `shards` (the folder) with
+    `optimizer` None: the ranks read their own. A file of the wrong shape (its checksum can be right: it was
+    written so) is a CheckpointError naming it."""
     try:
         return _restore(ckpt, policy=policy, reference=reference, stream=stream)
     except CheckpointError:
@@ -138,7 +145,10 @@ def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, s
 
 def _restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:
     state = json.loads((ckpt / "state.json").read_text())
-    if (ckpt / "adapter").is_dir():  # LoRA: `policy` is the base with adapters applied; they take the saved ones
+    state["shards"] = ckpt if is_sharded(ckpt) else None
+    if state["shards"] is not None:
+        sharded.SafeReader(ckpt / "policy").read_metadata()  # readable before any worker is started for it
+    elif (ckpt / "adapter").is_dir():  # LoRA: `policy` is the base with adapters applied; they take the saved ones
         load_adapter(policy, ckpt / "adapter")
     else:
         load_weights(policy, iter_safetensors(ckpt / "model"))
@@ -149,11 +159,16 @@ def _restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, 
     engines = sorted((k for k in tensors if k.startswith("engine_")), key=lambda k: int(k.split("_")[1]))
     state["engine_rng"] = [tensors.pop(k) for k in engines]
     _set_rng_state(tensors, state["rng"])
-    state["optimizer"] = load_tensors(ckpt / "optimizer.pt")
+    state["optimizer"] = None if state["shards"] is not None else load_tensors(ckpt / "optimizer.pt")
     if (ckpt / "critic.safetensors").exists():
         state["critic"] = {"weights": load_file(ckpt / "critic.safetensors"),
                            "optimizer": load_tensors(ckpt / "critic_optimizer.pt")}
     return state
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """The ranks wrote the policy's and optimizer's shards (`policy/`) rather than full tensors."""
+    return sharded.is_sharded(ckpt / "policy")
 
 
 def load_tensors(path: Path):

@@ -69,6 +69,18 @@ def training_report(info: platform.PlatformInfo) -> dict:
             "logprob_kernels": platform.logprob_kernels(torch.device(device), compute, check=kernel_self_check)}
 
 
+def checkpoint_report(info: platform.PlatformInfo) -> dict:
+    """A checkpoint's size per parameter with this device's dtypes (trainable weights as stored + AdamW moments)
+    and, sharded over one training rank per device here, per rank."""
+    from twinplane.model.memory import Dtypes
+    from twinplane.tools.plan import CPU
+
+    dt = Dtypes() if info.device_type == "cuda" else Dtypes.for_device(CPU)
+    per_param = (dt.master or dt.param) + dt.moments
+    ranks = max(1, info.device_count) if info.device_type == "cuda" else 1
+    return {"bytes_per_param": per_param, "ranks": ranks, "gb_per_billion_params_per_rank": per_param / ranks}
+
+
 def rollout_report(info: platform.PlatformInfo) -> dict:
     """What the rollout engine would run here, and why: its kernels (`rollout.kernels=auto`; on a GPU this runs
     the Triton self-check), the paged attention backend and block size, and how decode steps run."""
@@ -137,6 +149,7 @@ def report() -> dict:
         "copy_bandwidth_gb_s": bandwidth,
         "rollout": rollout_report(info),
         "training": training_report(info),
+        "checkpoint": checkpoint_report(info),
         "sandbox": sandbox_report(),
     }
 
@@ -160,7 +173,7 @@ def format_report(d: dict) -> str:
     def yn(x):
         return "yes" if x else "no"
 
-    a, r, t = d["attention"], d["rollout"], d["training"]
+    a, r, t, c = d["attention"], d["rollout"], d["training"], d["checkpoint"]
     devs = [f"  [{x['index']}] {x['name']}  {x['memory_gb']:.1f} GB" for x in d["devices"]]
     peak = f"{_flops(d['peak_tflops'])} ({d['peak_source']})" if d["peak_tflops"] else "unknown (MFU null)"
     mfu = f"{d['gemm_mfu']:.0%}" if d["gemm_mfu"] is not None else "n/a"
@@ -192,6 +205,9 @@ def format_report(d: dict) -> str:
         f"          decode {r['graphs']} ({r['graphs_why']})",
         f"training  decoder layers {'compiled' if t['compile'] else 'eager'} (train.compile=auto), log-prob chunks of "
         f"{t['logprob_chunk_tokens']} tokens (train.logprob_chunk_tokens=0) through {t['logprob_kernels']} kernels",
+        f"checkpoint {c['bytes_per_param']} bytes/param (weights + AdamW moments): "
+        f"{c['gb_per_billion_params_per_rank']:.1f} GB per 1B params per rank, sharded over {c['ranks']} training "
+        f"rank(s) here (checkpoint.format=sharded writes 1/N from each of N ranks)",
         f"sandbox   {d['sandbox']['backend'] or 'NONE (python tool and code reward need sandbox=unsafe-local)'}: "
         f"{d['sandbox']['detail']}",
     ]

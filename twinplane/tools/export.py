@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -52,8 +53,10 @@ def export(source: Path, out: Path, fmt: str = "merged") -> tuple[Path, str]:
     if out.exists() and out.resolve() == source.resolve():
         raise checkpoint.CheckpointError(f"--out {out}: is the source folder (choose a new one)")
     found = _policy_dir(source)
-    adapter = _adapter_dir(found)
     what = _which_step(found)
+    if found.name != "final" and (found / "policy" / ".metadata").is_file():
+        return _from_shards(found, fmt, out), what
+    adapter = _adapter_dir(found)
     if fmt == "peft":
         if adapter is None:
             raise InputError(f"{source}: no LoRA adapters to export (a full-weight run; use --format merged)")
@@ -100,24 +103,78 @@ def _umask() -> int:
     return mask
 
 
-def _merge(ckpt: Path, adapter: Path, out: Path) -> Path:
-    """A LoRA checkpoint's base (checked against its sha256) with the adapters folded in, as an HF folder; the
-    tokenizer and generation config come from the base folder."""
-    from twinplane.model import load_model, save_pretrained
-    from twinplane.model.lora import merge_lora
-    from twinplane.model.lora_io import apply_adapter, base_sha256
-    from twinplane.platform import platform
+def _from_shards(ckpt: Path, fmt: str, out: Path) -> Path:
+    """A sharded checkpoint's policy, built here from the `model.` entries of `policy/` alone (the optimizer's state
+    is never read): an HF folder, or with LoRA the base with the adapters folded in, or the adapters (`peft`)."""
+    import torch
+
+    from twinplane.model import ModelConfig, Transformer, save_pretrained
+    from twinplane.model.lora import apply_lora, merge_lora
+    from twinplane.model.lora_io import save_adapter
     from twinplane.run.run_state import read_config, read_lora_base
 
     base = read_lora_base(ckpt)
+    if base is None:
+        if fmt == "peft":
+            raise InputError(f"{ckpt}: no LoRA adapters to export (a full-weight run; use --format merged)")
+        model_dir = ckpt / "model"
+        with torch.device("meta"):
+            model = Transformer(ModelConfig.from_file(model_dir))
+        dtype = json.loads((model_dir / "config.json").read_text()).get("torch_dtype", "float32")
+        model = model.to_empty(device="cpu").to(getattr(torch, dtype))
+        _read_shards(ckpt, model)
+        _copy_files(model_dir, _new_folder(out, ckpt))
+        save_pretrained(model, out)
+        return out
+    lora = read_config(ckpt)["train"]["lora"]
+    model = _lora_base(ckpt, base)
+    apply_lora(model, lora["rank"], float(lora["alpha"]), 0.0, lora["targets"])
+    _read_shards(ckpt, model)  # the trainable parameters: the adapters
+    if fmt == "peft":
+        save_adapter(model, _new_folder(out, ckpt), base["path"], base.get("dropout", 0.0))
+        return out
+    _copy_files(Path(base["path"]), _new_folder(out, ckpt), skip=WEIGHT_FILES)
+    save_pretrained(merge_lora(model), out)
+    return out
+
+
+def _read_shards(ckpt: Path, model) -> None:
+    from twinplane.run import sharded
+
+    try:
+        sharded.load_model_only(ckpt / "policy", model)
+    except Exception as e:  # the checksums held, so the files are as written: by something else, or for another model
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise checkpoint.CheckpointError(f"{ckpt / 'policy'}: not this run's sharded policy ({type(e).__name__}: "
+                                         f"{first})") from None
+
+
+def _lora_base(ckpt: Path, base: dict):
+    """The LoRA base a checkpoint names, checked against its sha256, in the run's dtype on the CPU."""
+    from twinplane.model import load_model
+    from twinplane.model.lora_io import base_sha256
+    from twinplane.platform import platform
+    from twinplane.run.run_state import read_config
+
     base_dir = Path(base["path"])
     if not (base_dir / "config.json").exists():
         raise FileNotFoundError(f"{ckpt}: its LoRA base {base_dir} is missing")
     if base_sha256(base_dir) != base["sha256"]:
         raise checkpoint.CheckpointError(f"{ckpt}: its LoRA base {base_dir} changed since the checkpoint "
                                          "(sha256 differs)")
-    dtype = platform.resolve_dtype(read_config(ckpt)["model"]["dtype"])
-    model = merge_lora(apply_adapter(load_model(base_dir, device="cpu", dtype=dtype), adapter))
-    _copy_files(base_dir, out, skip=WEIGHT_FILES)
+    return load_model(base_dir, device="cpu", dtype=platform.resolve_dtype(read_config(ckpt)["model"]["dtype"]))
+
+
+def _merge(ckpt: Path, adapter: Path, out: Path) -> Path:
+    """A LoRA checkpoint's base (checked against its sha256) with the adapters folded in, as an HF folder; the
+    tokenizer and generation config come from the base folder."""
+    from twinplane.model import save_pretrained
+    from twinplane.model.lora import merge_lora
+    from twinplane.model.lora_io import apply_adapter
+    from twinplane.run.run_state import read_lora_base
+
+    base = read_lora_base(ckpt)
+    model = merge_lora(apply_adapter(_lora_base(ckpt, base), adapter))
+    _copy_files(Path(base["path"]), out, skip=WEIGHT_FILES)
     save_pretrained(model, out)
     return out

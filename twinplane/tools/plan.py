@@ -52,6 +52,7 @@ from twinplane.model.flops import (
 from twinplane.model.memory import (
     Dtypes,
     Workload,
+    checkpoint_bytes,
     kv_bytes_per_token,
     lora_params,
     rollout_memory,
@@ -384,6 +385,7 @@ def plan(cfg: ModelConfig, cluster: Cluster, w: Workload, check: TrainCheck | No
     dt = Dtypes.for_device(dev)
     tm = training_memory(cfg, dt, w, fsdp, best.checkpointing if best else False, best.offload if best else False)
     rm = rollout_memory(cfg, dt, w, tp, best.seqs_in_flight if best else None)
+    ckpt = checkpoint_bytes(cfg, dt, w)
     return {
         "model": {"name": name, "params": cfg.num_params, "active_params": cfg.active_params,
                   "layers": cfg.num_layers, "hidden": cfg.hidden_size,
@@ -392,6 +394,7 @@ def plan(cfg: ModelConfig, cluster: Cluster, w: Workload, check: TrainCheck | No
                     cluster.price_per_gpu_hour},
         "workload": asdict(w),
         "training_memory": asdict(tm) | {"total": tm.total, "fsdp": fsdp},
+        "checkpoint": {"total": ckpt, "per_rank": ckpt / fsdp, "ranks": fsdp},
         "rollout_memory": asdict(rm) | {"total": rm.total, "tp": tp},
         "layouts": [asdict(x) | {"dp": x.dp} for x in options if not x.refused],
         "refused_layouts": [asdict(x) | {"dp": x.dp} for x in options if x.refused],
@@ -460,6 +463,10 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
              f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
     for k in ("params", "grads", "master", "moments", "reference", "activations", "logits", "total"):
         lines.append(f"  {k:<12}{tm[k] / div:8.2f}")
+    ck = p["checkpoint"]
+    lines.append(f"checkpoint: {ck['per_rank'] / div:.2f} {unit} per training rank with checkpoint.format=sharded "
+                 f"(model + AdamW state {ck['total'] / div:.2f} {unit} / {ck['ranks']} ranks; the full format gathers "
+                 "it all in the driver)")
     lines.append(f"rollout memory per device ({unit}, TP={rm['tp']}):")
     for k in ("weights", "kv_cache", "workspace", "total"):
         lines.append(f"  {k:<12}{rm[k] / div:8.2f}")
