@@ -64,7 +64,9 @@ from twinplane.platform.devices import BY_KEY, DeviceSpec
 
 GB = 1e9
 HEADROOM = 0.10  # fraction of device memory left free by every layout
-MFU = 0.35  # assumed model-FLOPs utilisation of the training plane
+# model-FLOPs utilisation of the training plane: measured 31-33% on one H200 (Qwen2.5-1.5B shape, 16k-token packed
+# micro-batches, decoder layers compiled as `train.compile=auto` does on GPUs; benchmarks/RESULTS.md)
+MFU = 0.32
 DECODE_EFFICIENCY = 0.6  # fraction of peak HBM bandwidth a decode step achieves
 PREFILL_MFU = 0.4
 LINK_GB_S = 50.0  # per-GPU bandwidth of weight sync (trainer -> engines), GB/s; intra-node xGMI/NVLink is higher
@@ -459,6 +461,8 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
                                     " (a KL term's reference copy would hold the weights once more)")),
              "PPO's critic (a policy-sized value model with its own AdamW) is not counted: it shares the training "
              "devices (cluster.critic_devices=0) or takes K more (cluster.critic_devices=K)",
+             f"training at {MFU:.0%} MFU (measured on one GPU with the decoder layers compiled: train.compile=auto; "
+             "train.compile=off runs them eagerly)",
              "",
              f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
     for k in ("params", "grads", "master", "moments", "reference", "activations", "logits", "total"):
