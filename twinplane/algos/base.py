@@ -14,6 +14,7 @@ import torch
 from twinplane.algos.advantages import advantages as compute_advantages
 from twinplane.algos.dapo import informative, overlong_buffer, overlong_penalty
 from twinplane.algos.losses import aggregate, kl_penalty, normaliser, policy_loss, token_sum
+from twinplane.algos.off_policy import correction, correction_metrics
 from twinplane.algos.ppo import KLController, kl_in_reward, outcome_token_rewards
 
 
@@ -85,6 +86,19 @@ class Algorithm:
         """This mask's share of the loss denominator (summed over micro-batches and ranks by the trainer)."""
         return normaliser(mask, self.cfg.loss_agg)
 
+    def off_policy(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
+                   num_tokens: float, ranks: int = 1) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                               dict[str, torch.Tensor]]:
+        """(importance weights [N, R] or None, keep [N, R] bool or None, metrics' shares) of the off-policy
+        correction `algo.is_weight` / `algo.is_mask` (`off_policy.correction`, truncation at `cap`) for a batch
+        with behaviour log-probs `rollout_logprobs` and proximal `old_logprobs`; the trainer leaves the tokens
+        outside `keep` out of the loss and weights the rest (the decoupled objective). Metrics as
+        `off_policy.correction_metrics` over the global batch's `num_tokens` and `ranks`."""
+        a = self.cfg
+        w, keep = correction(old_logprobs, rollout_logprobs, mask, weight=a.is_weight, keep=a.is_mask, cap=cap,
+                             low=a.is_low, high=a.is_high)
+        return w, keep, correction_metrics(old_logprobs, rollout_logprobs, mask, w, keep, cap, num_tokens, ranks)
+
     def loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
              *, entropy: torch.Tensor, ref_logprobs: torch.Tensor | None, is_weights: torch.Tensor | None,
              norm: float, num_tokens: float,
@@ -100,7 +114,8 @@ class Algorithm:
         horizon = horizon or self.horizon or None
         agg = dict(agg=a.loss_agg, norm=norm, horizon=horizon)
         pg, stats = policy_loss(a.policy_loss, logprobs, old_logprobs, advantages, mask, clip_low=a.clip_low,
-                                clip_high=a.clip_high, clip_c=a.clip_c or None, is_weights=is_weights, **agg)
+                                clip_high=a.clip_high, clip_c=a.clip_c or None, is_weights=is_weights,
+                                sapo_tau=(a.sapo_tau_pos, a.sapo_tau_neg), **agg)
         share = float(mask.sum()) / max(num_tokens, 1.0)  # policy_loss's metrics are means over this micro-batch
         out = {"pg_loss": pg.detach(), "clip_frac": stats["clip_frac"] * share, "ratio": stats["ratio"] * share,
                "entropy": token_sum(entropy.detach(), mask, num_tokens)}

@@ -8,7 +8,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal
 
-from twinplane.algos import AGG_MODES, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
+from twinplane.algos import AGG_MODES, ESTIMATORS, IS_MASKS, IS_WEIGHTS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
 from twinplane.config.keys import Rule, Section, _get, _key, _sections, _settings, opt, value_problem
 from twinplane.errors import InputError
 from twinplane.model.lora import TARGETS as LORA_TARGETS
@@ -19,6 +19,8 @@ Estimator = Literal[ESTIMATORS]
 PolicyLoss = Literal[POLICY_LOSSES]
 LossAgg = Literal[AGG_MODES]
 KLEstimator = Literal[KL_ESTIMATORS]
+ISWeight = Literal[IS_WEIGHTS]
+ISMask = Literal[IS_MASKS]
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -261,8 +263,10 @@ class AlgoSection(Section):
         None, "grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (critic); unset=preset")
     norm_adv_by_std: bool | None = opt(
         None, "grpo estimator: divide by the group std (false = Dr.GRPO); unset = preset")
-    policy_loss: PolicyLoss | None = opt(None, "ppo (token ratio) | gspo (sequence ratio); unset = preset")
-    loss_agg: LossAgg | None = opt(None, "token-mean | seq-mean-token-mean | seq-mean-token-sum[-norm]; unset = preset")
+    policy_loss: PolicyLoss | None = opt(None, "ppo (token ratio) | gspo (sequence ratio) | cispo (clipped ratio as "
+        "a weight) | sapo (smooth gate) | gmpo (geometric-mean ratio, log-space clip); unset = preset")
+    loss_agg: LossAgg | None = opt(
+        None, "token-mean | seq-mean-token-mean | seq-mean-token-sum[-norm] | token-sum (no divisor); unset = preset")
     loss_agg_horizon: int = opt(0, "seq-mean-token-sum-norm's constant divisor (0 = rollout.max_new_tokens)",
         bounds=">= 0")
     clip_low: float | None = opt(None, "ratio clip below 1: 1 - clip_low (unset = preset: 0.2; gspo 3e-4)",
@@ -270,6 +274,8 @@ class AlgoSection(Section):
     clip_high: float | None = opt(None, "ratio clip above 1: 1 + clip_high (unset = preset: 0.28 clip-higher; ppo 0.2)",
         bounds=">= 0")
     clip_c: float = opt(0.0, "dual-clip bound on the loss of negative-advantage tokens (0 = off; typical 3)")
+    sapo_tau_pos: float = opt(1.0, "sapo: gate temperature of positive-advantage tokens", bounds="> 0")
+    sapo_tau_neg: float = opt(1.05, "sapo: gate temperature of negative-advantage tokens", bounds="> 0")
     gamma: float = opt(1.0, "discount of token rewards (reinforce_pp, gae)", bounds="[0, 1]")
     lam: float = opt(1.0, "GAE lambda", bounds="[0, 1]")
     kl_coef: float = opt(0.0, "KL-to-reference loss weight (0 = no reference model unless kl_in_reward)", bounds=">= 0")
@@ -284,6 +290,13 @@ class AlgoSection(Section):
     recompute_old_logprobs: bool = opt(False, "score old log-probs with the trainer instead of using the engine's")
     tis_cap: float = opt(2.0, "cluster.async: truncated importance-sampling cap on pi_old / pi_rollout per token",
         bounds=">= 1")
+    is_weight: ISWeight = opt("token", "off-policy correction's weight on r = pi_old / pi_rollout: token | sequence "
+        "(prod r; both truncated at tis_cap) | icepop (r in [is_low, is_high], else 0) | off")
+    is_mask: ISMask = opt("off", "off-policy correction: drop tokens (token) or whole sequences (sequence: prod r; "
+        "geometric: its geometric mean) whose ratio leaves [is_low, is_high] | off")
+    is_low: float = opt(0.5, "lower bound of the ratio band of is_mask and icepop", bounds="(0, 1]")
+    is_high: float = opt(2.0, "upper bound of the ratio band of is_mask and icepop", bounds=">= 1")
+    is_sync: bool = opt(False, "also correct synchronous runs (engine kernels/dtype) when old log-probs are recomputed")
     dynamic_sampling: bool | None = opt(
         None, "DAPO: train only on groups whose rewards differ, generating more batches")
     max_gen_batches: int = opt(10, "dynamic sampling: at most this many prompt batches generated per step",
@@ -304,6 +317,9 @@ class AlgoSection(Section):
     def rules(self, cfg: Config) -> list[Rule]:
         return [
             (self.clip_c == 0 or self.clip_c > 1, "algo.clip_c", "must be 0 (off) or > 1"),
+            (self.clip_c == 0 or self.policy_loss in ("ppo", "gspo"), "algo.clip_c",
+             f"applies to policy_loss ppo and gspo only, not {self.policy_loss}"),
+            (self.is_low < self.is_high, "algo.is_low", "must be below algo.is_high"),
             (not self.dynamic_sampling or cfg.rollout.n >= 2, "algo.dynamic_sampling",
              "needs rollout.n >= 2 (it keeps groups whose rewards differ)"),
             (not (self.dynamic_sampling and cfg.cluster.async_), "algo.dynamic_sampling",

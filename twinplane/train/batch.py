@@ -38,6 +38,7 @@ class Batch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None  # value targets (PPO critic)
     old_values: torch.Tensor | None = None  # the critic's values at rollout time (value-loss clipping)
+    is_weights: torch.Tensor | None = None  # the off-policy correction's importance weights (the trainer's)
     # MoE: the engine's expert ids per token [N, P + R, M, k] (int16, -1 = none, e.g. padding), for replay
     routing: torch.Tensor | None = None
 

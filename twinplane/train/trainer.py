@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from twinplane.algos import Algorithm, token_sum, truncated_is_weights
+from twinplane.algos import Algorithm, token_sum
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
 from twinplane.model.checksum import tensor_checksum
@@ -60,8 +61,9 @@ class Trainer:
                  total_steps: int, group=None, *, tis_cap: float | None = None, horizon: int = 0):
         """`group`: the data-parallel process group when `model` is FSDP-sharded (`twinplane.train.fsdp`) and each
         rank passes its own rows to `train_step`; token means and metrics are then over the global batch.
-        `tis_cap`: truncated importance sampling (`algos.truncated_is_weights`) for batches that carry both
-        `old_logprobs` and `rollout_logprobs`, i.e. when the engine's weights may lag the trainer's; None = off.
+        `tis_cap`: the off-policy correction (`Algorithm.off_policy`, truncating at `tis_cap`) for batches that
+        carry both `old_logprobs` and `rollout_logprobs`, i.e. when the engine's weights may lag the trainer's;
+        None = off.
         `horizon`: seq-mean-token-sum-norm's constant (the generation cap; `algo.loss_agg_horizon` overrides it;
         0 = the global batch's padded response width)."""
         self.model, self.cfg, self.temperature = model, train, temperature
@@ -117,6 +119,18 @@ class Trainer:
         *vals, norm = torch.cat([vals, grad_norm.detach().to(vals.device, torch.float64).reshape(1)]).tolist()
         return dict(zip(keys, vals, strict=True)), norm
 
+    def _off_policy(self, batch: Batch) -> tuple[Batch, dict[str, torch.Tensor]]:
+        """`batch` with the off-policy correction's weights and its masked tokens out of `response_mask`, and the
+        correction's metrics (this rank's shares), computed on the device and read back with the step's others."""
+        dev, mask = self.device, batch.response_mask
+        ranks = 1 if self.group is None else dist.get_world_size(self.group)
+        w, keep, stats = self.algo.off_policy(batch.old_logprobs.to(dev), batch.rollout_logprobs.to(dev),
+                                              mask.to(dev), self.tis_cap, max(self._global(float(mask.sum())), 1),
+                                              ranks)
+        if keep is not None:
+            mask = mask * keep.to(mask.device, mask.dtype)
+        return replace(batch, response_mask=mask, is_weights=w), stats
+
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (gradient-accumulated over micro-batches): the mechanics. The loss of each
         micro-batch is the algorithm's (`algos.Algorithm.loss`), normalised by the global batch's denominator, so
@@ -125,18 +139,21 @@ class Trainer:
         The ratio's denominator is `old_logprobs` when recomputed, else the engine's `rollout_logprobs`.
         Every token-level metric is a token mean over the whole batch; `actor/logprob_gap` compares the
         engine's log-probs with this forward pass (meaningful on the first mini-batch, before any update).
-        With `tis_cap` and both old and rollout log-probs, each token's loss is weighted by
-        min(pi_old / pi_rollout, tis_cap), reported as `actor/tis_weight_mean` and `actor/tis_clip_frac`.
+        With `tis_cap` and both old and rollout log-probs, the off-policy correction (`Algorithm.off_policy`:
+        by default each token's loss weighted by min(pi_old / pi_rollout, tis_cap)) is made on the whole batch
+        first: tokens it masks leave the loss and its denominator. Its metrics are `actor/tis_*`.
         """
         self.model.train()
+        tis = self.tis_cap is not None and batch.old_logprobs is not None and batch.rollout_logprobs is not None
+        corrected = {}
+        if tis:
+            batch, corrected = self._off_policy(batch)
         num_tokens = max(self._global(batch.num_response_tokens), 1)  # for token-mean metrics
         norm = max(self._global(self.algo.normaliser(batch.response_mask)), 1)  # the loss's global denominator
         horizon = self.algo.horizon
         if not horizon:
             horizon = int(self._global(batch.response_mask.shape[1], dist.ReduceOp.MAX))
-        tis = self.tis_cap is not None and batch.old_logprobs is not None and batch.rollout_logprobs is not None
-        keys = ["pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"]
-        sums = dict.fromkeys(keys + (["tis_weight_mean", "tis_clip_frac"] if tis else []), 0.0)
+        sums = dict.fromkeys(["pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"], 0.0) | corrected
         c = self.cfg
         moe = RoutingStats(self.config, self.device) if self.config.num_experts else None
         share = c.share_prompts and batch.routing is None and moe is None  # (MoE: see packed_layout)
@@ -152,12 +169,8 @@ class Trainer:
                                             chunk_tokens=self.chunk_tokens, routing=rs, layout=layout)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
-            w = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, self.tis_cap) if tis else None  # [n, R]
             loss, stats = self.algo.loss(lp, old, mb.advantages, m, entropy=ent, ref_logprobs=mb.ref_logprobs,
-                                         is_weights=w, norm=norm, num_tokens=num_tokens, horizon=horizon)
-            if tis:
-                stats |= {"tis_weight_mean": token_sum(w, m, num_tokens),
-                          "tis_clip_frac": token_sum((w >= self.tis_cap).float(), m, num_tokens)}
+                                         is_weights=mb.is_weights, norm=norm, num_tokens=num_tokens, horizon=horizon)
             if moe is not None:  # load-balancing loss, weighted by the micro-batch's share of the step's tokens
                 share = weight * mb.num_response_tokens / num_tokens
                 loss = loss + c.router_aux_loss_coef * share * moe.aux_loss(rs, mb, share, c.packing)
