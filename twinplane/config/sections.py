@@ -318,7 +318,7 @@ class AlgoSection(Section):
         return [
             (self.clip_c == 0 or self.clip_c > 1, "algo.clip_c", "must be 0 (off) or > 1"),
             (self.clip_c == 0 or self.policy_loss in ("ppo", "gspo"), "algo.clip_c",
-             f"applies to policy_loss ppo and gspo only, not {self.policy_loss}"),
+             f"is the dual clip of policy_loss ppo and gspo (this one is {self.policy_loss})"),
             (self.is_low < self.is_high, "algo.is_low", "must be below algo.is_high"),
             (not self.dynamic_sampling or cfg.rollout.n >= 2, "algo.dynamic_sampling",
              "needs rollout.n >= 2 (it keeps groups whose rewards differ)"),
