@@ -63,6 +63,24 @@ def test_critic_starts_from_the_policy_and_its_value_loss_falls():
     torch.testing.assert_close(critic.values(batch), full.detach() * batch.response_mask, atol=1e-6, rtol=1e-5)
 
 
+def test_critic_token_sum_is_the_token_mean_times_the_tokens():
+    """critic.loss_agg=token-sum: the first step's value loss (same weights, same batch) is the token-mean one
+    times the batch's response tokens, with micro-batches of 2 rows summed."""
+    def first_loss(agg):
+        model = build_value_model(tiny_model().config, export_weights(tiny_model()), torch.device("cpu"),
+                                  torch.float32)
+        critic = Critic(model, 1e-2, [0.9, 0.999], 0.0, value_clip=0.5, grad_clip=1.0, micro_batch_size=2,
+                        loss_agg=agg)
+        batch = make_batch(tiny_model())
+        batch.returns = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+        batch.old_values = critic.values(batch)
+        return critic.train_step(batch)["critic/vf_loss"], batch.num_response_tokens
+
+    mean, tokens = first_loss("token-mean")
+    total, _ = first_loss("token-sum")
+    assert total == pytest.approx(mean * tokens, rel=1e-5) and tokens > 6
+
+
 PPO = ["algo.name=ppo", "critic.warmup_steps=2", "algo.kl_in_reward=true", "algo.kl_ctrl=adaptive",
        "critic.lr=1e-3"]
 

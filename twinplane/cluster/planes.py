@@ -143,7 +143,7 @@ def build_critic(cfg: Config, model_config: ModelConfig, weights: Iterable[tuple
     model = build_value_model(model_config, weights, device, platform.resolve_dtype(cfg.model.dtype))
     model.compile_layers = platform.compile_layers(device, t.compile)
     return Critic(shard_over(model, group, t.compute_dtype), c.lr, t.betas, t.weight_decay, c.value_clip,
-                  c.grad_clip, t.micro_batch_size, t.max_tokens_per_micro_batch, group)
+                  c.grad_clip, t.micro_batch_size, t.max_tokens_per_micro_batch, group, c.loss_agg)
 
 
 def reference_is_base(cfg: Config) -> bool:

@@ -100,6 +100,12 @@ ALIASES = {
     "lora_r": ("train.lora.rank", ""), "lora_rank": ("train.lora.rank", ""), "lora_alpha": ("train.lora.alpha", ""),
     "lora_dropout": ("train.lora.dropout", ""), "lora_target_modules": ("train.lora.targets", ""),
     "target_modules": ("train.lora.targets", ""),
+    "loss_mode": ("algo.policy_loss", "verl's vanilla is ppo, geo_mean is gmpo"), "tau_pos": ("algo.sapo_tau_pos", ""),
+    "tau_neg": ("algo.sapo_tau_neg", ""), "rollout_is": ("algo.is_weight", ""),
+    "rollout_is_threshold": ("algo.tis_cap", ""),
+    "rollout_rs": ("algo.is_mask", "verl's token_k1, seq_sum_k1, seq_mean_k1 are token, sequence, geometric"),
+    "rollout_rs_threshold": ("algo.is_low", "verl's lo_hi bounds pi_rollout / pi_old: here algo.is_low = 1 / hi, "
+                             "algo.is_high = 1 / lo"),
 }
 
 

@@ -337,6 +337,7 @@ class CriticSection(Section):
     lr: float = opt(1e-4, "critic AdamW learning rate (constant)", bounds="> 0")
     warmup_steps: int = opt(0, "first RL steps in which only the critic trains (the actor waits)", bounds=">= 0")
     value_clip: float = opt(0.5, "value-loss clipping: new values within old values +- this", bounds="> 0")
+    loss_agg: Literal["token-mean", "token-sum"] = opt("token-mean", "value-loss aggregation: token-mean | token-sum")
     grad_clip: float = opt(1.0, "max critic grad norm (0 = off)", bounds=">= 0")
 
 

@@ -64,8 +64,9 @@ class Critic:
     (each rank trains on its rows of the global batch, as `Trainer`)."""
 
     def __init__(self, model: ValueModel, lr: float, betas, weight_decay: float, value_clip: float, grad_clip: float,
-                 micro_batch_size: int, max_tokens: int = 0, group=None):
-        self.model, self.value_clip, self.grad_clip = model, value_clip, grad_clip
+                 micro_batch_size: int, max_tokens: int = 0, group=None, loss_agg: str = "token-mean"):
+        """`loss_agg`: the value loss's aggregation over the global batch, token-mean or token-sum."""
+        self.model, self.value_clip, self.grad_clip, self.loss_agg = model, value_clip, grad_clip, loss_agg
         self.micro_batch_size, self.max_tokens, self.group = micro_batch_size, max_tokens, group
         self.opt, self.sched = build_optimizer(model.parameters(), lr, betas, weight_decay, 0, 1, "constant")
         self.device = model.output_weight().device
@@ -86,7 +87,7 @@ class Critic:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped value loss on `batch` (needs `old_values` and `returns`), a token mean
-        over the global batch. Metrics: critic/vf_loss, critic/vf_clipfrac, critic/grad_norm."""
+        (or sum, `loss_agg`) over the global batch. Metrics: critic/vf_loss, critic/vf_clipfrac, critic/grad_norm."""
         from twinplane.train.trainer import clip_and_step
 
         self.model.train()
@@ -99,7 +100,8 @@ class Critic:
         for mb, weight in fsdp.micro_batches(batch, self.micro_batch_size, self.group, self.max_tokens):
             v = response_values(self.model, mb)
             m = mb.response_mask
-            loss, frac = value_loss(v, mb.old_values, mb.returns, m, clip=self.value_clip, norm=num_tokens)
+            loss, frac = value_loss(v, mb.old_values, mb.returns, m, clip=self.value_clip, agg=self.loss_agg,
+                                    norm=num_tokens)
             (loss * weight).backward()
             sums["vf_loss"] += weight * float(loss.detach())
             sums["vf_clipfrac"] += weight * float(frac) * float(m.sum()) / num_tokens
