@@ -41,11 +41,11 @@ def token_policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.Ten
     gspo  (Zheng et al. 2025): one ratio per sequence, s = exp(mean_t(lp - old)) over its masked tokens, applied to
           every token as exp(lp - sg(lp) + sg(log s)) so each token's gradient is s * grad lp; the log-ratio is
           clamped at 10 (verl), then clipped like ppo with the paper's small ranges (3e-4 / 4e-4).
-    cispo (MiniMax-M1, Chen et al. 2025): loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp: the clipped ratio
-          only weighs the gradient, so clipped tokens still train (a ppo clip would zero them).
-    sapo  (Gao et al. 2025): a smooth gate instead of the clip, loss = -A (4 / tau) sigmoid(tau (r - 1)), with
+    cispo (MiniMax-M1, arXiv:2506.13585): loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp: the clipped
+          ratio only weighs the gradient, so clipped tokens still train (a ppo clip would zero them).
+    sapo  (arXiv:2511.20347): a smooth gate instead of the clip, loss = -A (4 / tau) sigmoid(tau (r - 1)), with
           tau = `sapo_tau` (positive A, negative A); its gradient equals ppo's at r = 1. Nothing is clipped.
-    gmpo  (Zhao et al. 2025): one geometric-mean ratio per sequence, exp(mean_t(x_t)), where the token log-ratio
+    gmpo  (arXiv:2507.20673): one geometric-mean ratio per sequence, exp(mean_t(x_t)), where the token log-ratio
           x = lp - old is clipped in log space to [-clip_low, clip_high] on the side the advantage moves it
           (sign(A) min(sign(A) x, sign(A) clip(x))), times the sequence's mean advantage; that sequence loss sits
           on each of its tokens, so seq-mean-token-mean gives the mean over sequences (verl's `geo_mean`; verl
