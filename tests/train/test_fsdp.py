@@ -20,10 +20,10 @@ ALGO = AlgoSection(kl_coef=0.1, entropy_coef=0.01)
 METRICS = ("pg_loss", "kl", "entropy", "clip_frac", "ratio", "logprob_gap", "grad_norm")
 
 
-def trainer(model, clip, group=None, packing=True, algo=ALGO, moe=False):
+def trainer(model, clip, group=None, packing=True, algo=ALGO, moe=False, tis_cap=None):
     train = TrainSection(micro_batch_size=2, lr=1e-3, grad_clip=clip, packing=packing)
     algo = dataclasses.replace(algo, routing_replay=moe)
-    tr = Trainer(model, train, algo, temperature=1.0, total_steps=10, group=group)
+    tr = Trainer(model, train, algo, temperature=1.0, total_steps=10, group=group, tis_cap=tis_cap)
     tr.opt.zero_grad = lambda set_to_none=True: None  # keep the (clipped) grads to compare: Adam's first step
     return tr  # is nearly sign(grad), blind to a wrong loss scale
 
@@ -45,18 +45,32 @@ def moe_batch(n):
     return batch
 
 
-def _worker(rank, world, tmp, n, clip, tool_masks, name="grpo", moe=False, bf16=False):
+# The off-policy correction under DP: sequence weights, a token band mask (the loss's token count falls), token-sum.
+CORRECTED = dict(is_weight="sequence", is_mask="token", is_low=0.8, is_high=1.25, loss_agg="token-sum")
+
+
+def corrected_batch(n):
+    """A batch whose old log-probs differ from the engine's by e^(+-0.3) per token: some tokens leave the band."""
+    batch = make_batch(tiny_model(), n=n)
+    noise = 0.3 * torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(7))
+    batch.old_logprobs = (batch.rollout_logprobs + noise) * batch.response_mask
+    return batch
+
+
+def _worker(rank, world, tmp, n, clip, tool_masks, name="grpo", moe=False, bf16=False, corrected=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         batch = moe_batch(n) if moe else make_batch(tiny_model(), n=n, tool_masks=tool_masks)
+        batch = corrected_batch(n) if corrected else batch
         local = split_for_rank(batch, rank, world)
         # bf16: the mixed-precision policy GPUs use, whose input casting runs on every unit's forward arguments
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         model = shard_model(tiny_moe() if moe else tiny_model(), mp_policy=mp)
-        algo = AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01)
-        metrics = trainer(model, clip, dist.group.WORLD, algo=algo, moe=moe).train_step(local)
+        algo = AlgoSection(name=name, kl_coef=0.1, entropy_coef=0.01, **(CORRECTED if corrected else {}))
+        metrics = trainer(model, clip, dist.group.WORLD, algo=algo, moe=moe,
+                          tis_cap=1.1 if corrected else None).train_step(local)
         state, grads = full_state_dict(model), full_grads(model)
         if rank == 0:
             torch.save({"state": state, "grads": grads, "metrics": metrics}, f"{tmp}/dp{world}.pt")
@@ -90,6 +104,21 @@ def test_dp2_fsdp_step_equals_dp1(tmp_path, n, clip, tool_masks, dp1_packing, na
     for name, p in model.named_parameters():
         torch.testing.assert_close(got["grads"][name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
     for k in METRICS:
+        assert abs(got["metrics"][f"actor/{k}"] - want[f"actor/{k}"]) < 1e-5, k
+
+
+def test_dp2_off_policy_correction_equals_dp1(tmp_path):
+    """The correction's mask changes the global token count and its metrics are shares of the global batch:
+    2 ranks equal 1 process (the ratio quantiles, a mean of each rank's, are left out)."""
+    spawn(_worker, (2, str(tmp_path), 5, 0.0, False, "grpo", False, False, True), nprocs=2)
+    got = torch.load(tmp_path / "dp2.pt")
+    model = tiny_model()
+    algo = AlgoSection(kl_coef=0.1, entropy_coef=0.01, **CORRECTED)
+    want = trainer(model, 0.0, algo=algo, tis_cap=1.1).train_step(corrected_batch(5))
+    assert 0 < want["actor/tis_masked_frac"] < 1 and 0 < want["actor/tis_clip_frac"] < 1
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    for k in (*METRICS, "tis_weight_mean", "tis_clip_frac", "tis_masked_frac"):
         assert abs(got["metrics"][f"actor/{k}"] - want[f"actor/{k}"]) < 1e-5, k
 
 
