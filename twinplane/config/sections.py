@@ -288,8 +288,8 @@ class AlgoSection(Section):
     kl_horizon: float = opt(10000.0, "adaptive KL controller: horizon in samples", bounds="> 0")
     entropy_coef: float = opt(0.0, "entropy bonus weight", bounds=">= 0")
     recompute_old_logprobs: bool = opt(False, "score old log-probs with the trainer instead of using the engine's")
-    tis_cap: float = opt(2.0, "cluster.async: truncated importance-sampling cap on pi_old / pi_rollout per token",
-        bounds=">= 1")
+    tis_cap: float = opt(2.0, "off-policy correction (cluster.async, is_sync): cap of the importance weight "
+        "pi_old / pi_rollout", bounds=">= 1")
     is_weight: ISWeight = opt("token", "off-policy correction's weight on r = pi_old / pi_rollout: token | sequence "
         "(prod r; both truncated at tis_cap) | icepop (r in [is_low, is_high], else 0) | off")
     is_mask: ISMask = opt("off", "off-policy correction: drop tokens (token) or whole sequences (sequence: prod r; "
