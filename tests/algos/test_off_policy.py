@@ -50,6 +50,8 @@ def test_icepop_and_band_masks_by_hand():
     geo = band_keep(old, zero, MASK, "geometric", 0.8, 1.2)
     assert geo[:, 0].tolist() == [False, True, False]
     assert band_keep(old, zero, MASK, "geometric", 0.8, 1.4)[:, 0].tolist() == [True, True, False]
+    # the mean is over the row's masked tokens: row 0's 1.34 (over the padded width, 1.8^(1/3) = 1.22) leaves
+    assert band_keep(old, zero, MASK, "geometric", 0.8, 1.25)[:, 0].tolist() == [False, True, False]
     with pytest.raises(ValueError, match="unknown mask level"):
         band_keep(old, zero, MASK, "row", 0.5, 2.0)
 
