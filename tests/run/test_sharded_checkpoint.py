@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 from twinplane.cli import main
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import load_weights
-from twinplane.run import checkpoint, sharded
-from twinplane.train import Trainer
+from twinplane.run import checkpoint
+from twinplane.train import Trainer, sharded
 from twinplane.train.fsdp import shard_model, split_for_rank
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state
 

@@ -4,7 +4,7 @@
 exist is the algorithm's call, `algos.Algorithm.needs_reference` / `needs_critic`), `rollout` for validation,
 `submit` for the step's rollout, `sync(version)` to move the trainer's weights to the engines, `state()` /
 `load_state(...)` for checkpoints (full tensors by name, or with `shards` each rank's own, written and read by the
-ranks themselves: `twinplane.run.sharded`) and `close()`. `LocalPlanes` keeps everything in this process; `RayPlanes`
+ranks themselves: `twinplane.train.sharded`) and `close()`. `LocalPlanes` keeps everything in this process; `RayPlanes`
 (`twinplane.cluster.ray_planes`) places training ranks, engines and critic ranks as Ray actors. The engine, the
 trainer, the reference and the critic are built here (and by the Ray workers from the same `build_*` functions);
 `twinplane eval` builds its engine here too.
@@ -28,9 +28,8 @@ from twinplane.model.lora import cast_base, merge_lora
 from twinplane.platform import platform
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
 from twinplane.rollout.engine import EngineStats
-from twinplane.run import sharded
 from twinplane.tokenizer import Tokenizer
-from twinplane.train import Batch, Reference, Trainer
+from twinplane.train import Batch, Reference, Trainer, sharded
 from twinplane.train.critic import Critic, build_value_model
 from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state

@@ -32,9 +32,8 @@ from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
-from twinplane.run import sharded
 from twinplane.tokenizer import Tokenizer
-from twinplane.train import Reference, Trainer
+from twinplane.train import Reference, Trainer, sharded
 from twinplane.train.critic import Critic
 from twinplane.train.fsdp import shard_over
 from twinplane.train.optim import load_named_optimizer_state, named_optimizer_state

@@ -13,7 +13,7 @@ Layout of `RUN_DIR/checkpoints/step_00000010/` (`checkpoint.format=full`, the de
   manifest.json        written last: every file's size and sha256. No manifest, no checkpoint.
 
 `checkpoint.format=sharded` (the default with more than one training rank) keeps the rest but replaces the full
-tensors with each rank's own shards, written by the ranks into the same temp folder (`twinplane.run.sharded`):
+tensors with each rank's own shards, written by the ranks into the same temp folder (`twinplane.train.sharded`):
   policy/              the policy's trainable parameters and their AdamW state: DCP's .metadata, __R_0.distcp from
                        each training rank R, optimizer.json (param groups); with LoRA the adapters only
   critic/              the same for PPO's critic, from its ranks

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from twinplane.model import Transformer, iter_safetensors, load_weights
 from twinplane.model.export import export_weights
 from twinplane.model.lora_io import load_adapter, save_adapter
-from twinplane.run import sharded
 from twinplane.run.checkpoint import CheckpointError
 from twinplane.run.run_dir import respect_umask
+from twinplane.train import sharded
 
 # Keys a resumed run may change (reported); changing any other key would make it a different run (an error).
 # Where the planes run and how memory is traded for compute are mutable too: checkpoints hold full tensors by name

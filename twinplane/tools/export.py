@@ -139,7 +139,7 @@ def _from_shards(ckpt: Path, fmt: str, out: Path) -> Path:
 
 
 def _read_shards(ckpt: Path, model) -> None:
-    from twinplane.run import sharded
+    from twinplane.train import sharded
 
     try:
         sharded.load_model_only(ckpt / "policy", model)
