@@ -26,10 +26,13 @@ Sections, in order:
   included) per backend.
 - engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
   the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
-  step time went; then Hugging Face `generate` on the same work and weights for the ratio.
+  step time went; a second call of the same shape (the engine's graphs kept); then Hugging Face `generate` on the
+  same work and weights for the ratio.
 - train: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over packed
-  micro-batches of an RL-like length mix: tokens/s, MFU against the device's dense bf16 peak, peak memory, the
-  profiler's per-category time; then the same with each decoder layer compiled (`torch.compile`, regional).
+  micro-batches of an RL-like length mix, decoder layers eager (`train.compile=off`): tokens/s, MFU against the
+  device's dense bf16 peak, peak memory, the profiler's per-category time; train_compiled: the same compiled
+  (`train.compile=on`), in a child process cut at the deadline.
+- train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import math
 import os
@@ -548,6 +552,59 @@ def train_section(a, device, compiled: bool) -> dict:
     return out
 
 
+def train_fit_section(a, device) -> dict:
+    """The largest packed micro-batch (tokens, doubling from a quarter of the probe's) one eager training step
+    fits, with the log-probs chunked (`train.logprob_chunk_tokens=0`: the platform's size) and without (one chunk:
+    the micro-batch's [tokens, V] logits at once); the peak memory of each size that fit."""
+    import dataclasses
+    import gc
+
+    from twinplane.config import AlgoSection, TrainSection
+    from twinplane.model import ModelConfig, Transformer
+    from twinplane.train import Batch, Trainer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**SHAPES[a.train_shape])
+    with torch.device(device):
+        model = Transformer(cfg)
+    train = TrainSection(micro_batch_size=10**6, lr=1e-6, compile="off")
+    trainer = Trainer(model, train, AlgoSection(), 1.0, 100)
+    g = torch.Generator().manual_seed(1)
+    out = {"shape": a.train_shape}
+    for chunked in (True, False):
+        fits, sizes = 0, {}
+        tokens = a.train_tokens // 4
+        while tokens <= a.fit_cap:
+            ps, rs = rl_lengths(4 * tokens // a.train_response, (a.train_prompt // 2, a.train_prompt),
+                                a.train_response, 4 * a.train_response)
+            ends = list(itertools.accumulate(p + r for p, r in zip(ps, rs, strict=True)))
+            keep = range(max(1, sum(n <= tokens for n in ends)))  # the rows that fill one micro-batch of `tokens`
+            batch = Batch.collate([torch.randint(cfg.vocab_size, (ps[i],), generator=g).tolist() for i in keep],
+                                  [torch.randint(cfg.vocab_size, (rs[i],), generator=g).tolist() for i in keep], 0,
+                                  [[-1.0] * rs[i] for i in keep])
+            batch.advantages = torch.randn(len(keep), 1, generator=g) * batch.response_mask
+            trainer.cfg = dataclasses.replace(train, max_tokens_per_micro_batch=tokens)
+            trainer.chunk_tokens = platform.logprob_chunk_tokens(device) if chunked else tokens
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            try:
+                trainer.train_step(batch)
+                sync(device)
+            except torch.OutOfMemoryError:
+                sizes[tokens] = "out of memory"
+                break
+            finally:
+                trainer.opt.zero_grad(set_to_none=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            fits = tokens
+            sizes[tokens] = (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+            tokens *= 2
+        out["chunked" if chunked else "one_chunk"] = {"largest_tokens": fits, "peak_gib_by_tokens": sizes}
+    return out
+
+
 def isolated(a, name: str) -> dict:
     """Section `name` in a child process that is killed `--grace` seconds past the deadline (a compile can run
     for minutes in native code, where nothing in this process could interrupt it)."""
@@ -573,7 +630,7 @@ def main() -> None:
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds past the deadline before the compiled training section is cut")
     p.add_argument("--sections", default="env,copy,decode,profile,sampling,decode_sdpa,decode_torch,decode_triton,"
-                   "kernels,engine,train,train_compiled")
+                   "kernels,engine,train,train_compiled,train_fit")
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
     p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate in the engine section")
@@ -586,6 +643,7 @@ def main() -> None:
     a.batches = [1, 8, 32, 128, 256, 512] if gpu else [1, 3, 8]
     a.context, a.reps = (640, 20) if gpu else (40, 2)
     a.kernel_batches, a.split_sweep = ([8, 128, 512], [1, 2, 4, 8, 16]) if gpu else ([3], [1, 2])
+    a.fit_cap = 262144 if gpu else 64  # the largest micro-batch train_fit tries
     a.train_rows, a.train_prompt, a.train_response, a.train_tokens, a.train_steps = \
         (64, 512, 400, 16384, 3) if gpu else (4, 16, 8, 64, 1)
     probe = Probe(a.out, a.deadline)
@@ -612,7 +670,8 @@ def main() -> None:
                                  ("engine", engine_section, (a, device, dtype, bw), 90),
                                  ("train", train_section, (a, device, False), 40),
                                  ("train_compiled", *((train_section, (a, device, True)) if a.in_child else
-                                                      (isolated, (a, "train_compiled"))), 90)):
+                                                      (isolated, (a, "train_compiled"))), 90),
+                                 ("train_fit", train_fit_section, (a, device), 60)):
         if name in want:
             probe.section(name, fn, *args, need=0 if a.smoke else need)
             if gpu:  # what the section held goes back before the next one

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("env", "copy", "decode", "profile", "sampling", "decode_sdpa", "decode_torch", "decode_triton", "kernels",
-            "engine", "train")
+            "engine", "train", "train_fit")
 
 
 @pytest.mark.slow
@@ -37,4 +37,6 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     assert res["engine"]["second_call"]["tokens"] > 0 and "partial" not in res["engine"]
     train = res["train"]
     assert train["response_tokens"] < train["tokens"] and 0 < train["mfu"] < 1
+    for side in ("chunked", "one_chunk"):  # tiny shapes fit whole on CPU: every size up to the cap
+        assert res["train_fit"][side]["largest_tokens"] == 64 and len(res["train_fit"][side]["peak_gib_by_tokens"]) == 3
     assert (tmp_path / "probe.log").read_text().count(": start") == len(SECTIONS)
