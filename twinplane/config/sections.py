@@ -144,6 +144,8 @@ class WarmStartSection(Section):
 
 @dataclass
 class RolloutSection(Section):
+    backend: Literal["twinplane", "vllm"] = opt(
+        "twinplane", "twinplane (the own engine) | vllm (vLLM's engine in this process or each engine worker)")
     prompts_per_step: int = opt(32, "prompts per RL step", bounds=">= 1")
     n: int = opt(8, "samples per prompt (the GRPO group)", bounds=">= 1")
     temperature: float = opt(1.0, "0 = greedy", bounds=">= 0")
@@ -188,6 +190,13 @@ class RolloutSection(Section):
              "needs model.path (the built-in demo's digit vocabulary cannot spell tool calls)"),
             (self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", "must be <= rollout.max_new_tokens"),
             (len(set(self.tools)) == len(self.tools), "rollout.tools", "must not repeat a tool"),
+            (self.backend == "twinplane" or not self.record_routing, "rollout.backend",
+             "must be twinplane for rollout.record_routing / algo.routing_replay (vllm does not expose the experts it "
+             "routes to)"),
+            (self.backend == "twinplane" or not self.batch_invariant, "rollout.backend",
+             "must be twinplane for rollout.batch_invariant (it is a property of the own engine's GEMMs)"),
+            (self.backend == "twinplane" or cfg.train.lora.rank == 0 or self.lora_merge, "rollout.backend",
+             "vllm with train.lora needs rollout.lora_merge=true (the engine receives merged weights)"),
             # one sample per prompt has no group to compare with: every advantage is 0 and nothing is learned
             (self.n >= 2 or cfg.train.steps == 0 or cfg.algo.adv_estimator in ("gae", "reinforce_pp"), "rollout.n",
              f"must be >= 2: {cfg.algo.adv_estimator}'s group baseline makes every advantage 0 with one sample per "
@@ -310,6 +319,8 @@ class AlgoSection(Section):
              "does not combine with cluster.async (the next batch is submitted before this one is filtered)"),
             (-1 <= self.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
              "must be -1 (a fifth of rollout.max_new_tokens), 0 (off) or less than rollout.max_new_tokens"),
+            (not self.routing_replay or cfg.rollout.backend == "twinplane", "algo.routing_replay",
+             "needs rollout.backend=twinplane (vllm does not expose the experts it routes to)"),
             (not self.routing_replay or cfg.rollout.record_routing, "algo.routing_replay",
              "needs rollout.record_routing=true (the engine's record is what is replayed)"),
         ]

