@@ -197,6 +197,11 @@ class RolloutSection(Section):
              "must be twinplane for rollout.batch_invariant (it is a property of the own engine's GEMMs)"),
             (self.backend == "twinplane" or cfg.train.lora.rank == 0 or self.lora_merge, "rollout.backend",
              "vllm with train.lora needs rollout.lora_merge=true (the engine receives merged weights)"),
+            (self.backend == "twinplane" or self.temperature in (0, 1) or (self.top_k == 0 and self.top_p == 1),
+             "rollout.backend", "vllm reports the log-probs the trainer scores (logits / T, no top-k/top-p) only at "
+             "rollout.temperature 0 or 1, or without top-k/top-p"),
+            (self.backend == "twinplane" or cfg.cluster.backend == "local", "rollout.backend",
+             "vllm runs with cluster.backend=local (in this process) in this version"),
             # one sample per prompt has no group to compare with: every advantage is 0 and nothing is learned
             (self.n >= 2 or cfg.train.steps == 0 or cfg.algo.adv_estimator in ("gae", "reinforce_pp"), "rollout.n",
              f"must be >= 2: {cfg.algo.adv_estimator}'s group baseline makes every advantage 0 with one sample per "

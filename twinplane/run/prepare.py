@@ -238,6 +238,9 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
                     ("train.router_aux_loss_coef", cfg.train.router_aux_loss_coef > 0)):
         if on and not mc.num_experts:
             raise ConfigError(f"{key}: needs a mixture-of-experts model, {mc.model_type} is dense")
+    if cfg.rollout.backend == "vllm" and mc.num_experts:
+        raise ConfigError(f"rollout.backend=vllm: mixture-of-experts models ({mc.model_type}) are not in this "
+                          "backend's weight sync; use rollout.backend=twinplane")
     device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
     if cfg.cluster.backend == "local":
         memory = platform.device_memory(device)
