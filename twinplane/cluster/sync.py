@@ -88,8 +88,9 @@ def sync_in_process(engine, trainer, version: int) -> SyncReport:
     With LoRA, an engine that has adapters receives only them (it holds the base already); one without (merged,
     `rollout.lora_merge`) receives every weight with the adapters folded in. A full copy is verified by comparing
     every engine parameter with what was sent, bitwise: exact, and one read of each side instead of two checksums
-    (~5x cheaper); an engine whose weights are not modules of this process (vLLM's) reports its own checksum. An adapter-only sync is verified by checksums that cover the engine's whole model (the frozen
-    base's part computed once on the trainer), so a base damaged in the engine is caught too."""
+    (~5x cheaper); an engine whose weights are not modules of this process (vLLM's) reports its own checksum.
+    An adapter-only sync is verified by checksums that cover the engine's whole model (the frozen base's part
+    computed once on the trainer), so a base damaged in the engine is caught too."""
     adapters = engine.model is not None and has_lora(engine.model)
     merged = not adapters and has_lora(trainer.model)
     t0 = time.perf_counter()
