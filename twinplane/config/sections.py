@@ -191,8 +191,8 @@ class RolloutSection(Section):
             (self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", "must be <= rollout.max_new_tokens"),
             (len(set(self.tools)) == len(self.tools), "rollout.tools", "must not repeat a tool"),
             (self.backend == "twinplane" or not self.record_routing, "rollout.backend",
-             "must be twinplane for rollout.record_routing / algo.routing_replay (vllm does not expose the experts it "
-             "routes to)"),
+             "must be twinplane for rollout.record_routing / algo.routing_replay (the vllm backend does not pass vLLM's "
+             "routed experts on to the trainer)"),
             (self.backend == "twinplane" or not self.batch_invariant, "rollout.backend",
              "must be twinplane for rollout.batch_invariant (it is a property of the own engine's GEMMs)"),
             (self.backend == "twinplane" or cfg.train.lora.rank == 0 or self.lora_merge, "rollout.backend",
@@ -325,7 +325,7 @@ class AlgoSection(Section):
             (-1 <= self.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
              "must be -1 (a fifth of rollout.max_new_tokens), 0 (off) or less than rollout.max_new_tokens"),
             (not self.routing_replay or cfg.rollout.backend == "twinplane", "algo.routing_replay",
-             "needs rollout.backend=twinplane (vllm does not expose the experts it routes to)"),
+             "needs rollout.backend=twinplane (the vllm backend does not pass vLLM's routed experts on)"),
             (not self.routing_replay or cfg.rollout.record_routing, "algo.routing_replay",
              "needs rollout.record_routing=true (the engine's record is what is replayed)"),
         ]
