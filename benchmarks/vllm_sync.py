@@ -51,24 +51,21 @@ def main() -> None:
     engine = VllmEngine(model, eos_token_id=None)
     start = time.perf_counter() - t0
     rows = []
-    try:
-        for i in range(args.syncs):
-            with torch.no_grad():
-                for w in model.parameters():
-                    w.add_(torch.randn_like(w), alpha=1e-3)
-            named = list(model.named_parameters())
-            t0 = time.perf_counter()
-            held = engine.load_weights(named, version=i + 1)
-            load = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            sent = weights_checksum(named)
-            check = time.perf_counter() - t0
-            assert held == sent, f"sync {i}: engine checksum {held} != sender's {sent}"
-            rows.append({"bytes": sum(t.nbytes for _, t in named), "load_s": load, "sender_checksum_s": check})
-            print(f"sync {i}: {rows[-1]['bytes'] / 2**20:.1f} MiB loaded in {load:.3f} s (the engine's checksum "
-                  f"included), sender's checksum {check:.3f} s; checksums equal", flush=True)
-    finally:
-        engine.close()
+    for i in range(args.syncs):
+        with torch.no_grad():
+            for w in model.parameters():
+                w.add_(torch.randn_like(w), alpha=1e-3)
+        named = list(model.named_parameters())
+        t0 = time.perf_counter()
+        held = engine.load_weights(named, version=i + 1)
+        load = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sent = weights_checksum(named)
+        check = time.perf_counter() - t0
+        assert held == sent, f"sync {i}: engine checksum {held} != sender's {sent}"
+        rows.append({"bytes": sum(t.nbytes for _, t in named), "load_s": load, "sender_checksum_s": check})
+        print(f"sync {i}: {rows[-1]['bytes'] / 2**20:.1f} MiB loaded in {load:.3f} s (the engine's checksum "
+              f"included), sender's checksum {check:.3f} s; checksums equal", flush=True)
     import vllm
 
     out = {"model": args.model, "params": model.config.num_params, "engine_start_s": start, "syncs": rows,

@@ -37,8 +37,7 @@ def random_llama(seed: int = 0, tied: bool = True) -> Transformer:
 def engines():
     model = random_llama()
     vllm = VllmEngine(copy.deepcopy(model), EOS, seed=0)
-    yield model, vllm, RolloutEngine(copy.deepcopy(model), EOS)
-    vllm.close()
+    return model, vllm, RolloutEngine(copy.deepcopy(model), EOS)
 
 
 def scored(model: Transformer, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
@@ -151,10 +150,7 @@ def test_untied_head_and_another_temperature():
     """An untied LM head syncs by its own name; at T = 0.7 vLLM reports log softmax(logits / 0.7)."""
     model = random_llama(seed=2, tied=False)
     vllm = VllmEngine(copy.deepcopy(model), EOS, seed=0, temperature=0.7)
-    try:
-        new = random_llama(seed=3, tied=False)
-        assert vllm.load_weights(list(new.named_parameters())) == weights_checksum(new.named_parameters())
-        for s in vllm.generate(PROMPTS, SamplingParams(temperature=0.7, max_new_tokens=8, n=2, seed=0)):
-            assert torch.allclose(torch.tensor(s.logprobs), scored(new, s.prompt_ids, s.token_ids, 0.7), atol=1e-4)
-    finally:
-        vllm.close()
+    new = random_llama(seed=3, tied=False)
+    assert vllm.load_weights(list(new.named_parameters())) == weights_checksum(new.named_parameters())
+    for s in vllm.generate(PROMPTS, SamplingParams(temperature=0.7, max_new_tokens=8, n=2, seed=0)):
+        assert torch.allclose(torch.tensor(s.logprobs), scored(new, s.prompt_ids, s.token_ids, 0.7), atol=1e-4)

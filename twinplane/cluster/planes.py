@@ -224,8 +224,7 @@ class LocalPlanes:
         restore_generator(self.engine.generator, engine_rng[0] if len(engine_rng) == 1 else None, version)
 
     def close(self) -> None:
-        if hasattr(self.engine, "close"):  # (vLLM's engine: its starting weights' folder)
-            self.engine.close()
+        pass
 
 
 def critic_state(critic) -> dict | None:

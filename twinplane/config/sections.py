@@ -191,8 +191,8 @@ class RolloutSection(Section):
             (self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", "must be <= rollout.max_new_tokens"),
             (len(set(self.tools)) == len(self.tools), "rollout.tools", "must not repeat a tool"),
             (self.backend == "twinplane" or not self.record_routing, "rollout.backend",
-             "must be twinplane for rollout.record_routing / algo.routing_replay (the vllm backend does not pass vLLM's "
-             "routed experts on to the trainer)"),
+             "must be twinplane for rollout.record_routing / algo.routing_replay (the vllm backend does not pass "
+             "vLLM's routed experts on to the trainer)"),
             (self.backend == "twinplane" or not self.batch_invariant, "rollout.backend",
              "must be twinplane for rollout.batch_invariant (it is a property of the own engine's GEMMs)"),
             (self.backend == "twinplane" or cfg.train.lora.rank == 0 or self.lora_merge, "rollout.backend",

@@ -155,7 +155,7 @@ def reload_and_checksum(worker, named: list[tuple[str, torch.Tensor]], config: M
 
 
 class VllmEngine:
-    """A vLLM engine over a copy of `model`'s weights (written once to a temporary folder for vLLM to start from),
+    """A vLLM engine over a copy of `model`'s weights (written to a temporary folder for vLLM to start from),
     with the own engine's interface. `sleep`: colocated on a GPU, release weights and KV cache after each call
     (vLLM's sleep mode; a no-op in vLLM's CPU build)."""
 
@@ -174,22 +174,20 @@ class VllmEngine:
         self.weight_version, self.stats, self._checksum = 0, EngineStats(), None
         cpu = self.device.type == "cpu"
         self.sleeps = sleep and not cpu
-        self.folder = tempfile.mkdtemp(prefix="twinplane-vllm-")
-        save_pretrained(model, self.folder)
+        folder = tempfile.mkdtemp(prefix="twinplane-vllm-")  # read once: later weights come by reference
+        save_pretrained(model, folder)
         set_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op: the trainer still sets it
         try:
-            self.llm = LLM(model=self.folder, skip_tokenizer_init=True, dtype=str(self.dtype).removeprefix("torch."),
+            self.llm = LLM(model=folder, skip_tokenizer_init=True, dtype=str(self.dtype).removeprefix("torch."),
                            seed=seed, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=True, enforce_eager=cpu, logprobs_mode=logprobs_mode(temperature),
                            kv_cache_memory_bytes=kv_cache_bytes or (2**30 if cpu else None),
                            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleeps)
         finally:
             torch.set_num_threads = set_threads
+            shutil.rmtree(folder, ignore_errors=True)
         if self.sleeps:
             self.llm.sleep(level=1)
-
-    def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
 
     # --- weights -----------------------------------------------------------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
