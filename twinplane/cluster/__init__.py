@@ -21,7 +21,9 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
                  log=print) -> Planes:
     """`model` and `reference` hold the starting weights (after any warm start or restore)."""
     total_steps = cfg.train.steps * cfg.train.mini_batches
-    tis_cap = cfg.algo.tis_cap if cfg.cluster.async_ else None
+    # truncated IS for an off-policy rollout: one step stale (async), or another engine's numerics (vLLM) once the
+    # trainer recomputes the old log-probs
+    tis_cap = cfg.algo.tis_cap if cfg.cluster.async_ or cfg.rollout.backend == "vllm" else None
     if cfg.cluster.backend == "local":
         return LocalPlanes.build(cfg, model, reference, tokenizer, total_steps, tis_cap)
     from twinplane.cluster.ray_planes import RayPlanes  # Ray's presence is checked by `prepare.prepare`

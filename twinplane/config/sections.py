@@ -296,8 +296,8 @@ class AlgoSection(Section):
     kl_horizon: float = opt(10000.0, "adaptive KL controller: horizon in samples", bounds="> 0")
     entropy_coef: float = opt(0.0, "entropy bonus weight", bounds=">= 0")
     recompute_old_logprobs: bool = opt(False, "score old log-probs with the trainer instead of using the engine's")
-    tis_cap: float = opt(2.0, "cluster.async: truncated importance-sampling cap on pi_old / pi_rollout per token",
-        bounds=">= 1")
+    tis_cap: float = opt(2.0, "cluster.async, or rollout.backend=vllm with recompute_old_logprobs: truncated "
+        "importance-sampling cap on pi_old / pi_rollout per token", bounds=">= 1")
     dynamic_sampling: bool | None = opt(
         None, "DAPO: train only on groups whose rewards differ, generating more batches")
     max_gen_batches: int = opt(10, "dynamic sampling: at most this many prompt batches generated per step",
