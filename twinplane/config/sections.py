@@ -145,7 +145,7 @@ class WarmStartSection(Section):
 @dataclass
 class RolloutSection(Section):
     backend: Literal["twinplane", "vllm"] = opt(
-        "twinplane", "twinplane (the own engine) | vllm (vLLM's engine in this process or each engine worker)")
+        "twinplane", "twinplane (the own engine) | vllm (vLLM's engine, in the training process; docs/vllm.md)")
     prompts_per_step: int = opt(32, "prompts per RL step", bounds=">= 1")
     n: int = opt(8, "samples per prompt (the GRPO group)", bounds=">= 1")
     temperature: float = opt(1.0, "0 = greedy", bounds=">= 0")
