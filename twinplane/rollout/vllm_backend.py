@@ -50,9 +50,12 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 def vllm_environment() -> None:
     """Before vLLM is imported: its engine core in this process (no spawned process, no copy of the weights), its
-    log at warnings, and the CPU build as the target when no GPU is there."""
+    log at warnings, no thread pinning, and the CPU build as the target when no GPU is there."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (its INFO lines would bury the run's progress)
+    # its CPU worker would pin the process's OpenMP threads to cores of its choosing: the trainer shares this process,
+    # so `threads` (torch's setting) governs both planes
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
