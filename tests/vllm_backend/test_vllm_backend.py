@@ -146,6 +146,17 @@ def test_sleep_and_wake_keep_the_weights(engines):
     assert [s.token_ids for s in vllm.generate(PROMPTS, sp)] == before
 
 
+def test_samples_do_not_depend_on_batching(engines):
+    """Seeded samples from an engine running 3 sequences at a time with a 128-token step budget (prompts queued,
+    never split) equal those of the engine running all at once."""
+    model, vllm, _ = engines
+    vllm.load_weights(list(model.named_parameters()))  # (an earlier test synced other weights)
+    small = VllmEngine(copy.deepcopy(model), EOS, seed=0, max_num_seqs=3, max_num_batched_tokens=16)
+    prompts = [list(range(1 + i, 40 + i)) for i in range(8)]  # 8 x 39 tokens x 4 samples: many steps' worth
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, n=4, seed=11)
+    assert [s.token_ids for s in small.generate(prompts, sp)] == [s.token_ids for s in vllm.generate(prompts, sp)]
+
+
 def test_untied_head_and_another_temperature():
     """An untied LM head syncs by its own name; at T = 0.7 vLLM reports log softmax(logits / 0.7)."""
     model = random_llama(seed=2, tied=False)

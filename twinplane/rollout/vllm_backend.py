@@ -180,11 +180,16 @@ class VllmEngine:
         self.sleeps = sleep and not cpu
         folder = tempfile.mkdtemp(prefix="twinplane-vllm-")  # read once: later weights come by reference
         save_pretrained(model, folder)
+        # vLLM's CPU build cannot rewind a seeded request's generator after a prefill chunk (a CPU torch.Generator has
+        # no offset): on CPU every prompt is prefilled in one step, so the budget holds the longest sequence
+        chunks = {} if not cpu else {"enable_chunked_prefill": False, "max_num_batched_tokens": max(
+            max_num_batched_tokens, model.config.max_position_embeddings)}
         set_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op: the trainer still sets it
         try:
             self.llm = LLM(model=folder, skip_tokenizer_init=True, dtype=str(self.dtype).removeprefix("torch."),
-                           seed=seed, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           enable_prefix_caching=True, enforce_eager=cpu, logprobs_mode=logprobs_mode(temperature),
+                           seed=seed, max_num_seqs=max_num_seqs, enable_prefix_caching=True, enforce_eager=cpu,
+                           **({"max_num_batched_tokens": max_num_batched_tokens} | chunks),
+                           logprobs_mode=logprobs_mode(temperature),
                            kv_cache_memory_bytes=kv_cache_bytes or (2**30 if cpu else None),
                            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleeps)
         finally:
