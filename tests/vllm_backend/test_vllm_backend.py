@@ -109,8 +109,9 @@ def test_seeds_caps_and_stops(engines):
     assert b[0].token_ids[-2:] == seq and b[0].finish_reason == "stop"
 
 
-def test_multi_turn_token_in_token_out(engines):
-    """The tool driver over vLLM continues from prompt + tokens so far, the same as over the own engine."""
+def test_multi_turn_driver_over_vllm(engines):
+    """The tool driver over vLLM (its call end a stop sequence of many tokens, token ids in and out) returns what it
+    returns over the own engine."""
     _, vllm, own = engines
     tok = build_char_tokenizer("0123456789+-*/=|<>{}[]():,\"_ abcdefghijklmnopqrstuvwxyz")
     sp = SamplingParams(temperature=0, max_new_tokens=24)
