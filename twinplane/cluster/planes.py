@@ -115,8 +115,16 @@ def build_algorithm(cfg: Config) -> Algorithm:
 
 def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_offset: int = 0,
                  shared: bool = False) -> RolloutEngine:
-    """An engine generating with `model` itself (callers pass a copy when the model also trains); `shared`: it
-    shares its device with a trainer (`platform.keep_kv_pool` then decides whether its KV pool stays)."""
+    """An engine generating with `model` itself (callers pass a copy when the model also trains), or, with
+    `rollout.backend=vllm`, vLLM's engine starting from its weights; `shared`: it shares its device with a trainer
+    (`platform.keep_kv_pool` then decides whether its KV pool stays; vLLM sleeps between calls on GPUs)."""
+    r = cfg.rollout
+    if r.backend == "vllm":  # (imported here: vLLM is optional, and its import takes seconds)
+        from twinplane.rollout.vllm_backend import VllmEngine
+
+        return VllmEngine(model, tokenizer.eos_token_id, seed=cfg.seed + seed_offset, max_num_seqs=r.max_num_seqs,
+                          max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=int(r.kv_cache_gb * 2**30),
+                          gpu_memory_utilization=r.gpu_memory_utilization, temperature=r.temperature, sleep=shared)
     keep = not shared or platform.keep_kv_pool(model.output_weight().device)
     return RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=cfg.seed + seed_offset,
                          keep_pool=keep, **engine_options(cfg.rollout))

