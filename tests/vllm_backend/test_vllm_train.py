@@ -1,6 +1,6 @@
 """`twinplane train rollout.backend=vllm` end to end on tiny settings: every step's weight sync verified by the
 engine's checksum (a mismatch stops the run), the rollout-vs-trainer log-prob gap logged and small, truncated
-importance sampling on for the engine mismatch."""
+importance sampling on for the engine mismatch; then `twinplane eval` of the trained model with either backend."""
 
 import json
 
@@ -26,3 +26,12 @@ def test_train_with_vllm(tmp_path):
     assert all(r["time/weight_sync"] > 0 for r in rows)
     assert all(abs(r["actor/tis_weight_mean"] - 1) < 1e-2 for r in rows)  # fp32 engines: nearly on-policy
     assert "val/accuracy" in rows[-1]
+    results = {}
+    for backend in ("twinplane", "vllm"):  # greedy on the held-out problems: the same answers either way
+        out = tmp_path / f"eval_{backend}.json"
+        assert main(["eval", "--model", str(tmp_path / "final"), "--out", str(out), "task.heldout_size=20",
+                     f"rollout.backend={backend}"]) == 0
+        results[backend] = json.loads(out.read_text())
+    assert results["vllm"]["prompts"] == results["twinplane"]["prompts"] == 20
+    for key in ("accuracy", "response_length", "truncated"):
+        assert results["vllm"][key] == results["twinplane"][key], key
