@@ -366,7 +366,9 @@ class RolloutEngine:
         else:
             tok = sample(lp, sp, u, banned, rows)  # [R]
             chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
-        tok, chosen = tok.tolist(), chosen.tolist()
+        # one read back to the host for both (float64 holds every token id and each fp32 log-prob exactly)
+        tok, chosen = torch.stack([tok.double(), chosen.double()]).tolist()
+        tok = [int(t) for t in tok]
         if forks:  # the samples of a prompt share its blocks from here on
             rows_of = []
             for seq, w in zip(ready, widths, strict=True):
