@@ -116,7 +116,8 @@ class Algorithm:
         pg, stats = policy_loss(a.policy_loss, logprobs, old_logprobs, advantages, mask, clip_low=a.clip_low,
                                 clip_high=a.clip_high, clip_c=a.clip_c or None, is_weights=is_weights,
                                 sapo_tau=(a.sapo_tau_pos, a.sapo_tau_neg), **agg)
-        share = float(mask.sum()) / max(num_tokens, 1.0)  # policy_loss's metrics are means over this micro-batch
+        # policy_loss's metrics are means over this micro-batch (its share of the tokens: on the device, no host read)
+        share = (mask.sum(dtype=torch.float64) / max(num_tokens, 1.0)).to(stats["clip_frac"].dtype)
         out = {"pg_loss": pg.detach(), "clip_frac": stats["clip_frac"] * share, "ratio": stats["ratio"] * share,
                "entropy": token_sum(entropy.detach(), mask, num_tokens)}
         loss = pg

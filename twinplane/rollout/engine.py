@@ -181,12 +181,7 @@ class RolloutEngine:
                  max_new_tokens: Sequence[int] | None = None) -> list[Sample]:
         """Samples ordered request by request, `sampling.n` per request. `max_new_tokens`: per request, a cap of
         its own below `sampling.max_new_tokens` (multi-turn continuations: what is left of each sample's budget)."""
-        if sampling.seed is not None:
-            self.generator.manual_seed(sampling.seed)
-        seed = int(torch.randint(2**62, (1,), generator=self.generator, device=self.generator.device))
-        caps = [None] * len(requests) if max_new_tokens is None else list(max_new_tokens)
-        if len(caps) != len(requests) or any(c is not None and not 1 <= c <= sampling.max_new_tokens for c in caps):
-            raise ValueError(f"max_new_tokens: one cap in 1..{sampling.max_new_tokens} per request, got {caps}")
+        seed, caps = call_seed(self.generator, sampling), request_caps(len(requests), sampling, max_new_tokens)
         seqs = [self.sequence(p, i, sampling, [sample_seed(seed, i, j) for j in range(sampling.n)], cap)
                 for i, (p, cap) in enumerate(zip(requests, caps, strict=True))]
         return self.run(seqs)
@@ -386,6 +381,22 @@ class RolloutEngine:
         finished = [s for s in ready if s.finish_reason is not None]
         sched.finish(finished)
         return finished
+
+
+def call_seed(generator: torch.Generator, sampling: SamplingParams) -> int:
+    """A `generate` call's seed: one draw from the engine's generator (reseeded first by `sampling.seed`); each
+    sample's stream derives from it (`sample_seed`)."""
+    if sampling.seed is not None:
+        generator.manual_seed(sampling.seed)
+    return int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+
+
+def request_caps(n: int, sampling: SamplingParams, max_new_tokens: Sequence[int] | None) -> list[int | None]:
+    """Each of `n` requests' own cap on new tokens (None: `sampling.max_new_tokens`), checked."""
+    caps = [None] * n if max_new_tokens is None else list(max_new_tokens)
+    if len(caps) != n or any(c is not None and not 1 <= c <= sampling.max_new_tokens for c in caps):
+        raise ValueError(f"max_new_tokens: one cap in 1..{sampling.max_new_tokens} per request, got {caps}")
+    return caps
 
 
 def pool_blocks(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int, reserved: int,

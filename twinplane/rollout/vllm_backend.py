@@ -40,7 +40,7 @@ from twinplane.model import Transformer, save_pretrained
 from twinplane.model.checksum import combine_checksums, tensor_checksum
 from twinplane.model.config import ModelConfig
 from twinplane.model.moe import param_to_checkpoint
-from twinplane.rollout.engine import Done, EngineStats
+from twinplane.rollout.engine import Done, EngineStats, call_seed, request_caps
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.sequence import Sample, sample_seed
 
@@ -228,12 +228,8 @@ class VllmEngine:
     def generate(self, requests: Sequence[Sequence[int]], sampling: SamplingParams,
                  max_new_tokens: Sequence[int] | None = None) -> list[Sample]:
         """As `RolloutEngine.generate`: samples ordered request by request, `sampling.n` per request."""
-        if sampling.seed is not None:
-            self.generator.manual_seed(sampling.seed)
-        seed = int(torch.randint(2**62, (1,), generator=self.generator))
-        caps = [sampling.max_new_tokens] * len(requests) if max_new_tokens is None else list(max_new_tokens)
-        if len(caps) != len(requests) or any(not 1 <= c <= sampling.max_new_tokens for c in caps):
-            raise ValueError(f"max_new_tokens: one cap in 1..{sampling.max_new_tokens} per request, got {caps}")
+        seed = call_seed(self.generator, sampling)
+        caps = [c or sampling.max_new_tokens for c in request_caps(len(requests), sampling, max_new_tokens)]
         stops = [] if self.eos_token_id is None else [self.eos_token_id]
         prompts, params, index = [], [], []
         for i, (p, cap) in enumerate(zip(requests, caps, strict=True)):

@@ -50,43 +50,43 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        """d lp / d z = onehot(y) - p and d H / d z = -p (log p + H), with z = logits / T; fp32 throughout, the
-        two matmuls per chunk in the compute dtype, the weight grad accumulated in fp32."""
-        if ctx.triton:
-            return _triton_backward(ctx, g_lp, g_ent)
-        hidden, weight, targets, ent = ctx.saved_tensors
-        T, chunk = ctx.temperature, ctx.chunk
+        """Per chunk, the logits' gradient (`_torch_logit_grad` or `_triton_logit_grad`), then the two matmuls in
+        the compute dtype, the weight grad accumulated in fp32."""
+        hidden, weight = ctx.saved_tensors[:2]
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=_acc(weight.dtype), device=weight.device) \
             if ctx.needs_input_grad[1] else None
-        use_ent = ctx.with_entropy and g_ent is not None
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
-            logp = _chunk_logprobs(h, weight, T)  # [c, V]
-            p = logp.exp()
-            if use_ent:  # g_z = -g_ent * p * (logp + H), built in logp's buffer
-                gz = logp.add_(ent[s:s + chunk, None]).mul_(p).mul_(-g_ent[s:s + chunk, None])
-                if g_lp is not None:
-                    gz.sub_(p.mul_(g_lp[s:s + chunk, None]))
-            else:
-                gz = p.mul_(-(g_lp[s:s + chunk, None] if g_lp is not None else 0.0))
-            if g_lp is not None:
-                gz.scatter_add_(-1, targets[s:s + chunk, None], g_lp[s:s + chunk, None].to(gz.dtype))
-            if T != 1.0:
-                gz.div_(T)
-            gz = gz.to(hidden.dtype)  # [c, V] d loss / d logits
+        logit_grad = _triton_logit_grad if ctx.triton else _torch_logit_grad
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h, rows = hidden[s:s + ctx.chunk], slice(s, s + ctx.chunk)
+            gz = logit_grad(ctx, h, rows, g_lp, g_ent)  # [c, V] d loss / d logits, in the compute dtype
             if grad_h is not None:
-                grad_h[s:s + chunk] = gz @ weight
+                grad_h[rows] = gz @ weight
             if grad_w is not None:
                 if gz.dtype == grad_w.dtype:
                     grad_w.addmm_(gz.T, h)
                 else:  # a [V, D] product in the compute dtype, summed in fp32
                     grad_w.add_(gz.T @ h)
-        return _grads(ctx, grad_h, grad_w, weight)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
-def _grads(ctx, grad_h, grad_w, weight):
-    return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+def _torch_logit_grad(ctx, h, rows, g_lp, g_ent):
+    """d lp / d z = onehot(y) - p and d H / d z = -p (log p + H), with z = logits / T; fp32 throughout."""
+    _, weight, targets, ent = ctx.saved_tensors
+    T = ctx.temperature
+    logp = _chunk_logprobs(h, weight, T)  # [c, V]
+    p = logp.exp()
+    if ctx.with_entropy and g_ent is not None:  # g_z = -g_ent * p * (logp + H), built in logp's buffer
+        gz = logp.add_(ent[rows, None]).mul_(p).mul_(-g_ent[rows, None])
+        if g_lp is not None:
+            gz.sub_(p.mul_(g_lp[rows, None]))
+    else:
+        gz = p.mul_(-(g_lp[rows, None] if g_lp is not None else 0.0))
+    if g_lp is not None:
+        gz.scatter_add_(-1, targets[rows, None], g_lp[rows, None].to(gz.dtype))
+    if T != 1.0:
+        gz.div_(T)
+    return gz.to(h.dtype)
 
 
 def _triton_forward(ctx, hidden, weight, targets):
@@ -105,28 +105,15 @@ def _triton_forward(ctx, hidden, weight, targets):
     return lp, ent
 
 
-def _triton_backward(ctx, g_lp, g_ent):
-    """As the torch path's backward, the logits' gradient from the Triton kernel, in the GEMM's dtype."""
+def _triton_logit_grad(ctx, h, rows, g_lp, g_ent):
+    """As `_torch_logit_grad`, from the Triton kernel, written over the recomputed logits in the GEMM's dtype."""
     from twinplane.train.logprob_kernels import logit_grad_
 
-    hidden, weight, targets, lse, ent = ctx.saved_tensors
-    chunk, use_ent = ctx.chunk, ctx.with_entropy and g_ent is not None
-    grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-    grad_w = torch.zeros(weight.shape, dtype=_acc(weight.dtype), device=weight.device) \
-        if ctx.needs_input_grad[1] else None
-    for s in range(0, hidden.shape[0], chunk):
-        h, rows = hidden[s:s + chunk], slice(s, s + chunk)
-        gz = logit_grad_(h @ weight.T, targets[rows], lse[rows], ctx.temperature,
-                         None if g_lp is None else g_lp[rows].contiguous(), ent[rows] if use_ent else None,
-                         g_ent[rows].contiguous() if use_ent else None)  # [c, V]
-        if grad_h is not None:
-            grad_h[rows] = gz @ weight
-        if grad_w is not None:
-            if gz.dtype == grad_w.dtype:
-                grad_w.addmm_(gz.T, h)
-            else:
-                grad_w.add_(gz.T @ h)
-    return _grads(ctx, grad_h, grad_w, weight)
+    _, weight, targets, lse, ent = ctx.saved_tensors
+    use_ent = ctx.with_entropy and g_ent is not None
+    return logit_grad_(h @ weight.T, targets[rows], lse[rows], ctx.temperature,
+                       None if g_lp is None else g_lp[rows].contiguous(), ent[rows] if use_ent else None,
+                       g_ent[rows].contiguous() if use_ent else None)
 
 
 def kernel_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
