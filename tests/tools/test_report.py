@@ -35,11 +35,25 @@ def step_row(step: int, rng: random.Random) -> dict:
             "perf/decode_tokens_per_s": 900.0}  # no time/ref_logprob: kl_coef 0
 
 
-def write_run(run_dir, steps: int = 30, summary: bool = True, drop: tuple[str, ...] = ()) -> None:
+def async_row(step: int, rng: random.Random) -> dict:
+    """An asynchronous run's step (bound 2): the staleness histogram has no 2-versions-stale bin on some steps."""
+    fracs = [rng.uniform(0.2, 1.0), rng.uniform(0.0, 0.6)] + ([rng.uniform(0.0, 0.3)] if step % 3 else [])
+    fracs = [f / sum(fracs) for f in fracs]
+    busy, train = 0.7 + rng.uniform(0, 0.15), 0.3 + rng.uniform(0, 0.1)
+    return {**{f"async/staleness_frac_{s}": f for s, f in enumerate(fracs)},
+            "async/staleness_mean": sum(s * f for s, f in enumerate(fracs)), "async/staleness_max": len(fracs) - 1,
+            "async/rollout_busy_s": busy, "async/rollout_idle_s": 0.9 - busy, "async/train_busy_s": train,
+            "async/train_idle_s": 0.9 - train, "async/overlap_s": train - rng.uniform(0, 0.1),
+            "async/groups_regenerated": int(step % 4 == 0), "async/groups_filtered": rng.randint(0, 3),
+            "async/groups_waiting": rng.randint(0, 2), "async/tokens_in_flight_at_sync": rng.randint(500, 3000)}
+
+
+def write_run(run_dir, steps: int = 30, summary: bool = True, drop: tuple[str, ...] = (),
+              asynchronous: bool = False) -> None:
     rng = random.Random(0)
     rows = [{"step": 0, "val/accuracy": 0.3125, "val/pass@4": 0.5}]
     for s in range(1, steps + 1):
-        row = step_row(s, rng)
+        row = step_row(s, rng) | (async_row(s, rng) if asynchronous else {})
         if s % 10 == 0:
             row |= {"val/accuracy": 0.3 + 0.018 * s, "val/pass@4": 0.5 + 0.01 * s}
         rows.append(row)
@@ -47,7 +61,7 @@ def write_run(run_dir, steps: int = 30, summary: bool = True, drop: tuple[str, .
     text = "".join(json.dumps(r) + "\n" for r in rows)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text(text + '{"step": 31, "reward/mean": 0.')  # a line being written
-    (run_dir / "config.yaml").write_text("seed: 0\n")
+    (run_dir / "config.yaml").write_text("seed: 0\n" + ("cluster:\n  max_staleness: 2\n" if asynchronous else ""))
     if summary:
         (run_dir / "summary.json").write_text(json.dumps(SUMMARY))
 
@@ -87,6 +101,58 @@ def test_running_run(tmp_path, capsys):
     assert "0.84 (step 30)" in md  # latest validation accuracy: 0.3 + 0.018 * 30
     assert "| warm-start accuracy (step 0) | 0.3125 |" in md
     assert "mean time/rollout (s) | 0.5 |" in md and "ref_logprob" not in md
+
+
+def test_async_run(tmp_path):
+    """An async run gets async.png and its staleness / overlap lines in report.md; a synchronous run neither."""
+    run = tmp_path / "run"
+    write_run(run, steps=12, asynchronous=True)
+    paths = make_report(run)
+    assert [p.name for p in paths] == ALL_CHARTS + ["async.png", "report.md"]
+    check_png(paths[-2])
+    md = paths[-1].read_text()
+    assert "`async.png`" in md and "](async.png)" in md
+    assert "| async: staleness trained on (policy versions) | mean " in md and "cluster.max_staleness=2" in md
+    assert "| async: both planes busy, mean (s per step) |" in md and "% of the step time)" in md
+
+    fig = figure()
+    rows = load_metrics(run / "metrics.jsonl")
+    assert report.plot_async(rows, fig, report.load_config(run))
+    assert [ax.get_ylabel() for ax in fig.axes] == ["staleness (policy versions)", "trained groups (%)",
+                                                    "seconds per step", "groups per step", "tokens"]
+    versions, hist, seconds = fig.axes[:3]
+    bound = labeled_lines(versions)["bound: cluster.max_staleness=2"]
+    assert tuple(bound.get_ydata()) == (2, 2) and versions.get_ylim()[1] > 2
+    assert [t.get_text() for t in hist.get_legend().get_texts()] == ["2 versions stale", "1 version stale",
+                                                                      "0 versions stale (fresh)"]
+    top = hist.collections[0].get_paths()[0].vertices[:, 1]  # (the stack's top, in percent: 100 at every step)
+    assert top.max() == pytest.approx(100.0) and hist.get_ylim() == (0, 100)
+    assert {"both planes busy (overlap) (smoothed)", "rollout plane idle (smoothed)"} <= set(labeled_lines(seconds))
+    assert "step (wall): 0.9 s at every step" in legend_texts(fig)  # (time/step is constant here: a note)
+
+    sync = tmp_path / "sync"
+    write_run(sync, steps=12)
+    assert "async.png" not in [p.name for p in make_report(sync)]
+    md = (sync / "report" / "report.md").read_text()
+    assert "async.png" not in md and "| async:" not in md
+    fig = figure()
+    assert not report.plot_async(load_metrics(sync / "metrics.jsonl"), fig, {"cluster": {"max_staleness": 2}})
+
+
+def test_async_flat_histogram_is_notes():
+    """Every group fresh at every step: the histogram is notes, not a stack filling the panel; without a bound in
+    the config the staleness panel says so."""
+    rows = [{"step": s, "async/staleness_frac_0": 1.0, "async/staleness_frac_1": 0.0,
+             "async/staleness_mean": 0.0, "async/staleness_max": 0, "async/overlap_s": 0.1 * s,
+             "time/step": 1.0 + 0.1 * s} for s in range(1, 6)]
+    fig = figure()
+    assert report.plot_async(rows, fig, {})
+    [ax] = fig.axes
+    assert ax.get_ylabel() == "seconds per step" and not ax.collections
+    notes = legend_texts(fig)
+    for note in ("0 versions stale (fresh): 100% at every step", "1 version stale: 0% at every step",
+                 "staleness max: 0 versions at every step", "bound not in config.yaml (cluster.max_staleness)"):
+        assert note in notes
 
 
 def test_missing_groups_are_skipped(tmp_path):
@@ -174,9 +240,12 @@ def test_reward_equal_to_accuracy_is_drawn_once():
 def test_one_unit_per_quantity():
     """Every rate is in percent on every chart: truncation of training rollouts and of validation alike."""
     for key in ("rollout/truncated", "val/truncated", "val/sampled_truncated", "reward/accuracy", "val/accuracy",
-                "val/pass@4", "val/mean@4", "perf/mfu_train", "rollout/kv_cache_usage_peak", "actor/clip_frac"):
+                "val/pass@4", "val/mean@4", "perf/mfu_train", "rollout/kv_cache_usage_peak", "actor/clip_frac",
+                "async/staleness_frac_0", "async/staleness_frac_12"):
         assert report.unit(key) == ("%", 100.0), key
-    assert report.unit("rollout/response_length_mean") == report.unit("actor/entropy") == ("", 1.0)
+    for key in ("rollout/response_length_mean", "actor/entropy", "async/staleness_mean", "async/staleness_max",
+                "async/overlap_s", "async/train_idle_s", "async/groups_waiting", "async/tokens_in_flight_at_sync"):
+        assert report.unit(key) == ("", 1.0), key  # (counts, versions and seconds: as logged)
     rows = [{"step": 0, "val/accuracy": 0.3, "val/truncated": 0.02}]
     rows += [step_row(s, random.Random(s)) | ({"val/accuracy": 0.5, "val/truncated": 0.05} if s == 10 else {})
              for s in range(1, 11)]
@@ -196,12 +265,13 @@ def test_one_unit_per_quantity():
 def test_no_twin_axes_no_hidden_series_and_legends_outside_the_data(tmp_path):
     """On every chart of a run: each panel has its own place (no twin axes to lay one line exactly on another), no
     two lines of a panel are the same, and every legend lies outside its panel."""
-    write_run(tmp_path)
+    write_run(tmp_path, asynchronous=True)
     rows = [r | ({"perf/mfu_train": 0.001 * (1 + r["step"] % 3), "actor/kl": 0.0} if r["step"] else {})
             for r in load_metrics(tmp_path / "metrics.jsonl")]
+    config = {"algo": {"kl_coef": 0.0}, "train": {"mini_batches": 1}, "cluster": {"max_staleness": 2}}
     for chart in report.CHARTS:
         fig = figure()
-        assert chart.plot(rows, fig, {"algo": {"kl_coef": 0.0}, "train": {"mini_batches": 1}}), chart.name
+        assert chart.plot(rows, fig, config), chart.name
         fig.canvas.draw()
         boxes = [tuple(ax.get_position().bounds) for ax in fig.axes]
         assert len(set(boxes)) == len(boxes), chart.name

@@ -27,7 +27,8 @@ from pathlib import Path
 
 PHASES = ("rollout", "reward", "ref_logprob", "old_logprob", "train", "weight_sync")
 # metrics that are a fraction of something (samples, tokens, peak FLOPs, KV blocks): drawn in percent everywhere
-_RATE = re.compile(r"(accuracy|pass@\d+|mean@\d+|truncated|mfu_\w+|kv_cache_usage_peak|clip_frac)$")
+# (an async run's staleness histogram, `async/staleness_frac_<s>`, is a fraction of the step's trained groups)
+_RATE = re.compile(r"(accuracy|pass@\d+|mean@\d+|truncated|mfu_\w+|kv_cache_usage_peak|clip_frac|staleness_frac_\d+)$")
 
 
 class ReportError(ValueError):
@@ -133,7 +134,7 @@ class Panel:
         ax.set_ylabel(spec.ylabel)
 
     def add(self, s: Series, label: str, color: str, smoothed: bool = True, marker: str = "",
-            zero_because: str = "") -> None:
+            zero_because: str = "", linestyle: str = "-") -> None:
         """`zero_because`: the configuration that keeps the series at 0, said in its note when it is."""
         if not s:
             return
@@ -147,12 +148,13 @@ class Panel:
             self.notes.append(f"{label} = {twin} at every {self.spec.every} (drawn once)")
             return
         if marker or len(s.finite()) == 1:  # (one point drawn as a line is invisible)
-            self.ax.plot(s.x, s.y, color=color, marker=marker or "o", linewidth=1.5, label=label)
+            self.ax.plot(s.x, s.y, color=color, marker=marker or "o", linewidth=1.5, linestyle=linestyle, label=label)
         elif smoothed and len(s.x) >= 10:
-            self.ax.plot(s.x, s.y, color=color, alpha=0.25, linewidth=1)
-            self.ax.plot(s.x, smooth(s.y, _window(len(s.x))), color=color, linewidth=2, label=f"{label} (smoothed)")
+            self.ax.plot(s.x, s.y, color=color, alpha=0.25, linewidth=1, linestyle=linestyle)
+            self.ax.plot(s.x, smooth(s.y, _window(len(s.x))), color=color, linewidth=2, linestyle=linestyle,
+                         label=f"{label} (smoothed)")
         else:
-            self.ax.plot(s.x, s.y, color=color, linewidth=1.5, label=label)
+            self.ax.plot(s.x, s.y, color=color, linewidth=1.5, linestyle=linestyle, label=label)
         self.drawn.append((s, label))
 
     def finish(self) -> None:
@@ -405,6 +407,108 @@ def plot_engine(rows: list[dict], fig, config: dict) -> bool:
     return _stacked(fig, specs, "Rollout engine")
 
 
+ASYNC_SECONDS = (("rollout_busy_s", "rollout plane busy", "C0", "-"),
+                 ("rollout_idle_s", "rollout plane idle", "C0", ":"),
+                 ("train_busy_s", "train plane busy", "C1", "-"),
+                 ("train_idle_s", "train plane idle", "C1", ":"),
+                 ("overlap_s", "both planes busy (overlap)", "C2", "-"))
+ASYNC_GROUPS = (("groups_regenerated", "regenerated (too stale)", "C3"),
+                ("groups_filtered", "filtered (dynamic sampling)", "C4"),
+                ("groups_waiting", "left waiting after the batch", "C5"))
+_STALE_FRAC = re.compile(r"async/staleness_frac_(\d+)$")
+
+
+def _async_keys(rows: list[dict]) -> list[str]:
+    """The `async/` metrics the async chart draws, as logged by an asynchronous run."""
+    fixed = ["async/staleness_mean", "async/staleness_max", "async/tokens_in_flight_at_sync",
+             *(f"async/{k}" for k, *_ in ASYNC_SECONDS + ASYNC_GROUPS)]
+    return fixed + _stale_fracs(rows)
+
+
+def _stale_fracs(rows: list[dict]) -> list[str]:
+    """`async/staleness_frac_<s>` keys logged by the run, by s (which s are there varies with the run)."""
+    return sorted({k for r in rows for k in r if _STALE_FRAC.match(k)}, key=lambda k: int(_STALE_FRAC.match(k)[1]))
+
+
+def _stale_label(s: int) -> str:
+    return f"{s} version{'' if s == 1 else 's'} stale" + (" (fresh)" if s == 0 else "")
+
+
+def plot_async(rows: list[dict], fig, config: dict) -> bool:
+    """An asynchronous run: staleness of the trained samples (policy versions, with the cluster.max_staleness
+    bound, and the per-step histogram in % of the trained groups), seconds each plane was busy or idle and both
+    at once next to the step's wall time, and the groups regenerated, filtered or left waiting, and the tokens
+    in flight at each weight update."""
+    rows = _train_rows(rows)
+    if not any(shown(rows, k) for k in _async_keys(rows)):
+        return False
+    bound = _cfg(config, "cluster.max_staleness")
+    bound = bound if isinstance(bound, (int, float)) and not isinstance(bound, bool) else None
+    mean, mx = Series(rows, "async/staleness_mean"), Series(rows, "async/staleness_max")
+    top = max([*mean.finite(), *mx.finite(), *([bound] if bound is not None else [])], default=0.0)
+
+    def versions(p: Panel) -> None:
+        p.add(mean, "staleness mean", "C0", smoothed=False)
+        p.add(mx, "staleness max", "C3", smoothed=False)
+        if bound is None:
+            p.notes.append("bound not in config.yaml (cluster.max_staleness)")
+        elif p.drawn:
+            p.ax.axhline(bound, color="0.35", linestyle="--", linewidth=1.2,
+                         label=f"bound: cluster.max_staleness={_g(bound)}")
+        else:
+            p.notes.append(f"bound: cluster.max_staleness={_g(bound)}")
+
+    def histogram(p: Panel) -> None:
+        """Stacked in % of the step's trained groups, freshest at the bottom; a band at 0% on every step is a
+        note, and a histogram the same at every step is notes only."""
+        bands = [(int(_STALE_FRAC.match(k)[1]), shown(rows, k)) for k in _stale_fracs(rows)]
+        bands = [(s, ser) for s, ser in bands if ser]
+        for s, ser in bands:
+            if ser.constant() == 0:
+                p.notes.append(f"{_stale_label(s)}: 0% at every step")
+        bands = [(s, ser) for s, ser in bands if ser.constant() != 0]
+        if not bands:
+            return
+        if all(ser.constant() is not None for _, ser in bands):
+            for s, ser in bands:
+                p.add(ser, _stale_label(s), "C0")
+            return
+        import matplotlib
+
+        steps = sorted({x for _, ser in bands for x in ser.x})
+        at = [dict(zip(ser.x, ser.y, strict=True)) for _, ser in bands]
+        ys = [[v if math.isfinite(v := a.get(x, 0.0)) else 0.0 for x in steps] for a in at]
+        cum = [[sum(col[:i]) for col in zip(*ys, strict=True)] for i in range(len(ys) + 1)]
+        cmap, most = matplotlib.colormaps["YlOrRd"], max(1, bands[-1][0])
+        for i in reversed(range(len(bands))):  # (top band first: the legend reads as the stack does)
+            color, label = cmap(0.15 + 0.75 * bands[i][0] / most), _stale_label(bands[i][0])
+            if len(steps) > 1:
+                p.ax.fill_between(steps, cum[i], cum[i + 1], color=color, linewidth=0, label=label)
+            else:  # (an area over one step has no width)
+                p.ax.bar(steps, ys[i], bottom=cum[i], width=0.6, color=color, label=label)
+        p.drawn += [(ser, _stale_label(s)) for s, ser in bands]
+
+    def seconds(p: Panel) -> None:
+        for k, label, color, style in ASYNC_SECONDS:
+            p.add(Series(rows, f"async/{k}"), label, color, linestyle=style)
+        p.add(Series(rows, "time/step"), "step (wall)", "0.2")
+
+    def groups(p: Panel) -> None:
+        import matplotlib.ticker
+
+        for k, label, color in ASYNC_GROUPS:
+            p.add(Series(rows, f"async/{k}"), label, color, smoothed=False)
+        p.ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # (whole groups)
+
+    tokens = Series(rows, "async/tokens_in_flight_at_sync")
+    specs = [Spec("staleness (policy versions)", " versions", versions, (0, 1.08 * top if top > 0 else None)),
+             Spec("trained groups (%)", "%", histogram, (0, 100)),
+             Spec("seconds per step", " s", seconds),
+             Spec("groups per step", "", groups),
+             Spec("tokens", " tokens", lambda p: p.add(tokens, "in flight at the weight update", "C6"))]
+    return _stacked(fig, specs, "Asynchronous RL: staleness, overlap of the planes, groups")
+
+
 @dataclass
 class Chart:
     name: str
@@ -424,6 +528,9 @@ CHARTS = [
           "the truncated importance weights of an async run"),
     Chart("weight_sync.png", plot_weight_sync, "weight-sync bandwidth (GB/s) and seconds per sync"),
     Chart("engine.png", plot_engine, "rollout engine: mean running sequences, preemptions, KV pool peak usage (%)"),
+    Chart("async.png", plot_async, "asynchronous RL: staleness of the trained samples (policy versions, against "
+          "cluster.max_staleness, and % of groups per staleness), seconds each plane was busy or idle and both at "
+          "once, groups regenerated / filtered / waiting, tokens in flight at each weight update"),
 ]
 
 
@@ -459,6 +566,28 @@ def summary_rows(rows: list[dict], summary: dict | None) -> list[tuple[str, str]
             if v:
                 phases[k] = sum(v) / len(v)
     out += [(f"mean time/{k} (s)", _fmt(v)) for k, v in phases.items()]
+    return out
+
+
+def async_rows(rows: list[dict], config: dict) -> list[tuple[str, str]]:
+    """Table rows of an asynchronous run (none for a synchronous one): the staleness trained on against its
+    bound, and how long both planes were busy at once."""
+    train, out = _train_rows(rows), []
+    mean, mx = Series(train, "async/staleness_mean").finite(), Series(train, "async/staleness_max").finite()
+    if mean or mx:
+        bound = _cfg(config, "cluster.max_staleness")
+        parts = ([f"mean {_fmt(sum(mean) / len(mean))}"] if mean else []) + ([f"max {_fmt(max(mx))}"] if mx else [])
+        out.append(("async: staleness trained on (policy versions)", ", ".join(parts)
+                    + (f" (bound: cluster.max_staleness={bound})" if bound is not None else "")))
+    overlap = Series(train, "async/overlap_s").finite()
+    if overlap:
+        value = _fmt(sum(overlap) / len(overlap))
+        both = [r for r in train if all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k])
+                                        for k in ("async/overlap_s", "time/step"))]
+        wall = sum(r["time/step"] for r in both)
+        if wall > 0:
+            value += f" ({100 * sum(r['async/overlap_s'] for r in both) / wall:.0f}% of the step time)"
+        out.append(("async: both planes busy, mean (s per step)", value))
     return out
 
 
@@ -507,7 +636,8 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
                 written.append(chart)
         finally:
             plt.close(fig)
-    paths.append(write_markdown(run_dir, out_dir, summary_rows(rows, summary), written))
+    table = summary_rows(rows, summary) + async_rows(rows, config)
+    paths.append(write_markdown(run_dir, out_dir, table, written))
     return paths
 
 
