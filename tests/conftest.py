@@ -284,7 +284,8 @@ def rows(run_dir):
 def computed(row):
     """A metrics row without its measurements (timings, throughput, memory): what a rerun must give exactly."""
     return {k: v for k, v in row.items()
-            if not k.startswith(("time/", "perf/", "mem/", "sync/gb_per_s", "rollout/engine_busy_s"))}
+            if not k.startswith(("time/", "perf/", "mem/", "sync/gb_per_s", "rollout/engine_busy_s"))
+            and not (k.startswith("async/") and k.endswith("_s"))}
 
 
 def outcome(run_dir):

@@ -18,6 +18,7 @@ LAYERS = [
     "data",
     "rollout train",
     "cluster",
+    "producer",
     "controller",
     "run",
     "tools",

@@ -8,18 +8,17 @@ cluster (`RayPlanes`). What is algorithm-specific comes from the `algos.Algorith
 groups train (DAPO's filter), the scores' shaping, the per-token rewards (PPO's KL-in-reward), the estimator; the
 controller imports no algorithm module and has no algorithm-specific arguments.
 
-One-step off-policy (`async_`): the rollout for step k+1 is submitted before step k trains, so it runs on the
-weights before step k's update while the trainer updates (on Ray, on other devices at the same time; in one
-process it simply runs first, with the same result). Staleness is bounded at one version, old log-probs are
-recomputed by the trainer, and the trainer corrects the rollout/trainer mismatch by truncated importance sampling.
+Asynchronous RL (`producer`, `cluster.max_staleness` >= 1): the step's groups come from a `producer.Producer`
+that keeps the engines generating, already scored and filtered, up to k policy versions stale; while the trainer
+works the engines run on (`Producer.overlap`). Old log-probs are then recomputed by the trainer, and the
+off-policy correction (`algo.is_*`, `algo.tis_cap`) weighs the rollout/trainer mismatch.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
-from dataclasses import asdict
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -30,8 +29,9 @@ from twinplane.config import AlgoSection
 from twinplane.data.prompts import Prompt
 from twinplane.model.flops import forward_flops_per_token, train_flops_per_token
 from twinplane.platform.platform import peak_memory_bytes, reset_peak_memory, synchronize
+from twinplane.producer import Producer
 from twinplane.rewards import Scorer
-from twinplane.rollout import Done, Sample, SamplingParams, multi_turn_metrics
+from twinplane.rollout import Sample, SamplingParams, multi_turn_metrics
 from twinplane.rollout.engine import EngineStats
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch
@@ -70,82 +70,115 @@ class Controller:
     def __init__(self, planes: Planes, scorer: Scorer, tokenizer: Tokenizer, sampling: SamplingParams,
                  mini_batches: int = 1, recompute_old_logprobs: bool = False, algo: Algorithm | None = None,
                  critic_warmup: int = 0, more_prompts=None, on_phase=None, peak_flops: float | None = None,
-                 async_: bool = False):
+                 producer: Producer | None = None):
         """`algo`: the algorithm (default: the grpo preset); the critic plane (when the algorithm needs one) trains
         alone for the first `critic_warmup` steps; `more_prompts()` gives the next prompt batch for dynamic
         sampling; `on_phase(phase)` is called as each phase starts (fault injection)."""
         self.planes, self.trainer, self.reference, self.critic = planes, planes.trainer, planes.reference, planes.critic
         self.algo = algo or Algorithm(AlgoSection(), sampling.max_new_tokens)
         self.critic_warmup, self.more_prompts = critic_warmup, more_prompts
-        self.async_ = async_
-        self.pending = None  # (prompts, rollout in flight) in async mode
+        self.producer = producer
+        self.draws: dict[str, list[int]] = {}  # asynchronous: the data-order places of the step's prompts
         self.rollout_stats = EngineStats()  # the engines' counters for the samples of the current step
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
-        self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs or async_
+        self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs or producer is not None
         self.on_phase = on_phase
         self.peak_flops = peak_flops  # per device, for MFU; None (unknown device) reports MFU as null
         self.version = planes.weight_version
 
-    def step(self, prompts: Sequence[Prompt], next_prompts: Sequence[Prompt] | None = None) -> dict[str, float]:
-        """One RL step on `prompts`. In async mode `next_prompts` (the following step's) start rolling out before
-        this step trains; `prompts` must then be those of the previous call's `next_prompts`, if it had any."""
+    def step(self, prompts: Sequence[Prompt] = ()) -> dict[str, float]:
+        """One RL step on `prompts`, or with a producer on the groups it hands over."""
         timer = PhaseTimer(self.trainer.device, self.on_phase)
+        extra, reward_metrics = {}, {}
         with timer("step"):
-            with timer("rollout"):
-                samples = self._rollout(prompts, next_prompts)
-            with timer("reward"):
-                source = [prompts[s.request_index] for s in samples]
-                rewards, correct, reward_metrics = self._score(samples, source)
-            groups = torch.tensor([s.request_index for s in samples])  # [N] one label per prompt
-            extra = {}
-            if self.algo.filters_groups:
-                samples, source, rewards, correct, groups, extra = self._dynamic_sampling(
-                    timer, len(prompts), samples, source, rewards, correct, groups)
-            batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples],
-                                  self.tokenizer.pad_token_id, [s.logprobs for s in samples],
-                                  [s.loss_mask for s in samples],
-                                  [s.routing for s in samples] if samples[0].routing is not None else None)
-            truncated = torch.tensor([s.finish_reason == "length" for s in samples])
-            lengths = torch.tensor([len(s.token_ids) for s in samples])
-            scores = self.algo.shape_scores(rewards, lengths, self.sampling.max_new_tokens)  # [N]
-            if self.algo.cfg.mask_truncated:
-                batch.response_mask = batch.response_mask * (~truncated).float()[:, None]
-            if self.reference is not None:
-                with timer("ref_logprob"):
-                    batch.ref_logprobs = self.reference.logprobs(batch)
-            if self.recompute_old:
-                with timer("old_logprob"):
-                    batch.old_logprobs = self.trainer.logprobs(batch)
-            values = None
-            if self.critic is not None:
-                with timer("values"):
-                    values = self.critic.values(batch).cpu()  # [N, R]
-            mask = batch.response_mask
-            old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
-            token_rewards, reward_terms = self.algo.token_rewards(scores, mask, old, batch.ref_logprobs)  # [N, R]
-            extra |= reward_terms
-            batch.advantages, batch.returns = self.algo.advantages(token_rewards, mask, groups, values)
-            batch.old_values = values
-            parts = self._mini_batches(batch, groups)
-            critic_updates = []
-            if self.critic is not None:
-                with timer("critic_train"):
-                    critic_updates = [self.critic.train_step(mb) for mb in parts]
-                extra |= {"critic/values_mean": float((values * mask).sum() / mask.sum().clamp(min=1)),
-                          "critic/explained_variance": explained_variance(values, batch.returns, mask)}
-            updates = []
-            with timer("train"):
-                if self.critic is None or self.version >= self.critic_warmup:  # critic warmup: the actor waits
-                    updates = [self.trainer.train_step(mb) for mb in parts]
+            if self.producer is not None:
+                with timer("rollout"):
+                    samples, rewards, correct, groups, reward_metrics = self._take()
+            else:
+                with timer("rollout"):
+                    samples = self._rollout(prompts)
+                with timer("reward"):
+                    source = [prompts[s.request_index] for s in samples]
+                    rewards, correct, reward_metrics = self._score(samples, source)
+                groups = torch.tensor([s.request_index for s in samples])  # [N] one label per prompt
+                if self.algo.filters_groups:
+                    samples, source, rewards, correct, groups, extra = self._dynamic_sampling(
+                        timer, len(prompts), samples, source, rewards, correct, groups)
+            with self.producer.overlap() if self.producer else nullcontext():
+                t_train = time.perf_counter()
+                batch, updates, critic_updates, more = self._learn(timer, samples, rewards, groups)
+                t_train = time.perf_counter() - t_train
+            extra |= more
             with timer("weight_sync"):
                 report = self.sync_weights()
+                if self.producer is not None:
+                    self.producer.weights_updated()
+                    self.rollout_stats = self.producer.counts.stats  # (the engines ran on while training)
         m = self._metrics(samples, rewards, batch, updates + critic_updates, timer.times)
         m |= reward_metrics | multi_turn_metrics(samples) | extra
         m |= self.rollout_stats.metrics()  # occupancy, preemptions, KV usage, tokens/s (and remote busy time)
         m |= {"sync/bytes": report.bytes, "sync/gb_per_s": report.bytes / max(timer.times["time/weight_sync"], 1e-9)
-              / 1e9, "rollout/staleness": self.version - 1 - min(s.weight_version for s in samples)}
+              / 1e9, "rollout/staleness": self.version - 1 - min(s.oldest_version for s in samples)}
+        if self.producer is not None:
+            m |= self.producer.metrics(timer.times["time/step"], t_train)
         memory = timer.memory if self.planes.in_process else {}  # remote: rank 0 reports its own
         return m | memory | {"reward/accuracy": correct.float().mean().item()}
+
+    def _take(self):
+        """The producer's groups for this step, as the synchronous path's (samples, rewards, correct, labels,
+        reward metrics)."""
+        p = self.producer
+        taken = p.take()
+        p.run_ahead()
+        samples = [s for g in taken for s in g.samples]
+        rewards = torch.tensor([r for g in taken for r in g.rewards], dtype=torch.float32)
+        correct = torch.tensor([c for g in taken for c in g.correct])
+        labels = torch.tensor([i for i, g in enumerate(taken) for _ in g.samples])
+        self.draws = {"trained": [g.draw for g in taken], "filtered": list(p.counts.filtered_draws)}
+        calls = p.counts.reward_metrics
+        metrics = {k: sum(d[k] for d in calls if k in d) / sum(k in d for d in calls) for d in calls for k in d}
+        return samples, rewards, correct, labels, metrics
+
+    def _learn(self, timer, samples: list[Sample], rewards: torch.Tensor, groups: torch.Tensor):
+        """Everything on the training side after the rollout: (batch, actor updates, critic updates, metrics)."""
+        extra = {}
+        batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples],
+                              self.tokenizer.pad_token_id, [s.logprobs for s in samples],
+                              [s.loss_mask for s in samples],
+                              [s.routing for s in samples] if samples[0].routing is not None else None)
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        lengths = torch.tensor([len(s.token_ids) for s in samples])
+        scores = self.algo.shape_scores(rewards, lengths, self.sampling.max_new_tokens)  # [N]
+        if self.algo.cfg.mask_truncated:
+            batch.response_mask = batch.response_mask * (~truncated).float()[:, None]
+        if self.reference is not None:
+            with timer("ref_logprob"):
+                batch.ref_logprobs = self.reference.logprobs(batch)
+        if self.recompute_old:
+            with timer("old_logprob"):
+                batch.old_logprobs = self.trainer.logprobs(batch)
+        values = None
+        if self.critic is not None:
+            with timer("values"):
+                values = self.critic.values(batch).cpu()  # [N, R]
+        mask = batch.response_mask
+        old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+        token_rewards, reward_terms = self.algo.token_rewards(scores, mask, old, batch.ref_logprobs)  # [N, R]
+        extra |= reward_terms
+        batch.advantages, batch.returns = self.algo.advantages(token_rewards, mask, groups, values)
+        batch.old_values = values
+        parts = self._mini_batches(batch, groups)
+        critic_updates = []
+        if self.critic is not None:
+            with timer("critic_train"):
+                critic_updates = [self.critic.train_step(mb) for mb in parts]
+            extra |= {"critic/values_mean": float((values * mask).sum() / mask.sum().clamp(min=1)),
+                      "critic/explained_variance": explained_variance(values, batch.returns, mask)}
+        updates = []
+        with timer("train"):
+            if self.critic is None or self.version >= self.critic_warmup:  # critic warmup: the actor waits
+                updates = [self.trainer.train_step(mb) for mb in parts]
+        return batch, updates, critic_updates, extra
 
     def _score(self, samples, source: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(rewards [N], verifier-correct [N] bool, reward metrics) of `samples` against their prompts."""
@@ -193,54 +226,31 @@ class Controller:
         return [batch.select(slice(lo, hi)) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
 
     def state_dict(self) -> dict:
-        """What the step loop carries between steps besides the planes and the rollout in flight: the algorithm's."""
-        return self.algo.state_dict()
+        """What the step loop carries between steps besides the planes: the algorithm's, and the producer's."""
+        return self.algo.state_dict() | ({"producer": self.producer.state()} if self.producer else {})
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        producer = state.pop("producer", None)
+        if (producer is None) != (self.producer is None):
+            raise ValueError("cluster.max_staleness changed between 0 and >= 1 (a synchronous and an asynchronous "
+                             "run do not continue each other)")
+        if producer is not None:
+            self.producer.load_state(producer)
         self.algo.load_state_dict(state)
 
-    def _rollout(self, prompts: Sequence[Prompt], next_prompts: Sequence[Prompt] | None) -> list:
-        if self.pending is not None:
-            expected, handle = self.pending
-            if list(expected) != list(prompts):
-                raise ValueError("async rollout: step() was not given the prompts submitted as next_prompts")
-        else:
-            handle = self.planes.submit([p.ids for p in prompts], self.sampling)
+    def _rollout(self, prompts: Sequence[Prompt]) -> list[Sample]:
         self.rollout_stats = EngineStats()
-        samples = self._collect(handle)
-        self.pending = None
-        if self.async_ and next_prompts:
-            self.pending = (list(next_prompts), self.planes.submit([p.ids for p in next_prompts], self.sampling))
-        oldest = min(s.weight_version for s in samples)
-        if oldest < self.version - (1 if self.async_ else 0):  # never train on staler samples than allowed
-            raise WeightSyncError(f"samples from weight version {oldest} at trainer version {self.version}: "
-                                  f"staleness above the allowed {int(self.async_)}")
+        samples = self._collect(self.planes.submit([p.ids for p in prompts], self.sampling))
+        oldest = min(s.oldest_version for s in samples)
+        if oldest < self.version:  # never train a synchronous step on stale samples
+            raise WeightSyncError(f"samples from weight version {oldest} at trainer version {self.version}")
         return samples
 
     def _collect(self, handle) -> list[Sample]:
         samples = handle.result()
         self.rollout_stats += handle.stats  # the step's metrics describe the rollouts it trains on
         return samples
-
-    def pending_state(self) -> dict | None:
-        """The rollout in flight (async mode), finished and as plain data, for a checkpoint: its samples came from
-        weights that exist nowhere else, so resuming bitwise needs them."""
-        if self.pending is None:
-            return None
-        prompts, handle = self.pending
-        self.pending = (prompts, Done(handle.result(), handle.stats))
-        samples = [asdict(s) | {"routing": None if s.routing is None else s.routing.tolist()}  # JSON
-                   for s in self.pending[1].samples]
-        return {"prompts": [asdict(p) for p in prompts], "samples": samples, "stats": asdict(handle.stats)}
-
-    def load_pending(self, state: dict | None) -> None:
-        def sample(s: dict) -> Sample:
-            routing = s.get("routing")
-            return Sample(**s | {"routing": None if routing is None else torch.tensor(routing, dtype=torch.int16)})
-
-        self.pending = None if state is None else (
-            [Prompt(**p) for p in state["prompts"]],
-            Done([sample(s) for s in state["samples"]], EngineStats(**state.get("stats", {}))))
 
     def sync_weights(self) -> SyncReport:
         """Push the trainer's weights to every engine and verify each holds exactly them."""
@@ -255,9 +265,9 @@ class Controller:
     def _metrics(self, samples, rewards, batch: Batch, updates: list[dict], times: dict) -> dict[str, float]:
         n = self.sampling.n
         # Remote engines report their own busy time: with an overlapped rollout the phase timer only saw the wait.
-        # So does the in-process engine in async mode, where a step's timer covers the next step's rollout instead.
+        # So does the in-process engine with a producer, whose steps also generate groups for later steps.
         remote = self.rollout_stats.seconds_min is not None
-        rollout_s = self.rollout_stats.seconds if remote or self.async_ else times["time/rollout"]
+        rollout_s = self.rollout_stats.seconds if remote or self.producer else times["time/rollout"]
         lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
         groups = rewards.view(-1, n)
         gen_tokens = int(lengths.sum())

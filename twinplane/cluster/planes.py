@@ -28,6 +28,7 @@ from twinplane.model.lora import cast_base, merge_lora
 from twinplane.platform import platform
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
 from twinplane.rollout.engine import EngineStats
+from twinplane.rollout.stream import EngineStream, GroupRequest
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer, sharded
 from twinplane.train.critic import Critic, build_value_model
@@ -75,6 +76,17 @@ class CriticPlane(Protocol):
     def load_state(self, state: dict | None, shards: Path | None = None) -> None: ...
 
 
+class StreamClient(Protocol):
+    """One engine's stream as the producer drives it: `call` returns a handle whose `result()` is the
+    `StreamResult`; `state` / `load_state` between steps, for checkpoints."""
+
+    def call(self, add: list[GroupRequest], steps: int | None, until: int | None): ...
+
+    def state(self) -> dict: ...
+
+    def load_state(self, state: dict) -> None: ...
+
+
 class Planes(Protocol):
     """Both planes, as the controller and the run loop use them."""
     trainer: TrainingPlane
@@ -86,6 +98,7 @@ class Planes(Protocol):
     train_devices: int
     rollout_devices: int
     in_process: bool  # the trainer runs in this process (its peak memory is this process's)
+    colocated: bool  # engines share the trainers' devices
 
     def submit(self, requests: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutHandle:
         """Start rolling out `requests` with the engines' current weights."""
@@ -93,6 +106,11 @@ class Planes(Protocol):
 
     def sync(self, version: int) -> SyncReport:
         """Push the trainer's weights to every engine as `version`; the report says what each one holds."""
+        ...
+
+    def open_streams(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
+                     max_staleness: int) -> list[StreamClient]:
+        """Each engine as a stream (`twinplane.rollout.stream`), following its weight syncs from now on."""
         ...
 
     def state(self, shards: Path | None = None) -> dict:
@@ -172,7 +190,7 @@ class LocalPlanes:
     """Both planes in this process, sharing the device; the engine takes the trainer's tensors in-process."""
 
     train_devices = rollout_devices = 1
-    in_process = True
+    in_process, colocated = True, True
 
     def __init__(self, engine: RolloutEngine, trainer: Trainer, reference: Reference | None = None,
                  critic: Critic | None = None, rollout: Rollout | None = None):
@@ -213,6 +231,10 @@ class LocalPlanes:
     def sync(self, version: int) -> SyncReport:
         return sync_in_process(self.engine, self.trainer, version)
 
+    def open_streams(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
+                     max_staleness: int) -> list[_LocalStream]:
+        return [_LocalStream(EngineStream(self.engine, sampling, max_groups, max_prompt_len, partial, max_staleness))]
+
     def state(self, shards: Path | None = None) -> dict:
         """Policy weights are the trainer's model itself here (None: nothing to copy)."""
         tr = self.trainer
@@ -241,6 +263,32 @@ class LocalPlanes:
 
     def close(self) -> None:
         pass
+
+
+class _LocalStream:
+    """The in-process engine's stream: each call runs at once."""
+
+    def __init__(self, stream: EngineStream):
+        self.stream = stream
+
+    def call(self, add: list[GroupRequest], steps: int | None, until: int | None) -> Now:
+        return Now(self.stream.call(add, steps, until))
+
+    def state(self) -> dict:
+        return self.stream.state()
+
+    def load_state(self, state: dict) -> None:
+        self.stream.load_state(state)
+
+
+class Now:
+    """A result that is already there, as a handle."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def load_critic_state(critic, state: dict | None, shards: Path | None = None) -> None:

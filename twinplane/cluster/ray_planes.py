@@ -55,7 +55,7 @@ class RayPlanes:
         """`critic`: the critic's starting weights (PPO; None: no critic), on the training ranks or on
         `cluster.critic_devices` ranks of its own."""
         c = cfg.cluster
-        self.cfg, self.timeout = cfg, c.timeout_s
+        self.cfg, self.timeout, self.colocated = cfg, c.timeout_s, c.colocate
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             try:
@@ -188,6 +188,12 @@ class RayPlanes:
         calls = [(e, e.generate.remote([list(requests[i]) for i in share], sampling)) for e, share in busy]
         return _Pending(self, calls, [share for _, share in busy])
 
+    def open_streams(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
+                     max_staleness: int) -> list[_RemoteStream]:
+        self._wait([(e, e.stream_open.remote(sampling, max_groups, max_prompt_len, partial, max_staleness))
+                    for e in self.engines], "rollout")
+        return [_RemoteStream(self, e) for e in self.engines]
+
     def sync(self, version: int) -> SyncReport:
         calls = [(t, t.push_weights.remote(version)) for t in self.trainers]
         if not self.cfg.cluster.colocate:
@@ -297,6 +303,30 @@ class _Pending:
             stats.append(st)
         self.stats = EngineStats.parallel(stats)
         return sorted(samples, key=lambda s: s.request_index)  # stable: a request's n samples keep their order
+
+
+class _RemoteStream:
+    """An engine actor's stream (`twinplane.rollout.stream`); calls are queued on the actor in order."""
+
+    def __init__(self, planes: RayPlanes, actor):
+        self.planes, self.actor = planes, actor
+
+    def call(self, add, steps: int | None, until: int | None) -> _Call:
+        return _Call(self.planes, self.actor, self.actor.stream_call.remote(add, steps, until))
+
+    def state(self) -> dict:
+        return self.planes._wait([(self.actor, self.actor.stream_state.remote())], "checkpoint")[0]
+
+    def load_state(self, state: dict) -> None:
+        self.planes._wait([(self.actor, self.actor.stream_load.remote(state))], "restore")
+
+
+class _Call:
+    def __init__(self, planes: RayPlanes, actor, ref):
+        self.planes, self.actor, self.ref = planes, actor, ref
+
+    def result(self):
+        return self.planes._wait([(self.actor, self.ref)], "rollout")[0]
 
 
 class _Engines:

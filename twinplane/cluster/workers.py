@@ -32,6 +32,7 @@ from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
+from twinplane.rollout.stream import EngineStream, GroupRequest, StreamResult
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer, sharded
 from twinplane.train.critic import Critic
@@ -122,6 +123,19 @@ class _Worker:
         if self.spec.cfg.cluster.colocate:
             platform.empty_cache(self.device)  # hand the KV cache's memory (released by the engine) to training
         return samples, self.engine.pop_stats()
+
+    def stream_open(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
+                    max_staleness: int) -> None:
+        self.stream = EngineStream(self.engine, sampling, max_groups, max_prompt_len, partial, max_staleness)
+
+    def stream_call(self, add: list[GroupRequest], steps: int | None, until: int | None) -> StreamResult:
+        return self.stream.call(add, steps, until)
+
+    def stream_state(self) -> dict:
+        return self.stream.state()
+
+    def stream_load(self, state: dict) -> None:
+        self.stream.load_state(state)
 
     def engine_state(self) -> tuple[torch.Tensor, int]:
         return self.engine.generator.get_state(), self.engine.weight_version

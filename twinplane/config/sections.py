@@ -174,6 +174,8 @@ class RolloutSection(Section):
     tp: int = opt(1, "tensor-parallel size of one engine (1 in this version: engines are data parallel)")
     record_routing: bool = opt(False, "MoE: record each token's experts per sparse layer (for algo.routing_replay)")
     lora_merge: bool = opt(False, "with train.lora: engines hold merged weights (base-speed decode, full sync)")
+    partial: bool = opt(True, "asynchronous RL: samples in flight at a weight update continue under the new weights "
+                        "(false: they start again)")
 
     @property
     def samples(self) -> int:
@@ -185,7 +187,11 @@ class RolloutSection(Section):
             (self.max_num_batched_tokens >= self.max_num_seqs, "rollout.max_num_batched_tokens",
              "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
             (self.tp == 1, "rollout.tp", "must be 1 (tensor-parallel engines are not in this version)"),
-            (not (cfg.cluster.async_ and self.tools), "cluster.async", "does not support rollout.tools yet"),
+            (not (cfg.cluster.staleness and self.tools), "cluster.max_staleness",
+             "must be 0 with rollout.tools in this version (multi-turn rollouts are synchronous)"),
+            (self.backend == "twinplane" or not cfg.cluster.staleness, "rollout.backend",
+             "vllm rolls out synchronously in this version: cluster.max_staleness must be 0 (the asynchronous "
+             "producer drives the own engine step by step)"),
             (not (self.record_routing and self.tools), "rollout.record_routing", "does not support rollout.tools yet"),
             (not self.lora_merge or cfg.train.lora.rank > 0, "rollout.lora_merge", "needs train.lora.rank > 0"),
             (not self.tools or cfg.model.path, "rollout.tools",
@@ -336,8 +342,6 @@ class AlgoSection(Section):
             (self.is_low < self.is_high, "algo.is_low", "must be below algo.is_high"),
             (not self.dynamic_sampling or cfg.rollout.n >= 2, "algo.dynamic_sampling",
              "needs rollout.n >= 2 (it keeps groups whose rewards differ)"),
-            (not (self.dynamic_sampling and cfg.cluster.async_), "algo.dynamic_sampling",
-             "does not combine with cluster.async (the next batch is submitted before this one is filtered)"),
             (-1 <= self.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
              "must be -1 (a fifth of rollout.max_new_tokens), 0 (off) or less than rollout.max_new_tokens"),
             (not self.routing_replay or cfg.rollout.backend == "twinplane", "algo.routing_replay",
@@ -408,14 +412,27 @@ class ClusterSection(Section):
         0, "PPO critic on Ray: 0 = sharded over the training ranks; K = K critic ranks of its own",
         bounds=">= 0 (0 = on the training ranks)")
     colocate: bool = opt(False, "true: each training rank also hosts an engine and time-shares its device")
-    async_: bool = opt(False, "(key cluster.async) roll out step k+1 while step k trains: one-step off-policy")
+    max_staleness: int = opt(
+        0, "asynchronous RL: policy versions a trained sample may lag (0 synchronous, 1 one-step off-policy, "
+        "k >= 2 fully asynchronous; docs/async.md)", bounds=">= 0")
+    async_: bool = opt(False, "(key cluster.async) the same as cluster.max_staleness=1")
+    async_schedule: int = opt(
+        0, "asynchronous RL: engine steps each engine runs while a step trains, so that runs are reproducible "
+        "(0: on Ray as long as training lasts, in one process none)", bounds=">= 0")
     timeout_s: float = opt(600.0, "collectives and worker calls; a worker silent this long stops the run", bounds="> 0")
     sync_bucket_mb: int = opt(256, "weight-sync bucket size (MB of engine-dtype weights per broadcast)", bounds=">= 1")
     cpus_per_worker: int = opt(1, "Ray CPUs per worker (and its torch threads)", bounds=">= 1")
 
+    @property
+    def staleness(self) -> int:
+        """The staleness bound (`cluster.async` is `max_staleness=1`)."""
+        return max(self.max_staleness, int(self.async_))
+
     def rules(self, cfg: Config) -> list[Rule]:
         per_mini_batch = cfg.samples_per_mini_batch
         return [
+            (not self.async_ or self.max_staleness <= 1, "cluster.async",
+             f"is cluster.max_staleness=1; it contradicts cluster.max_staleness={self.max_staleness} (set one)"),
             (self.critic_devices == 0 or cfg.algo.adv_estimator == "gae", "cluster.critic_devices",
              "must be 0 without a critic (algo.adv_estimator=gae)"),
             (self.critic_devices == 0 or self.backend == "ray", "cluster.critic_devices",

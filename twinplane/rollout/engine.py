@@ -137,6 +137,7 @@ class RolloutEngine:
         self.kv_cache_bytes, self.gpu_memory_utilization = kv_cache_bytes, gpu_memory_utilization
         self.generator = torch.Generator(self.device).manual_seed(seed)  # one draw per call: that call's seed
         self.weight_version = 0
+        self.on_weights = None  # called after each weight change
         # paged attention kernel and the pool's block size (twinplane.rollout.paged_attention), passed to every forward
         self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim,
                                                                          self.kernels, flex_check=flex_decode_agrees)
@@ -164,6 +165,8 @@ class RolloutEngine:
         follows now, as part of the sync rather than of the next rollout (the packed GEMMs' copies)."""
         self._repack()
         self.weight_version = version
+        if self.on_weights is not None:  # an open stream requeues what it has in flight (rollout.stream)
+            self.on_weights()
 
     def _repack(self) -> None:
         """The packed GEMMs' copies (twinplane.rollout.packed) re-packed where a weight changed since."""
@@ -215,24 +218,34 @@ class RolloutEngine:
         t0 = time.perf_counter()
         try:
             while sched.has_work():
-                batch = sched.schedule()
-                self.stats.steps += 1
-                self.stats.running_sum += sched.num_running
-                self.stats.usage_peak = max(self.stats.usage_peak, self.blocks.num_used / self.blocks.num_blocks)
-                self.stats.decode_tokens += batch.num_decodes
-                self.stats.prefill_tokens += sum(batch.num_tokens) - batch.num_decodes
-                for seq in self._step(batch, sched, sampling):
+                for seq in self.engine_step(sched, sampling):
                     done[seq.request_index, seq.sample_indices[0]] = seq.to_sample(self.weight_version)
         finally:
-            self.stats.preemptions += sched.preemptions
-            self.stats.seconds += time.perf_counter() - t0
-            if self.decoder is not None:
-                self.stats.graph_steps += self.decoder.steps
-                if self.decoder.broken:  # a capture failed (warned): stay eager
-                    self.graph_backend, self.decoder = "eager", None
-            if not self.keep_pool:
-                self.release()
+            self.end_steps(sched, t0)
         return [done[k] for k in sorted(done)]
+
+    def engine_step(self, sched: Scheduler, sampling: SamplingParams) -> list[Seq]:
+        """One scheduled forward and its sampling, counted; returns the sequences that finished."""
+        batch = sched.schedule()
+        self.stats.steps += 1
+        self.stats.running_sum += sched.num_running
+        self.stats.usage_peak = max(self.stats.usage_peak, self.blocks.num_used / self.blocks.num_blocks)
+        self.stats.decode_tokens += batch.num_decodes
+        self.stats.prefill_tokens += sum(batch.num_tokens) - batch.num_decodes
+        return self._step(batch, sched, sampling)
+
+    def end_steps(self, sched: Scheduler, t0: float) -> None:
+        """After a run of `engine_step`s since `t0`: the counters, a broken capture, the pool's release."""
+        self.stats.preemptions += sched.preemptions
+        sched.preemptions = 0
+        self.stats.seconds += time.perf_counter() - t0
+        if self.decoder is not None:
+            self.stats.graph_steps += self.decoder.steps
+            self.decoder.steps = 0
+            if self.decoder.broken:  # a capture failed (warned): stay eager
+                self.graph_backend, self.decoder = "eager", None
+        if not self.keep_pool and not sched.running:
+            self.release()
 
     def release(self) -> None:
         """Drop the KV pool and the decode graphs that point at it, so that their memory can go back; the next
@@ -250,11 +263,17 @@ class RolloutEngine:
 
     # --- internals ----------------------------------------------------------------------------------------------
     def _allocate(self, seqs: list[Seq]) -> None:
-        """Size the pool: the budget, capped at what these sequences could ever hold at once (plus, with static
-        decode steps, one block reserved for their padding rows); set up this call's static decode."""
+        """Size the pool for `seqs` (`allocate`)."""
+        bs = self.block_size
+        self.allocate(max(len(s.tokens) + s.max_new_tokens for s in seqs),
+                      sum((-(-(len(s.tokens) + s.max_new_tokens) // bs) + 1) * s.width for s in seqs),
+                      sum(s.width for s in seqs))
+
+    def allocate(self, longest: int, need_all: int, limit: int) -> None:
+        """Size the pool: the budget, capped at `need_all` blocks (what the sequences to come could ever hold at
+        once; the longest `longest` tokens, `limit` running at most), plus, with static decode steps, one block
+        reserved for their padding rows; set up the static decode."""
         cfg, bs = self.model.config, self.block_size
-        longest = max(len(s.tokens) + s.max_new_tokens for s in seqs)
-        need_all = sum((-(-(len(s.tokens) + s.max_new_tokens) // bs) + 1) * s.width for s in seqs)
         mode = decode_graphs.decode_mode(self.graph_backend, self.model, self.record_routing)
         reserved = int(mode != "eager")
         usable = pool_blocks(cfg, self.device, self.dtype, bs, reserved, self.kv_cache_bytes,
@@ -272,7 +291,6 @@ class RolloutEngine:
             self.decoder = self.kv = None  # free the old pool (and the graphs over it) before the new one exists
             self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, bs)  # the reserved block (the pool's last) is never handed out
-        limit = sum(s.width for s in seqs)
         if not reserved:
             self.decoder = None
         elif self.decoder is None or not self.decoder.serves(mode, need_one, limit):
@@ -377,7 +395,7 @@ class RolloutEngine:
                     rows_of.append(seq)
             ready = rows_of
         for seq, t, logprob in zip(ready, tok, chosen, strict=True):
-            seq.append(t, logprob)
+            seq.append(t, logprob, self.weight_version)
         finished = [s for s in ready if s.finish_reason is not None]
         sched.finish(finished)
         return finished

@@ -114,6 +114,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def requeue_running(self) -> None:
+        """Every running sequence back to the front of the queue, in order, without its blocks: each is recomputed
+        (prompt and generated tokens prefilled again) when it runs next (new weights: k/v of the new ones)."""
+        for seq in reversed(self.running):
+            self.blocks.release(seq)
+            self.waiting.appendleft(seq)
+        self.running = []
+
     def finish(self, seqs: list[Sequence]) -> None:
         """Retire finished sequences (one pass over the running set, however many finish at once)."""
         if not seqs:

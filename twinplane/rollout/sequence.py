@@ -9,7 +9,7 @@ does not depend on batching, admission order or preemption.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -23,7 +23,7 @@ class Sample:
     token_ids: list[int]  # generated tokens, including the stop token when there is one
     logprobs: list[float]  # log pi(token) under the engine's weights, per generated token
     finish_reason: str  # "stop" (EOS / stop token / stop sequence) or "length" (max_new_tokens)
-    weight_version: int  # which weight sync generated it
+    weight_version: int  # the weights' version when it finished
     # Multi-turn fields (filled by multi_turn.py), here so every consumer reads one type: a plain generation is
     # one turn of model tokens only.
     loss_mask: list[int] | None = None  # per token: 1 = model-generated (trained on), 0 = tool output; None = all 1
@@ -33,10 +33,28 @@ class Sample:
     # MoE routing record [len(prompt_ids) + len(token_ids), M sparse layers, k] int16 expert ids; -1 where the
     # engine never ran the token (the last sampled one). None unless the engine records routing.
     routing: torch.Tensor | None = None
+    # Per generated token, the weights' version it was sampled with (a stream's partial rollouts change weights
+    # mid-sample); None: all `weight_version`.
+    versions: list[int] | None = None
 
     def __post_init__(self):
         if self.loss_mask is None:
             self.loss_mask = [1] * len(self.token_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of its first token: how stale the sample is, as the staleness bound counts it."""
+        return self.versions[0] if self.versions else self.weight_version
+
+
+def sample_state(s: Sample) -> dict:
+    """A sample as plain data (JSON), for checkpoints."""
+    return asdict(s) | {"routing": None if s.routing is None else s.routing.tolist()}
+
+
+def sample_from_state(state: dict) -> Sample:
+    routing = state.get("routing")
+    return Sample(**state | {"routing": None if routing is None else torch.tensor(routing, dtype=torch.int16)})
 
 
 def sample_seed(seed: int, request_index: int, sample_index: int) -> int:
@@ -59,10 +77,12 @@ class Sequence:
         self.max_new_tokens = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         self.stop_ids = stop_ids  # EOS and the request's stop tokens
         self.sample_indices = list(range(len(seeds))) if sample_indices is None else sample_indices
+        self.seeds = list(seeds)
         self.rngs = [random.Random(s) for s in seeds]  # > 1 only before the fork: one per sample
         self.num_computed = 0  # leading tokens whose k/v are in the pool
         self.block_table: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []  # per generated token, the weights' version that sampled it
         self.finish_reason: str | None = None
         self.routes: list[tuple[int, torch.Tensor]] = []  # MoE record: (first position, experts [T, M, k] int16)
 
@@ -83,19 +103,21 @@ class Sequence:
     def fork(self) -> list[Sequence]:
         """One sequence per random stream, sharing this one's tokens and blocks (the caller counts the shares)."""
         children = []
-        for rng, index in zip(self.rngs, self.sample_indices, strict=True):
+        for rng, index, seed in zip(self.rngs, self.sample_indices, self.seeds, strict=True):
             c = Sequence.__new__(Sequence)
             c.__dict__.update(self.__dict__)
             c.tokens, c.block_table, c.logprobs = list(self.tokens), list(self.block_table), list(self.logprobs)
+            c.versions = list(self.versions)
             c.routes = list(self.routes)
-            c.rngs, c.sample_indices = [rng], [index]
+            c.rngs, c.sample_indices, c.seeds = [rng], [index], [seed]
             children.append(c)
         return children
 
-    def append(self, token: int, logprob: float) -> None:
-        """Add a sampled token; set `finish_reason` when it ends the sample."""
+    def append(self, token: int, logprob: float, version: int = 0) -> None:
+        """Add a token sampled with weights `version`; set `finish_reason` when it ends the sample."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        self.versions.append(version)
         sp, n = self.sampling, self.num_generated
         if n > sp.min_new_tokens and self._stopped(token):  # a stop counts at index >= min_new_tokens
             self.finish_reason = "stop"
@@ -122,4 +144,31 @@ class Sequence:
             routing = torch.full((len(self.tokens), *ran.shape[1:]), -1, dtype=torch.int16)
             routing[:len(ran)] = ran
         return Sample(self.request_index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:],
-                      list(self.logprobs), self.finish_reason or "length", weight_version, routing=routing)
+                      list(self.logprobs), self.finish_reason or "length", weight_version, routing=routing,
+                      versions=list(self.versions))
+
+    def restart(self) -> None:
+        """Back to its prompt (blocks already released), the same random streams from their start: the sample is
+        generated again (a stream's aborted partial rollout)."""
+        del self.tokens[self.prompt_len:]
+        self.logprobs, self.versions, self.finish_reason, self.routes = [], [], None, []
+        self.rngs = [random.Random(s) for s in self.seeds]
+
+    def state(self) -> dict:
+        """As plain data (JSON) for a checkpoint of a stream; only a sequence holding no blocks is saved. Its random
+        streams are not: each sampled token drew one number from its stream, so the state is (seed, tokens)."""
+        assert not self.block_table, "a sequence is saved only when it holds no blocks"
+        return {"tokens": self.tokens, "prompt_len": self.prompt_len, "request_index": self.request_index,
+                "max_new_tokens": self.max_new_tokens, "sample_indices": self.sample_indices, "seeds": self.seeds,
+                "logprobs": self.logprobs, "versions": self.versions}
+
+    @classmethod
+    def from_state(cls, state: dict, sampling: SamplingParams, stop_ids: frozenset[int]) -> Sequence:
+        seq = cls(state["tokens"][:state["prompt_len"]], state["request_index"], sampling, state["seeds"], stop_ids,
+                  state["sample_indices"], state["max_new_tokens"])
+        seq.tokens = list(state["tokens"])
+        seq.logprobs, seq.versions = list(state["logprobs"]), list(state["versions"])
+        for rng in seq.rngs:
+            for _ in range(seq.num_generated):
+                rng.random()
+        return seq

@@ -25,6 +25,7 @@ from twinplane.model import iter_safetensors, load_weights
 from twinplane.model.lora import adapter_numel, apply_lora, merge_lora
 from twinplane.model.lora_io import base_sha256, save_adapter
 from twinplane.platform import platform
+from twinplane.producer import Producer
 from twinplane.rollout import SamplingParams
 from twinplane.run import checkpoint, run_state
 from twinplane.run.evaluation import evaluate
@@ -146,11 +147,15 @@ class Run:
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
         recompute_old = cfg.algo.recompute_old_logprobs or self.planes.rollout_dtype != dtype
+        c = cfg.cluster
+        producer = None if not c.staleness else Producer(
+            self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.staleness,
+            c.async_schedule, r.partial, cfg.seed)
         self.controller = Controller(self.planes, s.scorer, s.tokenizer, sampling, cfg.train.mini_batches,
                                      recompute_old, algo=algo, critic_warmup=cfg.critic.warmup_steps,
                                      more_prompts=lambda: self.stream.next_batch(r.prompts_per_step),
                                      on_phase=self.faults, peak_flops=platform.detect().peak_flops,
-                                     async_=cfg.cluster.async_)
+                                     producer=producer)
 
     def warm_start(self) -> None:
         """Supervised steps on the built-in task's imperfect-teacher answers, with live progress; a stop request
@@ -195,8 +200,9 @@ class Run:
             self.planes.load_state(state["optimizer"], state["scheduler"], state["engine_rng"],
                                    state["weight_version"], critic=state.get("critic"), shards=state["shards"])
             c.version = state["weight_version"]
+            if state.get("pending"):
+                raise ValueError("a rollout in flight of an earlier version's asynchronous mode")
             c.load_state_dict(state.get("controller", {}))
-            c.load_pending(state.get("pending"))
         except Exception as e:  # any failure here is the checkpoint's content (torch/numpy raise many types)
             raise checkpoint.CheckpointError(f"{self.s.resume_from}: optimizer, scheduler or rollout state has "
                                              f"the wrong shape ({type(e).__name__})") from None
@@ -231,10 +237,9 @@ class Run:
         gets a checkpoint at once, then `Preempted`."""
         cfg, c, r = self.cfg, self.controller, self.cfg.rollout
         self.faults.step = step
-        prompts = c.pending[0] if c.pending else self.stream.next_batch(r.prompts_per_step)
-        upcoming = self.stream.next_batch(r.prompts_per_step) if cfg.cluster.async_ and step < cfg.train.steps \
-            else None
-        m = c.step(prompts, upcoming)
+        m = c.step(() if c.producer else self.stream.next_batch(r.prompts_per_step))
+        if c.producer:  # which prompts of the data order trained (and were filtered): in metrics.jsonl only
+            m |= {"data/draws": c.draws["trained"], "data/draws_filtered": c.draws["filtered"]}
         for k, v in m.items():
             if k.startswith("time/"):
                 self.phase_sums[k] = self.phase_sums.get(k, 0.0) + v
@@ -263,8 +268,9 @@ class Run:
 
     def record(self, step: int, metrics: dict) -> None:
         self.log.write({"step": step, **metrics})
+        scalars = {k: v for k, v in metrics.items() if not isinstance(v, list)}
         for sink in self.sinks:
-            sink.log(step, metrics)
+            sink.log(step, scalars)
 
     def checkpoint(self, step: int) -> None:
         """A checkpoint after `step`: weights, optimizer and engine state from the planes, the data position, the
@@ -274,8 +280,7 @@ class Run:
         shards = sharded_checkpoints(cfg, self.planes.train_devices)  # else full tensors, gathered here first
         planes_state = None if shards else self.pull_policy()
         self.summary["wall_seconds"] = self.wall_before + time.perf_counter() - self.t_start
-        extra = {"summary": self.summary, "phase_sums": self.phase_sums, "pending": c.pending_state(),
-                 "controller": c.state_dict()}
+        extra = {"summary": self.summary, "phase_sums": self.phase_sums, "controller": c.state_dict()}
 
         def write(out: Path) -> None:  # sharded: the ranks write theirs into the temp folder, sealed with the rest
             run_state.write(
