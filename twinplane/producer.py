@@ -2,17 +2,17 @@
 in completion order, never staler than `cluster.max_staleness` policy versions.
 
 - **Admission.** Groups (one prompt, n samples) are added to the engines while fewer than (k + 1) x P are
-  outstanding (in flight or finished and waiting), P = prompts per step, k = the staleness bound; each goes to the
-  engine with the fewest in flight. Its samples are seeded from the prompt's place in the data order (and the
-  attempt), so a group samples the same on any engine at any time.
+  outstanding (in flight or finished and waiting; k x P while a step trains on its P), P = prompts per step, k =
+  the staleness bound; each goes to the engine with the fewest in flight. Its samples are seeded from the
+  prompt's place in the data order (and the attempt), so a group samples the same on any engine at any time.
 - **Staleness.** A group is as old as its oldest token (partial rollouts sample later tokens with newer weights,
   each token carrying its version). The engines restart a group in flight as soon as it could no longer train
   (oldest < new version - k, `EngineStream`); a finished group that has become too stale while waiting is
   generated again from the same prompt (a new attempt). Both are counted (`async/groups_regenerated`); no prompt is
   dropped, so every prompt of the data order trains exactly once.
 - **Dynamic sampling** (DAPO) filters groups as they finish: a group whose rewards do not differ is dropped
-  (counted, its prompt used up as in the synchronous filter) and its slot refilled from the data, until
-  `algo.max_gen_batches` x P groups have been generated for the step; after that every group is kept.
+  (counted, its prompt used up as in the synchronous filter) and its slot refilled from the data. Once a step has
+  dropped (`algo.max_gen_batches` - 1) x P groups, uninformative groups are kept only to fill its batch.
 - **Schedule.** `take` runs the engines until P groups are ready. While the trainer works (`overlap`), the
   engines run `cluster.async_schedule` more engine steps each (in one process: before training, on the weights the
   trainer starts from — the same result), or with 0 on Ray, as long as training lasts (not reproducible).
@@ -109,11 +109,14 @@ class Producer:
         self.next_uid += 1
         return g
 
-    def _top_up(self) -> list[list[GroupRequest]]:
-        """Groups to add, per engine, to fill the outstanding slots (least-loaded engine first)."""
+    def _top_up(self, during_training: bool = False) -> list[list[GroupRequest]]:
+        """Groups to add, per engine, to fill the outstanding slots (least-loaded engine first). While a step
+        trains, its own P groups are already taken: k x P slots, so that a group added now trains k versions on
+        at the latest (in completion order)."""
+        capacity = self.capacity - (self.per_step if during_training else 0)
         adds: list[list[GroupRequest]] = [[] for _ in self.engines]
         load = self._load()
-        while self._outstanding() < self.capacity:
+        while self._outstanding() < capacity:
             draw, prompt = self._draw()
             g = self._new_group(draw, 0, prompt)
             self._submit(g, adds, load)
@@ -155,7 +158,7 @@ class Producer:
             if (until is not None and done >= until) or (steps is not None and ran >= steps) or \
                     (stop is not None and stop.is_set()):
                 return
-            adds = self._top_up() if stop is not None else [[] for _ in self.engines]
+            adds = self._top_up(during_training=True) if stop is not None else [[] for _ in self.engines]
 
     def _collect(self, engine: int, r: StreamResult, overlap: bool) -> None:
         c = self.counts
@@ -197,7 +200,9 @@ class Producer:
         for i, g in enumerate(groups):
             g.rewards, g.correct = list(rewards[i * n:(i + 1) * n]), correct[i * n:(i + 1) * n]
             labels = torch.zeros(n, dtype=torch.long)
-            if self.algo.filters_groups and self.counts.filtered < cap and \
+            # past the step's cap, uninformative groups only fill the step's batch (the synchronous filter's rule)
+            forced = self.counts.filtered >= cap and len(self.ready) < self.per_step
+            if self.algo.filters_groups and not forced and \
                     not bool(self.algo.keep_groups(torch.tensor(g.rewards), labels).any()):
                 self.counts.filtered += 1
                 self.counts.filtered_draws.append(g.draw)
@@ -224,7 +229,7 @@ class Producer:
         """Engines on the trainer's devices: the schedule's engine steps now, before training (on the weights the
         trainer starts from: what they would have generated while it trained)."""
         if self.local and self.schedule > 0:
-            self._advance(self._top_up(), self.schedule, None, overlap=True)
+            self._advance(self._top_up(during_training=True), self.schedule, None, overlap=True)
 
     @contextmanager
     def overlap(self) -> Iterator[None]:
@@ -237,7 +242,8 @@ class Producer:
 
         def run() -> None:
             try:
-                self._advance(self._top_up(), self.schedule or None, None, True, None if self.schedule else stop)
+                self._advance(self._top_up(during_training=True), self.schedule or None, None, True,
+                              None if self.schedule else stop)
             except BaseException as e:  # raised in the caller's thread once training is done
                 failure.append(e)
 
