@@ -81,7 +81,7 @@ class Controller:
         self.draws: dict[str, list[int]] = {}  # asynchronous: the data-order places of the step's prompts
         self.rollout_stats = EngineStats()  # the engines' counters for the samples of the current step
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
-        self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs or producer is not None
+        self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs
         self.on_phase = on_phase
         self.peak_flops = peak_flops  # per device, for MFU; None (unknown device) reports MFU as null
         self.version = planes.weight_version

@@ -307,7 +307,9 @@ class AlgoSection(Section):
     kl_target: float = opt(0.1, "adaptive KL controller: target KL per sequence", bounds="> 0")
     kl_horizon: float = opt(10000.0, "adaptive KL controller: horizon in samples", bounds="> 0")
     entropy_coef: float = opt(0.0, "entropy bonus weight", bounds=">= 0")
-    recompute_old_logprobs: bool = opt(False, "score old log-probs with the trainer instead of using the engine's")
+    recompute_old_logprobs: bool | None = opt(
+        None, "score old log-probs with the trainer (the decoupled objective's proximal policy) instead of using the "
+        "engine's; unset: when they can differ (asynchronous RL, another rollout dtype)")
     tis_cap: float = opt(2.0, "off-policy correction (cluster.async, is_sync, or rollout.backend=vllm with "
         "recompute_old_logprobs): cap of the importance weight pi_old / pi_rollout", bounds=">= 1")
     is_weight: ISWeight = opt("token", "off-policy correction's weight on r = pi_old / pi_rollout: token | sequence "

@@ -146,7 +146,9 @@ class Run:
         self.faults.planes = self.planes
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
-        recompute_old = cfg.algo.recompute_old_logprobs or self.planes.rollout_dtype != dtype
+        recompute_old = cfg.algo.recompute_old_logprobs
+        if recompute_old is None:
+            recompute_old = self.planes.rollout_dtype != dtype or cfg.cluster.staleness > 0
         c = cfg.cluster
         producer = None if not c.staleness else Producer(
             self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.staleness,
