@@ -3,15 +3,20 @@ and a saved stream that continues bitwise."""
 
 import copy
 import json
+import string
 
 import pytest
 import torch
 from conftest import EOS, PROMPTS, tiny_model
 
 from twinplane.model import load_weights
-from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.rollout import MultiTurnRollout, RolloutEngine, SamplingParams
 from twinplane.rollout.sequence import sample_seed
 from twinplane.rollout.stream import EngineStream, GroupRequest
+from twinplane.rollout.tools import build_tools
+from twinplane.tokenizer import build_char_tokenizer
+from twinplane.train.batch import Batch, pad_rows
+from twinplane.train.logprobs import response_logprobs
 
 SP = SamplingParams(temperature=1.0, max_new_tokens=10, n=2)
 
@@ -135,3 +140,51 @@ def test_a_saved_stream_continues_bitwise(partial):
     got = stream2.advance()
     assert first and [[(s.token_ids, s.logprobs, s.versions) for s in g] for g in got] == \
         [[(s.token_ids, s.logprobs, s.versions) for s in g] for g in want]
+
+
+def test_multi_turn_tool_rollouts_in_a_stream():
+    """A sample that stops at a tool call gets exactly the tool's output (loss mask 0, log-prob 0) and generates on
+    with its prefix recomputed: the model's tokens score like the trainer's one forward over the whole sequence,
+    across a weight change and a save/restore of the stream."""
+    tok = build_char_tokenizer(string.printable)
+    model = tiny_model(vocab_size=tok.vocab_size)
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    sp = SamplingParams(temperature=0.8, max_new_tokens=80, n=3)
+    # the random model has no idea of the format: its favourite character ends a call, so calls happen
+    probe = engine.generate([tok.encode("2+3=")], SamplingParams(temperature=0.8, max_new_tokens=40, n=4, seed=3))
+    counts = torch.bincount(torch.tensor([t for s in probe for t in s.token_ids]), minlength=tok.vocab_size)
+    counts[tok.eos_token_id] = 0
+    call_end = tok.decode([int(counts.argmax())], skip_special_tokens=False)
+    turns = MultiTurnRollout(engine, tok, build_tools(["calculator"]), max_turns=3, call_start="#", call_end=call_end)
+    stream = EngineStream(engine, sp, max_groups=4, max_prompt_len=8, turns=turns)
+    prompts = [tok.encode(p) for p in ["2+3=", "hello", "x"]]
+    stream.add([GroupRequest(i, p, [sample_seed(1, i, j) for j in range(3)]) for i, p in enumerate(prompts)])
+    stream.advance(steps=30)
+    state = json.loads(json.dumps(stream.state()))
+    samples = [s for g in stream.advance() for s in g]
+    assert any(s.num_turns >= 2 for s in samples) and any(0 in s.loss_mask for s in samples)
+    for s in samples:
+        assert len(s.loss_mask) == len(s.token_ids) == len(s.logprobs) == len(s.versions)
+        assert s.num_tool_calls == s.num_tool_errors  # (a random model writes no JSON)
+        # a finished model turn ran its call, except the last one; a tool output cut by the budget ends the sample
+        assert s.num_tool_calls == s.num_turns - (s.finish_reason != "length" or s.loss_mask[-1] == 1)
+        assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if not m)
+        assert len(s.token_ids) <= sp.max_new_tokens
+        # each tool segment is the calculator's answer to the turn before it, encoded in the output template
+        text = tok.decode(s.token_ids, skip_special_tokens=False)
+        assert text.count("<tool_response>") == s.num_tool_calls or s.finish_reason == "length"
+    batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], tok.pad_token_id,
+                          [s.logprobs for s in samples])
+    batch.response_mask = pad_rows([s.loss_mask for s in samples], 0, torch.float32)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch, temperature=0.8)
+    m = batch.response_mask.bool()
+    torch.testing.assert_close(lp[m], batch.rollout_logprobs[m], atol=1e-5, rtol=0)
+    # a restored stream continues to the same samples
+    engine2 = RolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    stream2 = EngineStream(engine2, sp, max_groups=4, max_prompt_len=8,
+                           turns=MultiTurnRollout(engine2, tok, build_tools(["calculator"]), max_turns=3,
+                                                  call_start="#", call_end=call_end))
+    stream2.load_state(state)
+    again = [s for g in stream2.advance() for s in g]
+    assert [(s.token_ids, s.loss_mask) for s in again] == [(s.token_ids, s.loss_mask) for s in samples]

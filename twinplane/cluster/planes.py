@@ -233,7 +233,9 @@ class LocalPlanes:
 
     def open_streams(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
                      max_staleness: int) -> list[_LocalStream]:
-        return [_LocalStream(EngineStream(self.engine, sampling, max_groups, max_prompt_len, partial, max_staleness))]
+        turns = self.rollout if isinstance(self.rollout, MultiTurnRollout) else None
+        return [_LocalStream(EngineStream(self.engine, sampling, max_groups, max_prompt_len, partial, max_staleness,
+                                          turns))]
 
     def state(self, shards: Path | None = None) -> dict:
         """Policy weights are the trainer's model itself here (None: nothing to copy)."""

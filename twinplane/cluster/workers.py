@@ -30,7 +30,7 @@ from twinplane.model.checksum import combine_checksums, tensor_checksum
 from twinplane.model.export import export_shapes, exported
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.platform import platform
-from twinplane.rollout import SamplingParams
+from twinplane.rollout import MultiTurnRollout, SamplingParams
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.stream import EngineStream, GroupRequest, StreamResult
 from twinplane.tokenizer import Tokenizer
@@ -126,7 +126,8 @@ class _Worker:
 
     def stream_open(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
                     max_staleness: int) -> None:
-        self.stream = EngineStream(self.engine, sampling, max_groups, max_prompt_len, partial, max_staleness)
+        turns = self.rollout if isinstance(self.rollout, MultiTurnRollout) else None
+        self.stream = EngineStream(self.engine, sampling, max_groups, max_prompt_len, partial, max_staleness, turns)
 
     def stream_call(self, add: list[GroupRequest], steps: int | None, until: int | None) -> StreamResult:
         return self.stream.call(add, steps, until)

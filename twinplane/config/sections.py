@@ -187,8 +187,6 @@ class RolloutSection(Section):
             (self.max_num_batched_tokens >= self.max_num_seqs, "rollout.max_num_batched_tokens",
              "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
             (self.tp == 1, "rollout.tp", "must be 1 (tensor-parallel engines are not in this version)"),
-            (not (cfg.cluster.staleness and self.tools), "cluster.max_staleness",
-             "must be 0 with rollout.tools in this version (multi-turn rollouts are synchronous)"),
             (self.backend == "twinplane" or not cfg.cluster.staleness, "rollout.backend",
              "vllm rolls out synchronously in this version: cluster.max_staleness must be 0 (the asynchronous "
              "producer drives the own engine step by step)"),

@@ -96,13 +96,13 @@ class MultiTurnRollout:
                         s.finish_reason = "max_turns"
                 else:
                     s.finish_reason = reason
-            results = self._run_calls([toks for _, toks in calls])
+            results = self.run_calls([toks for _, toks in calls])
             live = []
             for (i, _), result in zip(calls, results, strict=True):
                 s = samples[i]
                 s.num_tool_calls += 1
                 s.num_tool_errors += int(result.error)
-                ids = self._encode(self.output_template.replace("{output}", result.output))
+                ids = self.encode(self.output_template.replace("{output}", result.output))
                 room = budget - len(s.token_ids)
                 if len(ids) >= room:  # no room left for the model to read it and answer
                     ids, s.finish_reason = ids[:room], "length"
@@ -117,7 +117,7 @@ class MultiTurnRollout:
             cont = replace(sampling, n=1, max_new_tokens=max(rooms), min_new_tokens=0, seed=None, stop_sequences=stops)
             outs = self.engine.generate([samples[i].prompt_ids + samples[i].token_ids for i in live], cont, rooms)
 
-    def _run_calls(self, turns: list[list[int]]) -> list[ToolResult]:
+    def run_calls(self, turns: list[list[int]]) -> list[ToolResult]:
         if len(turns) <= 1 or self.tool_workers <= 1:
             return [self._run_call(t) for t in turns]
         with ThreadPoolExecutor(min(self.tool_workers, len(turns))) as pool:
@@ -150,7 +150,7 @@ class MultiTurnRollout:
         except Exception as e:  # a tool bug must not take the whole rollout down
             return ToolResult(f"error: {call['name']} failed: {type(e).__name__}: {e}", True)
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         """Encode tool text; a tokenizer without byte fallback (the char tokenizer) cannot encode every
         character, so on failure encode character by character and turn the unencodable ones into '?'."""
         try:

@@ -9,7 +9,7 @@ does not depend on batching, admission order or preemption.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -63,6 +63,27 @@ def sample_seed(seed: int, request_index: int, sample_index: int) -> int:
     return random.Random(f"{seed}/{request_index}/{sample_index}").getrandbits(64)
 
 
+@dataclass
+class Turns:
+    """A sequence's multi-turn record: where its current model turn starts, the loss mask of its tool tokens, and
+    the counts a `Sample` reports."""
+    start: int = 0  # token index where the current model turn starts (0: the first turn, after the prompt)
+    loss_mask: list[int] = field(default_factory=list)  # per generated token up to the last tool output
+    count: int = 0  # model turns finished
+    calls: int = 0
+    errors: int = 0
+
+    @property
+    def tool_tokens(self) -> int:
+        return len(self.loss_mask) - sum(self.loss_mask)
+
+    def mask(self, num_generated: int) -> list[int] | None:
+        """The sample's loss mask (None: every token the model's)."""
+        if not self.loss_mask:
+            return None
+        return self.loss_mask + [1] * (num_generated - len(self.loss_mask))
+
+
 class Sequence:
     """Tokens (prompt + generated), how many of them have k/v in the pool, and the blocks holding them."""
 
@@ -85,6 +106,7 @@ class Sequence:
         self.versions: list[int] = []  # per generated token, the weights' version that sampled it
         self.finish_reason: str | None = None
         self.routes: list[tuple[int, torch.Tensor]] = []  # MoE record: (first position, experts [T, M, k] int16)
+        self.turns = Turns()  # multi-turn tool rollouts driven by a stream (rollout.stream); else unused
 
     @property
     def width(self) -> int:
@@ -108,7 +130,7 @@ class Sequence:
             c.__dict__.update(self.__dict__)
             c.tokens, c.block_table, c.logprobs = list(self.tokens), list(self.block_table), list(self.logprobs)
             c.versions = list(self.versions)
-            c.routes = list(self.routes)
+            c.routes, c.turns = list(self.routes), replace(self.turns, loss_mask=list(self.turns.loss_mask))
             c.rngs, c.sample_indices, c.seeds = [rng], [index], [seed]
             children.append(c)
         return children
@@ -145,13 +167,25 @@ class Sequence:
             routing[:len(ran)] = ran
         return Sample(self.request_index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:],
                       list(self.logprobs), self.finish_reason or "length", weight_version, routing=routing,
-                      versions=list(self.versions))
+                      versions=list(self.versions), loss_mask=self.turns.mask(self.num_generated),
+                      num_turns=max(self.turns.count, 1), num_tool_calls=self.turns.calls,
+                      num_tool_errors=self.turns.errors)
+
+    def add_tool_output(self, ids: list[int], version: int) -> None:
+        """Append a tool's output: tokens the model did not sample (log-prob 0, loss mask 0); the next model turn
+        starts after them."""
+        self.turns.loss_mask += [1] * (self.num_generated - len(self.turns.loss_mask)) + [0] * len(ids)
+        self.tokens += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+        self.turns.start = len(self.tokens)
 
     def restart(self) -> None:
         """Back to its prompt (blocks already released), the same random streams from their start: the sample is
         generated again (a stream's aborted partial rollout)."""
         del self.tokens[self.prompt_len:]
         self.logprobs, self.versions, self.finish_reason, self.routes = [], [], None, []
+        self.turns = Turns()
         self.rngs = [random.Random(s) for s in self.seeds]
 
     def state(self) -> dict:
@@ -160,7 +194,7 @@ class Sequence:
         assert not self.block_table, "a sequence is saved only when it holds no blocks"
         return {"tokens": self.tokens, "prompt_len": self.prompt_len, "request_index": self.request_index,
                 "max_new_tokens": self.max_new_tokens, "sample_indices": self.sample_indices, "seeds": self.seeds,
-                "logprobs": self.logprobs, "versions": self.versions}
+                "logprobs": self.logprobs, "versions": self.versions, "turns": asdict(self.turns)}
 
     @classmethod
     def from_state(cls, state: dict, sampling: SamplingParams, stop_ids: frozenset[int]) -> Sequence:
@@ -168,7 +202,8 @@ class Sequence:
                   state["sample_indices"], state["max_new_tokens"])
         seq.tokens = list(state["tokens"])
         seq.logprobs, seq.versions = list(state["logprobs"]), list(state["versions"])
+        seq.turns = Turns(**state["turns"])
         for rng in seq.rngs:
-            for _ in range(seq.num_generated):
+            for _ in range(seq.num_generated - seq.turns.tool_tokens):
                 rng.random()
         return seq

@@ -19,11 +19,12 @@ engine runs it and whenever it is added.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from twinplane.rollout.engine import EngineStats, RolloutEngine
+from twinplane.rollout.multi_turn import MultiTurnRollout
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.scheduler import Scheduler
 from twinplane.rollout.sequence import Sample, sample_from_state, sample_state
@@ -51,11 +52,16 @@ class EngineStream:
     """Groups in, completed groups out, over one `RolloutEngine` (all with one `SamplingParams`)."""
 
     def __init__(self, engine: RolloutEngine, sampling: SamplingParams, max_groups: int, max_prompt_len: int,
-                 partial: bool = True, max_staleness: int | None = None):
+                 partial: bool = True, max_staleness: int | None = None, turns: MultiTurnRollout | None = None):
         """`max_groups`: groups in flight at most (sizes the KV pool with `max_prompt_len`); `max_staleness`: a
-        group whose oldest token is more versions old than this after a weight change starts again (None: never).
-        The stream follows the engine's weight changes from now on (`weights_changed`)."""
+        group whose oldest token is more versions old than this after a weight change starts again (None: never);
+        `turns`: multi-turn tool rollouts, by its tools and rules (a sample that stops at a tool call gets the
+        tool's output and generates on, its prefix recomputed). The stream follows the engine's weight changes from
+        now on (`weights_changed`)."""
+        if turns is not None:
+            sampling = replace(sampling, stop_sequences=[*sampling.stop_sequences, turns.call_end_ids])
         self.engine, self.sampling, self.partial, self.max_staleness = engine, sampling, partial, max_staleness
+        self.turns = turns
         self.restarted = 0  # too-stale restarts since the last `call`
         engine.on_weights = self.weights_changed
         self.max_groups, self.max_prompt_len = max_groups, max_prompt_len
@@ -104,7 +110,7 @@ class EngineStream:
         try:
             while self.sched.has_work() and (steps is None or ran < steps) and \
                     (until_groups is None or len(done) < until_groups):
-                for seq in e.engine_step(self.sched, self.sampling):
+                for seq in self._end_turns(e.engine_step(self.sched, self.sampling)):
                     uid = seq.request_index
                     self.finished[uid][seq.sample_indices[0]] = seq.to_sample(e.weight_version)
                     if len(self.finished[uid]) == n:
@@ -114,6 +120,38 @@ class EngineStream:
                 ran += 1
         finally:
             e.end_steps(self.sched, t0)
+        return done
+
+    def _end_turns(self, finished: list[Seq]) -> list[Seq]:
+        """Multi-turn: a sample that stopped at a tool call gets the tool's output and is queued to generate on;
+        the rest are done. The rules are `MultiTurnRollout`'s (budget over tool tokens too, `max_turns`, errors
+        as outputs); the tools of one engine step run together."""
+        t = self.turns
+        if t is None or not finished:
+            return finished
+        done, calls, end = [], [], t.call_end_ids
+        for seq in finished:
+            seq.turns.count += 1
+            turn = seq.tokens[max(seq.turns.start, seq.prompt_len):]
+            if seq.finish_reason == "stop" and len(turn) >= len(end) and turn[-len(end):] == end:
+                if seq.turns.count < t.max_turns:
+                    calls.append((seq, turn))
+                    continue
+                seq.finish_reason = "max_turns"
+            done.append(seq)
+        results = t.run_calls([turn for _, turn in calls])
+        for (seq, _), result in zip(calls, results, strict=True):
+            seq.turns.calls += 1
+            seq.turns.errors += int(result.error)
+            ids = t.encode(t.output_template.replace("{output}", result.output))
+            room = seq.max_new_tokens - seq.num_generated
+            seq.add_tool_output(ids[:room], self.engine.weight_version)
+            if len(ids) >= room:  # no room left for the model to read it and answer
+                seq.finish_reason = "length"
+                done.append(seq)
+            else:
+                seq.finish_reason = None
+                self.sched.add(seq)
         return done
 
     def call(self, add: list[GroupRequest], steps: int | None, until: int | None) -> StreamResult:
