@@ -88,6 +88,7 @@ class Producer:
         self.engines = planes.open_streams(sampling, self.capacity, longest, partial, max_staleness)
         self.next_uid = 0
         self.in_flight: dict[int, Group] = {}  # by uid
+        self.outbox: list[list[GroupRequest]] = [[] for _ in self.engines]  # submitted, not yet sent, per engine
         self.finished: list[Group] = []  # completed, not yet scored, in completion order
         self.ready: list[Group] = []  # scored and kept, waiting to train, in completion order
         self.counts = StepCounts(busy=[0.0] * len(self.engines), overlap_busy=[0.0] * len(self.engines))
@@ -109,18 +110,16 @@ class Producer:
         self.next_uid += 1
         return g
 
-    def _top_up(self, during_training: bool = False) -> list[list[GroupRequest]]:
-        """Groups to add, per engine, to fill the outstanding slots (least-loaded engine first). While a step
-        trains, its own P groups are already taken: k x P slots, so that a group added now trains k versions on
-        at the latest (in completion order)."""
+    def _top_up(self, during_training: bool = False) -> bool:
+        """Submit groups to fill the outstanding slots; whether there were any. While a step trains, its own P
+        groups are already taken: k x P slots, so that a group added now trains k versions on at the latest (in
+        completion order)."""
         capacity = self.capacity - (self.per_step if during_training else 0)
-        adds: list[list[GroupRequest]] = [[] for _ in self.engines]
-        load = self._load()
+        added = self._outstanding() < capacity
         while self._outstanding() < capacity:
             draw, prompt = self._draw()
-            g = self._new_group(draw, 0, prompt)
-            self._submit(g, adds, load)
-        return adds
+            self._submit(self._new_group(draw, 0, prompt))
+        return added
 
     def _load(self) -> list[int]:
         load = [0] * len(self.engines)
@@ -128,37 +127,42 @@ class Producer:
             load[g.engine] += 1
         return load
 
-    def _submit(self, g: Group, adds: list[list[GroupRequest]], load: list[int]) -> None:
+    def _submit(self, g: Group) -> None:
+        """To the engine with the fewest groups in flight (sent with its next call)."""
+        load = self._load()
         g.engine = min(range(len(load)), key=lambda i: (load[i], i))
-        load[g.engine] += 1
         seeds = [sample_seed(self.seed + 7919 * g.attempt, g.draw, j) for j in range(self.sampling.n)]
-        adds[g.engine].append(GroupRequest(g.uid, list(g.prompt.ids), seeds))
+        self.outbox[g.engine].append(GroupRequest(g.uid, list(g.prompt.ids), seeds))
         self.in_flight[g.uid] = g
         self.counts.generated += 1
 
     # --- engines ------------------------------------------------------------------------------------------------
-    def _advance(self, adds: list[list[GroupRequest]], steps: int | None, until: int | None,
-                 overlap: bool = False, stop: threading.Event | None = None) -> None:
-        """Every engine runs `steps` engine steps, or until `until` groups in all have completed (None: no limit),
-        or until it has nothing left. Remote engines run in rounds of at most CHUNK_STEPS steps; with `stop`, until
-        it is set, topped up every round. Completed groups join `finished` in (round, engine, completion) order."""
+    def _send(self, engine: int, steps: int | None, until: int | None):
+        adds, self.outbox[engine] = self.outbox[engine], []
+        return self.engines[engine].call(adds, steps, until)
+
+    def _advance(self, steps: int | None, until: int | None, overlap: bool = False,
+                 stop: threading.Event | None = None) -> None:
+        """Every engine gets the groups submitted to it and runs `steps` engine steps, or until `until` groups in
+        all have completed (None: no limit), or until it has nothing left. Remote engines run in rounds of at most
+        CHUNK_STEPS steps; with `stop`, until it is set, topped up every round. Completed groups join `finished` in
+        (round, engine, completion) order."""
         done = ran = 0
         while True:
             chunk = steps if self.planes.in_process else \
                 min(CHUNK_STEPS, CHUNK_STEPS if steps is None else steps - ran)
-            handles = [e.call(adds[i], chunk, None if until is None else until - done)
-                       for i, e in enumerate(self.engines)]
+            handles = [self._send(i, chunk, None if until is None else until - done) for i in range(len(self.engines))]
             results = [h.result() for h in handles]
             for i, r in enumerate(results):
                 self._collect(i, r, overlap)
                 done += len(r.groups)
             ran += chunk or 0
-            if self.planes.in_process or all(r.idle for r in results) and stop is None:
+            more = stop is not None and self._top_up(during_training=True)
+            if self.planes.in_process or (all(r.idle for r in results) and not more):
                 return
             if (until is not None and done >= until) or (steps is not None and ran >= steps) or \
                     (stop is not None and stop.is_set()):
                 return
-            adds = self._top_up(during_training=True) if stop is not None else [[] for _ in self.engines]
 
     def _collect(self, engine: int, r: StreamResult, overlap: bool) -> None:
         c = self.counts
@@ -172,21 +176,17 @@ class Producer:
             g.samples = samples
             self.finished.append(g)
 
-    def _score(self) -> list[list[GroupRequest]]:
+    def _score(self) -> None:
         """Score the finished groups: each is kept or, with dynamic sampling, filtered. Then ready groups too stale
-        to train at the current version are generated again. Returns those groups, to add."""
-        adds = [[] for _ in self.engines]
+        to train at the current version are generated again."""
         if self.finished:
             self._score_finished()
         version = self.planes.weight_version
         stale = [g for g in self.ready if version - g.oldest > self.k]
-        if stale:
-            self.ready = [g for g in self.ready if version - g.oldest <= self.k]
-            load = self._load()
-            for g in stale:
-                self._submit(self._new_group(g.draw, g.attempt + 1, g.prompt), adds, load)
-                self.counts.regenerated += 1
-        return adds
+        self.ready = [g for g in self.ready if version - g.oldest <= self.k]
+        for g in stale:
+            self._submit(self._new_group(g.draw, g.attempt + 1, g.prompt))
+            self.counts.regenerated += 1
 
     def _score_finished(self) -> None:
         groups, self.finished = self.finished, []
@@ -214,12 +214,11 @@ class Producer:
         """The step's P groups: the first P ready in completion order, running the engines until there are."""
         self.counts = StepCounts(busy=[0.0] * len(self.engines), overlap_busy=[0.0] * len(self.engines))
         while True:
-            adds = self._score()
+            self._score()
             if len(self.ready) >= self.per_step:
                 break
-            for a, b in zip(adds, self._top_up(), strict=True):
-                a += b
-            self._advance(adds, None, self.per_step - len(self.ready))
+            self._top_up()
+            self._advance(None, self.per_step - len(self.ready))
         version = self.planes.weight_version
         batch, self.ready = self.ready[:self.per_step], self.ready[self.per_step:]
         self.staleness = [version - g.oldest for g in batch]
@@ -229,7 +228,8 @@ class Producer:
         """Engines on the trainer's devices: the schedule's engine steps now, before training (on the weights the
         trainer starts from: what they would have generated while it trained)."""
         if self.local and self.schedule > 0:
-            self._advance(self._top_up(during_training=True), self.schedule, None, overlap=True)
+            self._top_up(during_training=True)
+            self._advance(self.schedule, None, overlap=True)
 
     @contextmanager
     def overlap(self) -> Iterator[None]:
@@ -242,8 +242,8 @@ class Producer:
 
         def run() -> None:
             try:
-                self._advance(self._top_up(during_training=True), self.schedule or None, None, True,
-                              None if self.schedule else stop)
+                self._top_up(during_training=True)
+                self._advance(self.schedule or None, None, True, None if self.schedule else stop)
             except BaseException as e:  # raised in the caller's thread once training is done
                 failure.append(e)
 
@@ -282,12 +282,15 @@ class Producer:
 
     # --- checkpoints --------------------------------------------------------------------------------------------
     def state(self) -> dict:
+        """Everything not yet trained on, as plain data (JSON)."""
+
         def group(g: Group) -> dict:
             return asdict(g) | {"samples": [sample_state(s) for s in g.samples]}
 
         return {"next_uid": self.next_uid, "in_flight": [group(g) for g in self.in_flight.values()],
                 "finished": [group(g) for g in self.finished], "ready": [group(g) for g in self.ready],
-                "engines": [e.state() for e in self.engines]}
+                "engines": [e.state() for e in self.engines],
+                "outbox": [[asdict(r) for r in box] for box in self.outbox]}
 
     def load_state(self, state: dict) -> None:
         def group(d: dict) -> Group:
@@ -295,11 +298,15 @@ class Producer:
                                 "samples": [sample_from_state(s) for s in d["samples"]]})
 
         self.next_uid = state["next_uid"]
-        self.in_flight = {g.uid: g for g in map(group, state["in_flight"])}
+        in_flight = [group(d) for d in state["in_flight"]]
         self.finished = [group(d) for d in state["finished"]]
         self.ready = [group(d) for d in state["ready"]]
-        if len(state["engines"]) != len(self.engines):
-            raise ValueError(f"{len(state['engines'])} engines' streams saved, {len(self.engines)} engines now")
-        for e, s in zip(self.engines, state["engines"], strict=True):
-            e.load_state(s)
+        if len(state["engines"]) == len(self.engines):
+            self.in_flight = {g.uid: g for g in in_flight}
+            for e, s in zip(self.engines, state["engines"], strict=True):
+                e.load_state(s)
+            self.outbox = [[GroupRequest(**r) for r in box] for box in state["outbox"]]
+        else:  # another engine count (cluster.rollout_devices changed): what was in flight is generated again
+            for g in in_flight:
+                self._submit(self._new_group(g.draw, g.attempt + 1, g.prompt))
 

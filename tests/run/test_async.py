@@ -18,6 +18,13 @@ ASYNC = [*CLUSTER_RUN, "train.steps=6", "cluster.max_staleness=2", "cluster.asyn
          "algo.entropy_coef=0.01"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()  # threads=1 (CLUSTER_RUN) must not leak into later tests
+    yield
+    torch.set_num_threads(threads)
+
+
 def run(run_dir, *extra, fault=None, signal="TERM"):
     env = {"TWINPLANE_FAULT": fault, "TWINPLANE_FAULT_SIGNAL": signal} if fault else {}
     os.environ.update(env)

@@ -308,8 +308,8 @@ class AlgoSection(Section):
     recompute_old_logprobs: bool | None = opt(
         None, "score old log-probs with the trainer (the decoupled objective's proximal policy) instead of using the "
         "engine's; unset: when they can differ (asynchronous RL, another rollout dtype)")
-    tis_cap: float = opt(2.0, "off-policy correction (cluster.max_staleness >= 1, is_sync, or rollout.backend=vllm with "
-        "recompute_old_logprobs): cap of the importance weight pi_old / pi_rollout", bounds=">= 1")
+    tis_cap: float = opt(2.0, "off-policy correction (cluster.max_staleness >= 1, is_sync, or rollout.backend=vllm "
+        "with recompute_old_logprobs): cap of the importance weight pi_old / pi_rollout", bounds=">= 1")
     is_weight: ISWeight = opt("token", "off-policy correction's weight on r = pi_old / pi_rollout: token | sequence "
         "(prod r; both truncated at tis_cap) | icepop (r in [is_low, is_high], else 0) | off")
     is_mask: ISMask = opt("off", "off-policy correction: drop tokens (token) or whole sequences (sequence: prod r; "
