@@ -135,3 +135,38 @@ def test_partial_false_restarts_in_flight_samples_under_the_new_weights(tmp_path
     waiting = [s for key in ("finished", "ready") for g in p[key] for s in g["samples"]]
     assert waiting and all(len(set(s["versions"])) == 1 for s in waiting)  # each sample from one policy
     assert_exactly_once(tmp_path)
+
+
+def test_a_checkpoint_from_another_engine_count_generates_what_was_in_flight_again(tmp_path, reference):
+    """A checkpoint written by 2 engines, resumed on 1: the groups that were in flight are generated again (new
+    attempts of the same prompts), the waiting ones train as saved, and no prompt is lost or repeated."""
+    from rich.console import Console
+
+    from twinplane.config import load_config
+    from twinplane.run.loop import Run
+    from twinplane.run.prepare import prepare
+
+    state = json.loads((checkpoint.list_checkpoints(reference)[-1] / "state.json").read_text())
+    saved = state["controller"]["producer"]
+    saved = saved | {"engines": saved["engines"] * 2, "outbox": saved["outbox"] * 2}  # as if by 2 engines
+    in_flight = sorted(g["draw"] for g in saved["in_flight"])
+    assert in_flight
+    cfg = load_config(None, [*ASYNC, f"run_dir={tmp_path / 'run'}", "eval.before=false"])
+    run = Run(prepare(cfg), Console(stderr=True))
+    try:
+        run.start()
+        producer = run.controller.producer
+        producer.prompts.load_state_dict(state["stream"])
+        producer.load_state(saved)
+        assert sorted(g.draw for g in producer.in_flight.values()) == in_flight
+        assert all(g.attempt == 1 for g in producer.in_flight.values())
+        trained = []
+        for _ in range(3):
+            run.controller.step()
+            trained += run.controller.draws["trained"]
+    finally:
+        run.close()
+    before = [d for r in rows(reference) if "data/draws" in r for d in r["data/draws"]]
+    left = [g.draw for g in [*producer.in_flight.values(), *producer.finished, *producer.ready]]
+    everything = before + trained + left
+    assert sorted(everything) == list(range(len(everything)))
