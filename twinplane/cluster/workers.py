@@ -108,11 +108,14 @@ class _Worker:
         s = self.spec
         dtype = platform.rollout_dtype(s.cfg.model, self.device)
         model = build_model(s.model_config, policy, self.device, dtype, s.cfg.train.lora, s.cfg.rollout.lora_merge)
+        adapters = has_lora(model)  # LoRA unmerged: only the adapters travel (fp32)
+        # what a weight sync delivers, in the sender's order (`export_shapes`): the engine may not keep `model`
+        self.sync_shapes = [(n, p.shape) for n, p in model.named_parameters() if exported(n, adapters_only=adapters)]
+        self.sync_dtype = torch.float32 if adapters else dtype
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
         self.engine = build_engine(s.cfg, model, s.tokenizer, seed_offset=1_000_003 * index,
                                    shared=s.cfg.cluster.colocate)
         self.rollout = build_rollout(s.cfg, self.engine, s.tokenizer)
-        self.engine_dtype = dtype
 
     # --- the engine's side (a RolloutWorker, or a colocated TrainWorker) ----------------------------------------
     def generate(self, requests: list[list[int]], sampling: SamplingParams) -> tuple[list, EngineStats]:
@@ -158,17 +161,25 @@ class RolloutWorker(_Worker):
         self._build_engine(policy, index)
 
     def receive_weights(self, version: int) -> dict:
-        """The receiving end of `TrainWorker.push_weights`; returns this engine's checksum afterwards."""
-        params = dict(self.engine.model.named_parameters())
-        adapters = has_lora(self.engine.model)  # LoRA unmerged: only the adapters travel (fp32)
-        shapes = [(n, p.shape) for n, p in params.items() if exported(n, adapters_only=adapters)]
-        dtype = torch.float32 if adapters else self.engine_dtype
+        """The receiving end of `TrainWorker.push_weights`; returns this engine's checksum afterwards. Each bucket
+        is copied into the engine's parameters, or, for an engine whose weights are not modules of this process
+        (vLLM's), every received tensor is loaded by name at the end, the engine computing its checksum."""
+        held = self.engine.model
+        params = None if held is None else dict(held.named_parameters())
+        received = []
         bucket_bytes = self.spec.cfg.cluster.sync_bucket_mb << 20
         with torch.no_grad():
-            for bucket in bucket_plan(shapes, dtype.itemsize, bucket_bytes):
-                for name, t in broadcast_bucket(None, bucket, dtype, self.device, 0, self.sync_group):
-                    params[name].copy_(t)
-        self.engine.weights_loaded(version)
+            for bucket in bucket_plan(self.sync_shapes, self.sync_dtype.itemsize, bucket_bytes):
+                tensors = broadcast_bucket(None, bucket, self.sync_dtype, self.device, 0, self.sync_group)
+                if params is None:
+                    received += tensors
+                else:
+                    for name, t in tensors:
+                        params[name].copy_(t)
+        if params is None:
+            self.engine.load_weights(received, version=version)
+        else:
+            self.engine.weights_loaded(version)
         return {"checksum": self.engine.checksum()}
 
 
@@ -253,11 +264,16 @@ class TrainWorker(_CriticCalls, _Worker):
         send_dtype = torch.float32 if adapters else dtype
         weights = self.trainer.named_weights(dtype, adapters_only=adapters, merged=merged)
         per_tensor, sent = {}, 0
+        # colocated with an engine whose weights are not modules of this process (vLLM's): every tensor by name in
+        # one load at the end, the engine computing its checksum of what it loaded
+        by_name = [] if cluster.colocate and self.engine.model is None else None
         t0 = time.perf_counter()
         with torch.no_grad():
             for bucket in bucket_plan(shapes, send_dtype.itemsize, cluster.sync_bucket_mb << 20):
                 full = [next(weights)[1] for _ in bucket]  # a collective per sharded tensor
-                if cluster.colocate:
+                if by_name is not None:
+                    by_name += [(n, x) for (n, _), x in zip(bucket, full, strict=True)]
+                elif cluster.colocate:
                     load_weights(self.engine.model, [(n, x) for (n, _), x in zip(bucket, full, strict=True)],
                                  strict=not adapters)
                 elif self.rank == 0:
@@ -265,12 +281,15 @@ class TrainWorker(_CriticCalls, _Worker):
                 if cluster.colocate or self.rank == 0:
                     per_tensor.update({n: tensor_checksum(x) for (n, _), x in zip(bucket, full, strict=True)})
                     sent += sum(x.numel() for x in full) * send_dtype.itemsize
+            if by_name is not None:
+                self.engine.load_weights(by_name, version=version)
         platform.synchronize(self.device)
         if adapters:  # the engines' checksums cover the base too (computed once: it is frozen)
             per_tensor |= self.trainer.frozen_checksums(dtype)
         out = {"expected": combine_checksums(per_tensor), "bytes": sent, "seconds": time.perf_counter() - t0}
         if cluster.colocate:
-            self.engine.weights_loaded(version)
+            if by_name is None:
+                self.engine.weights_loaded(version)
             return out | {"checksum": self.engine.checksum()}
         return out if self.rank == 0 else None
 

@@ -147,7 +147,7 @@ class WarmStartSection(Section):
 @dataclass
 class RolloutSection(Section):
     backend: Literal["twinplane", "vllm"] = opt(
-        "twinplane", "twinplane (the own engine) | vllm (vLLM's engine, in the training process; docs/vllm.md)")
+        "twinplane", "twinplane (the own engine) | vllm (vLLM's engine; docs/vllm.md)")
     prompts_per_step: int = opt(32, "prompts per RL step", bounds=">= 1")
     n: int = opt(8, "samples per prompt (the GRPO group)", bounds=">= 1")
     temperature: float = opt(1.0, "0 = greedy", bounds=">= 0")
@@ -206,8 +206,6 @@ class RolloutSection(Section):
             (self.backend == "twinplane" or self.temperature in (0, 1) or (self.top_k == 0 and self.top_p == 1),
              "rollout.backend", "vllm reports the log-probs the trainer scores (logits / T, no top-k/top-p) only at "
              "rollout.temperature 0 or 1, or without top-k/top-p"),
-            (self.backend == "twinplane" or cfg.cluster.backend == "local", "rollout.backend",
-             "vllm runs with cluster.backend=local (in this process) in this version"),
             # one sample per prompt has no group to compare with: every advantage is 0 and nothing is learned
             (self.n >= 2 or cfg.train.steps == 0 or cfg.algo.adv_estimator in ("gae", "reinforce_pp"), "rollout.n",
              f"must be >= 2: {cfg.algo.adv_estimator}'s group baseline makes every advantage 0 with one sample per "

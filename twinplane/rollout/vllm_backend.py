@@ -4,7 +4,9 @@ The controller, the trainer and the multi-turn driver see the same calls as with
 `submit` (token ids in, `Sample`s out: token ids, the sampled tokens' log-probs as vLLM computed them, finish
 reasons), `load_weights` (by name, into the running engine), `checksum`, `pop_stats`, and `generator` (the call seeds,
 saved in checkpoints). vLLM's engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weights
-reach it by reference and `collective_rpc` calls its worker directly.
+reach it by reference and `collective_rpc` calls its worker directly; in a process that is already a rank of a
+torch.distributed world (a Ray training rank or engine actor) it runs in a process of its own (`foreign_world`), and
+weights reach it as one serialized buffer (`to_bytes`).
 
 Sampling, mapped exactly:
 - every sample is a vLLM request of its own (n=1) seeded with the own engine's per-sample seed (`sample_seed`), so
@@ -18,18 +20,20 @@ reports as `raw_logprobs` at T = 1 and greedy (0) and as `processed_logprobs` at
 (`logprobs_mode`, one per engine: chosen from the run's rollout temperature; the config refuses T != 1 with
 top-k/top-p).
 
-Weight sync: the trainer's tensors by checkpoint name through vLLM's in-place reload (`Worker.reload_weights`:
-its weight loaders fuse q/k/v and gate/up, then each layer is processed again, e.g. re-packed for CPU GEMMs). The
-checksum is computed inside the engine from what its loaders wrote into each parameter, before that processing
-(the CPU GEMMs keep only a packed copy), split back into checkpoint names: the same `model.checksum` the sender
-computes over what it sent.
+Weight sync: the trainer's tensors by checkpoint name through vLLM's in-place reload (`Worker.reload_weights`,
+called from `WeightReload`, a method mixed into vLLM's worker: its weight loaders fuse q/k/v and gate/up, then each
+layer is processed again, e.g. re-packed for CPU GEMMs). The checksum is computed inside the engine from what its
+loaders wrote into each parameter, before that processing (the CPU GEMMs keep only a packed copy), split back into
+checkpoint names: the same `model.checksum` the sender computes over what it sent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -48,16 +52,30 @@ from twinplane.rollout.sequence import Sample, sample_seed
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def vllm_environment() -> None:
-    """Before vLLM is imported: its engine core in this process (no spawned process, no copy of the weights), its
-    log at warnings, no thread pinning, and the CPU build as the target when no GPU is there."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def vllm_environment(own_process: bool = False) -> None:
+    """Before vLLM is imported: its engine core in this process (no spawned process, no copy of the weights) or,
+    with `own_process`, in a process of its own (which makes a torch.distributed world of its own); its log at
+    warnings, no thread pinning, and the CPU build as the target when no GPU is there."""
+    if own_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    else:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (its INFO lines would bury the run's progress)
     # its CPU worker would pin the process's OpenMP threads to cores of its choosing: the trainer shares this process,
     # so `threads` (torch's setting) governs both planes
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def foreign_world() -> bool:
+    """Whether this process is a rank of a torch.distributed world that vLLM did not make (a Ray worker's). vLLM's
+    engine core takes the process's world as its own (a world of one it makes itself, when there is none), so
+    there it runs in a process of its own."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    state = sys.modules.get("vllm.distributed.parallel_state")  # (vLLM's record of the world it made)
+    return state is None or getattr(state, "_WORLD", None) is None
 
 
 def logprobs_mode(temperature: float) -> str:
@@ -99,21 +117,44 @@ def checkpoint_named(config: ModelConfig, named: Iterable[tuple[str, torch.Tenso
     return [pair for n, t in named for pair in param_to_checkpoint(n, t, config.model_type)]
 
 
-def split_fused(config: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A vLLM parameter as the checkpoint tensors it holds: fused ones split, vocabulary padding cut off."""
+def layout(config: ModelConfig) -> dict:
+    """What the engine's side of a sync needs of the model's shape (plain values: they may cross processes)."""
+    return {"q": config.num_heads * config.head_dim, "kv": config.num_kv_heads * config.head_dim,
+            "ffn": config.intermediate_size, "vocab": config.vocab_size, "tied": config.tie_word_embeddings}
+
+
+def split_fused(dims: dict, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A vLLM parameter as the checkpoint tensors it holds: fused ones split, vocabulary padding cut off (`dims`:
+    `layout`)."""
     module = name.split(".")[-2]
     if module in FUSED:
-        q, kv, ffn = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
-            config.intermediate_size
-        sizes = [q, kv, kv] if module == "qkv_proj" else [ffn, ffn]
+        sizes = [dims["q"], dims["kv"], dims["kv"]] if module == "qkv_proj" else [dims["ffn"], dims["ffn"]]
         parts = t.split(sizes, dim=0)
         return [(name.replace(module, part), x) for part, x in zip(FUSED[module], parts, strict=True)]
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return [(name, t[:config.vocab_size])]
+        return [(name, t[:dims["vocab"]])]
     return [(name, t)]
 
 
-def reload_and_checksum(worker, named: list[tuple[str, torch.Tensor]], config: ModelConfig) -> int:
+def to_bytes(named: list[tuple[str, torch.Tensor]]) -> bytes:
+    """Named tensors as one buffer (for an engine core in another process: vLLM's messages carry bytes as they
+    are, but would decode tensors nested in call arguments as plain lists)."""
+    buffer = io.BytesIO()
+    torch.save([(n, t.detach().cpu()) for n, t in named], buffer)
+    return buffer.getvalue()
+
+
+class WeightReload:
+    """Mixed into vLLM's worker class (`worker_extension_cls`), wherever that worker runs: the sync's entry point,
+    called by name through `LLM.collective_rpc`."""
+
+    def twinplane_reload(self, weights: list[tuple[str, torch.Tensor]] | bytes, dims: dict) -> int:
+        if isinstance(weights, bytes):
+            weights = [tuple(x) for x in torch.load(io.BytesIO(weights), weights_only=True)]
+        return reload_and_checksum(self, weights, dims)
+
+
+def reload_and_checksum(worker, named: list[tuple[str, torch.Tensor]], dims: dict) -> int:
     """Runs inside vLLM's worker: load `named` in place, and the checksum of what the loaders wrote, each layer's
     parameters read just before the layer is processed for its kernels (and the rest after loading)."""
     model = worker.model_runner.get_model()
@@ -124,7 +165,7 @@ def reload_and_checksum(worker, named: list[tuple[str, torch.Tensor]], config: M
     def record(layer: torch.nn.Module) -> None:
         processed.add(id(layer))
         for pname, p in layer.named_parameters(recurse=False):
-            for n, x in split_fused(config, f"{prefix[id(layer)]}.{pname}", p.detach()):
+            for n, x in split_fused(dims, f"{prefix[id(layer)]}.{pname}", p.detach()):
                 seen[n] = tensor_checksum(x)
 
     for layer in model.modules():
@@ -152,8 +193,8 @@ def reload_and_checksum(worker, named: list[tuple[str, torch.Tensor]], config: M
             layer.quant_method.process_weights_after_loading(layer)
     for name, p in model.named_parameters():
         if p.numel():  # (a layer whose kernels keep only a packed copy has an empty parameter)
-            seen |= {n: tensor_checksum(x) for n, x in split_fused(config, name, p.detach()) if n not in seen}
-    if config.tie_word_embeddings:
+            seen |= {n: tensor_checksum(x) for n, x in split_fused(dims, name, p.detach()) if n not in seen}
+    if dims["tied"]:
         seen.pop("lm_head.weight", None)
     return combine_checksums(seen)
 
@@ -168,7 +209,8 @@ class VllmEngine:
     def __init__(self, model: Transformer, eos_token_id: int | None, seed: int = 0, max_num_seqs: int = 512,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.9,
                  temperature: float = 1.0, sleep: bool = False):
-        vllm_environment()
+        self.own_process = foreign_world()
+        vllm_environment(self.own_process)
         from vllm import LLM
 
         self.config, self.dtype = model.config, model.output_weight().dtype
@@ -185,15 +227,23 @@ class VllmEngine:
         chunks = {} if not cpu else {"enable_chunked_prefill": False, "max_num_batched_tokens": max(
             max_num_batched_tokens, model.config.max_position_embeddings)}
         set_threads = torch.set_num_threads  # vLLM's CPU worker turns it into a no-op: the trainer still sets it
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if self.own_process:  # the engine core's process: as many threads as this one
+            os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
         try:
             self.llm = LLM(model=folder, skip_tokenizer_init=True, dtype=str(self.dtype).removeprefix("torch."),
                            seed=seed, max_num_seqs=max_num_seqs, enable_prefix_caching=True, enforce_eager=cpu,
                            **({"max_num_batched_tokens": max_num_batched_tokens} | chunks),
                            logprobs_mode=logprobs_mode(temperature),
                            kv_cache_memory_bytes=kv_cache_bytes or (2**30 if cpu else None),
-                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleeps)
+                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleeps,
+                           worker_extension_cls=f"{__name__}.WeightReload")
         finally:
             torch.set_num_threads = set_threads
+            if threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = threads
             shutil.rmtree(folder, ignore_errors=True)
         if self.sleeps:
             self.llm.sleep(level=1)
@@ -206,8 +256,9 @@ class VllmEngine:
         if not strict:
             raise ValueError("the vllm backend loads full (or LoRA-merged) weights only")
         named = checkpoint_named(self.config, named)
+        payload = to_bytes(named) if self.own_process else named
         with self._awake():
-            self._checksum = self.llm.collective_rpc(reload_and_checksum, args=(named, self.config))[0]
+            self._checksum = self.llm.collective_rpc("twinplane_reload", args=(payload, layout(self.config)))[0]
         self.weights_loaded(self.weight_version + 1 if version is None else version)
         return self._checksum
 
