@@ -1,6 +1,6 @@
 """Kill a run at random points across its whole life and resume it; every resumed run must end bitwise equal.
 
-    python benchmarks/kill_resume.py [--kills 6] [--seed 0] [--signal TERM|INT|KILL] [key=value ...]
+    python benchmarks/kill_resume.py [--kills 6] [--seed 0] [--signal TERM|INT|KILL] [--exactly-once] [key=value ...]
 
 Preemption points are drawn from every phase of a small demo-shaped run: model loading, warm-start steps,
 validation before RL and mid-run, every RL phase (rollout, reward, train, weight_sync, checkpoint) at every step,
@@ -9,7 +9,8 @@ and the final save. Each kill is a real signal to a real `twinplane train` proce
 leaves no emergency checkpoint: the run continues from its last periodic one. An asynchronous run
 (`cluster.max_staleness=k`) is also checked for exactly-once accounting: the prompts trained on, filtered and still
 outstanding in the last checkpoint are each prompt drawn from the data order once, and the prompts trained on are
-the uninterrupted run's.
+the uninterrupted run's. `--exactly-once`: only that accounting is required, for runs that are not reproducible
+(free-running asynchronous RL on Ray).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--signal", default="TERM", choices=["TERM", "INT", "KILL"])
+    ap.add_argument("--exactly-once", action="store_true", help="require only exactly-once accounting")
     ap.add_argument("extra", nargs="*")
     ns = ap.parse_args()
     asynchronous = any(e.startswith(("cluster.max_staleness=", "cluster.async=true")) and not e.endswith("=0")
@@ -76,7 +78,7 @@ def main() -> int:
     want = weights(base / "uninterrupted")
     want_trained = accounting(base / "uninterrupted")[1] if asynchronous else None
     print(f"uninterrupted: exit 0, final weights sha256 {want} ({time.perf_counter() - t0:.0f}s)")
-    extra_col = " exactly once, same prompts |" if asynchronous else ""
+    extra_col = (" exactly once |" if ns.exactly_once else " exactly once, same prompts |") if asynchronous else ""
     print(f"| kill point | signal | exit | traceback | resumes | final weights | equal |{extra_col}\n"
           f"|---|---|---|---|---|---|---|{'---|' if asynchronous else ''}")
     ok = True
@@ -88,12 +90,13 @@ def main() -> int:
             code, err2 = train(run, [*ns.extra, "--resume", "auto"], None, ns.signal)
             tb, resumes = tb or "Traceback" in err2, resumes + 1
         got = weights(run) if code == 0 else "-"
-        ok &= got == want and not tb
+        ok &= (got == want or ns.exactly_once) and not tb
         once = ""
         if asynchronous:
             exact, trained = accounting(run) if code == 0 else (False, None)
-            ok &= exact and trained == want_trained
-            once = f" {'yes' if exact and trained == want_trained else 'NO'} |"
+            exact &= ns.exactly_once or trained == want_trained
+            ok &= exact
+            once = f" {'yes' if exact else 'NO'} |"
         print(f"| {fault} | SIG{ns.signal} | {first} | {'yes' if tb else 'no'} | {resumes} | {got} | "
               f"{'yes' if got == want else 'NO'} |{once}")
     print(f"all equal: {ok} ({time.perf_counter() - t0:.0f}s in all)")
