@@ -1,6 +1,9 @@
 """Scale-out on CPU: Ray actors (local cluster, 2 CPUs), gloo collectives, bucketed weight sync, worker failure."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -266,6 +269,17 @@ def test_free_running_async_on_ray_trains_every_prompt_exactly_once_across_fault
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert all(r["async/staleness_max"] <= 2 for r in steps) and any(r["async/overlap_s"] > 0 for r in steps)
     exactly_once(tmp_path)
+
+
+def test_sigterm_to_a_driver_that_started_ray_is_a_preemption(tmp_path):
+    """`twinplane train` starting its own Ray instance keeps its stop handling (Ray's driver installs handlers of
+    its own that would exit at once): checkpoint, exit 75, and the run resumes."""
+    env = os.environ | {"TWINPLANE_FAULT": "train@2"}
+    cmd = [sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *RAY]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 75, out.stderr[-2000:]
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2]
+    assert (tmp_path / "checkpoints" / "step_00000002").is_dir()
 
 
 def test_silent_worker_times_out_with_its_name():

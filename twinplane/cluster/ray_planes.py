@@ -11,6 +11,7 @@ and `close()` kills the actors, removes the placement group and stops a Ray inst
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -58,10 +59,14 @@ class RayPlanes:
         self.cfg, self.timeout, self.colocated = cfg, c.timeout_s, c.colocate
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
+            handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
             try:
                 ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"cluster.address={c.address}: cannot start or join Ray ({_first_line(e)})") from None
+            finally:  # Ray's driver replaces them (SIGTERM would exit at once): a stop request stays a preemption
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
         self.pg, self.actors, self.weight_version = None, {}, 0
         try:
             self._start(cfg, model_config, tokenizer, policy, reference, critic, total_steps, tis_cap, log)
