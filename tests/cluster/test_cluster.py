@@ -272,14 +272,16 @@ def test_free_running_async_on_ray_trains_every_prompt_exactly_once_across_fault
 
 
 def test_sigterm_to_a_driver_that_started_ray_is_a_preemption(tmp_path):
-    """`twinplane train` starting its own Ray instance keeps its stop handling (Ray's driver installs handlers of
-    its own that would exit at once): checkpoint, exit 75, and the run resumes."""
-    env = os.environ | {"TWINPLANE_FAULT": "train@2"}
+    """`twinplane train` starting (and stopping) its own Ray instance keeps its stop handling (Ray's driver
+    installs handlers of its own that would exit at once): mid-run a checkpoint and exit 75; during the final save,
+    after Ray has stopped, the run completes."""
     cmd = [sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *RAY]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 75, out.stderr[-2000:]
+    for fault, code in (("train@2", 75), ("final@2", 0)):
+        out = subprocess.run(cmd + ["--resume", "auto"] * (code == 0), env=os.environ | {"TWINPLANE_FAULT": fault},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == code, out.stderr[-2000:]
     assert [r["step"] for r in rows(tmp_path)] == [1, 2]
-    assert (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
 def test_silent_worker_times_out_with_its_name():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -59,14 +61,11 @@ class RayPlanes:
         self.cfg, self.timeout, self.colocated = cfg, c.timeout_s, c.colocate
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
             try:
-                ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
+                with _keeping_signal_handlers():
+                    ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"cluster.address={c.address}: cannot start or join Ray ({_first_line(e)})") from None
-            finally:  # Ray's driver replaces them (SIGTERM would exit at once): a stop request stays a preemption
-                for sig, handler in handlers.items():
-                    signal.signal(sig, handler)
         self.pg, self.actors, self.weight_version = None, {}, 0
         try:
             self._start(cfg, model_config, tokenizer, policy, reference, critic, total_steps, tis_cap, log)
@@ -245,7 +244,8 @@ class RayPlanes:
             remove_placement_group(self.pg)
             self.pg = None
         if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+            with _keeping_signal_handlers():
+                ray.shutdown()
 
 
 class _TrainerProxy:
@@ -342,6 +342,18 @@ class _Engines:
 
     def generate(self, requests, sampling: SamplingParams) -> list:
         return self.planes.submit(requests, sampling).result()
+
+
+@contextmanager
+def _keeping_signal_handlers() -> Iterator[None]:
+    """Ray's driver start and shutdown replace the SIGTERM/SIGINT handlers (SIGTERM would end the run at once):
+    the run's own stay, so that a stop request remains a preemption (checkpoint, exit 75)."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _first_line(e: BaseException) -> str:
