@@ -78,12 +78,12 @@ class EngineStream:
         e = self.engine
         if self.sched is not None and self.pool is e.kv and self.sched.blocks is e.blocks:
             return
+        if self.sched is not None and self.sched.running:
+            raise RuntimeError("the engine's pool was replaced while stream sequences held blocks")
+        waiting = [] if self.sched is None else list(self.sched.waiting)
         n, bs = self.sampling.n, e.block_size
         longest = self.max_prompt_len + self.sampling.max_new_tokens
         e.allocate(longest, self.max_groups * n * (-(-longest // bs) + 1), self.max_groups * n)
-        waiting = [] if self.sched is None else [*self.sched.running, *self.sched.waiting]
-        if self.sched is not None and self.sched.running:
-            raise RuntimeError("the engine's pool was replaced while stream sequences held blocks")
         self.sched = Scheduler(e.blocks, e.max_num_seqs, e.max_num_batched_tokens)
         self.sched.waiting.extend(waiting)
         self.pool = e.kv
