@@ -222,6 +222,8 @@ class RolloutEngine:
                     done[seq.request_index, seq.sample_indices[0]] = seq.to_sample(self.weight_version)
         finally:
             self.end_steps(sched, t0)
+            if not self.keep_pool:
+                self.release()
         return [done[k] for k in sorted(done)]
 
     def engine_step(self, sched: Scheduler, sampling: SamplingParams) -> list[Seq]:
@@ -235,7 +237,7 @@ class RolloutEngine:
         return self._step(batch, sched, sampling)
 
     def end_steps(self, sched: Scheduler, t0: float) -> None:
-        """After a run of `engine_step`s since `t0`: the counters, a broken capture, the pool's release."""
+        """After a run of `engine_step`s since `t0`: the counters, a broken capture."""
         self.stats.preemptions += sched.preemptions
         sched.preemptions = 0
         self.stats.seconds += time.perf_counter() - t0
@@ -244,8 +246,6 @@ class RolloutEngine:
             self.decoder.steps = 0
             if self.decoder.broken:  # a capture failed (warned): stay eager
                 self.graph_backend, self.decoder = "eager", None
-        if not self.keep_pool and not sched.running:
-            self.release()
 
     def release(self) -> None:
         """Drop the KV pool and the decode graphs that point at it, so that their memory can go back; the next
