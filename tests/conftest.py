@@ -158,6 +158,21 @@ EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]  # mixed lengths
 
 
+def assert_multi_turn_logprobs_match_trainer(model, samples, pad_token_id, temperature):
+    """The model's tokens of multi-turn samples (loss mask 1) score like the trainer's one forward over the whole
+    sequence; tool tokens carry log-prob 0. Returns the batch."""
+    from twinplane.train.batch import pad_rows
+
+    batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], pad_token_id,
+                          [s.logprobs for s in samples])
+    batch.response_mask = pad_rows([s.loss_mask for s in samples], 0, torch.float32)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch, temperature=temperature)
+    m = batch.response_mask.bool()
+    torch.testing.assert_close(lp[m], batch.rollout_logprobs[m], atol=1e-5, rtol=0)
+    return batch
+
+
 def greedy_no_cache(model, prompt, max_new):
     """Reference decoding: recompute the whole sequence every token, no KV cache, no padding."""
     ids = list(prompt)

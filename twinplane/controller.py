@@ -136,7 +136,8 @@ class Controller:
         labels = torch.tensor([i for i, g in enumerate(taken) for _ in g.samples])
         self.draws = {"trained": [g.draw for g in taken], "filtered": list(p.counts.filtered_draws)}
         calls = p.counts.reward_metrics
-        metrics = {k: sum(d[k] for d in calls if k in d) / sum(k in d for d in calls) for d in calls for k in d}
+        keys = dict.fromkeys(k for d in calls for k in d)
+        metrics = {k: sum(d[k] for d in calls if k in d) / sum(k in d for d in calls) for k in keys}
         return samples, rewards, correct, labels, metrics
 
     def _learn(self, timer, samples: list[Sample], rewards: torch.Tensor, groups: torch.Tensor):

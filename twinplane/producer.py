@@ -88,6 +88,7 @@ class Producer:
         self.engines = planes.open_streams(sampling, self.capacity, longest, partial, max_staleness)
         self.next_uid = 0
         self.in_flight: dict[int, Group] = {}  # by uid
+        self.load = [0] * len(self.engines)  # groups in flight per engine
         self.outbox: list[list[GroupRequest]] = [[] for _ in self.engines]  # submitted, not yet sent, per engine
         self.finished: list[Group] = []  # completed, not yet scored, in completion order
         self.ready: list[Group] = []  # scored and kept, waiting to train, in completion order
@@ -121,16 +122,10 @@ class Producer:
             self._submit(self._new_group(draw, 0, prompt))
         return added
 
-    def _load(self) -> list[int]:
-        load = [0] * len(self.engines)
-        for g in self.in_flight.values():
-            load[g.engine] += 1
-        return load
-
     def _submit(self, g: Group) -> None:
         """To the engine with the fewest groups in flight (sent with its next call)."""
-        load = self._load()
-        g.engine = min(range(len(load)), key=lambda i: (load[i], i))
+        g.engine = min(range(len(self.load)), key=lambda i: (self.load[i], i))
+        self.load[g.engine] += 1
         seeds = [sample_seed(self.seed + 7919 * g.attempt, g.draw, j) for j in range(self.sampling.n)]
         self.outbox[g.engine].append(GroupRequest(g.uid, list(g.prompt.ids), seeds))
         self.in_flight[g.uid] = g
@@ -173,6 +168,7 @@ class Producer:
         self.in_flight_tokens[engine] = r.tokens_in_flight
         for samples in r.groups:
             g = self.in_flight.pop(samples[0].request_index)
+            self.load[engine] -= 1
             g.samples = samples
             self.finished.append(g)
 
@@ -303,6 +299,8 @@ class Producer:
         self.ready = [group(d) for d in state["ready"]]
         if len(state["engines"]) == len(self.engines):
             self.in_flight = {g.uid: g for g in in_flight}
+            for g in in_flight:
+                self.load[g.engine] += 1
             for e, s in zip(self.engines, state["engines"], strict=True):
                 e.load_state(s)
             self.outbox = [[GroupRequest(**r) for r in box] for box in state["outbox"]]

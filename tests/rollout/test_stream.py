@@ -7,7 +7,7 @@ import string
 
 import pytest
 import torch
-from conftest import EOS, PROMPTS, tiny_model
+from conftest import EOS, PROMPTS, assert_multi_turn_logprobs_match_trainer, tiny_model
 
 from twinplane.model import load_weights
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, SamplingParams
@@ -15,8 +15,6 @@ from twinplane.rollout.sequence import sample_seed
 from twinplane.rollout.stream import EngineStream, GroupRequest
 from twinplane.rollout.tools import build_tools
 from twinplane.tokenizer import build_char_tokenizer
-from twinplane.train.batch import Batch, pad_rows
-from twinplane.train.logprobs import response_logprobs
 
 SP = SamplingParams(temperature=1.0, max_new_tokens=10, n=2)
 
@@ -173,13 +171,7 @@ def test_multi_turn_tool_rollouts_in_a_stream():
         # each tool segment is the calculator's answer to the turn before it, encoded in the output template
         text = tok.decode(s.token_ids, skip_special_tokens=False)
         assert text.count("<tool_response>") == s.num_tool_calls or s.finish_reason == "length"
-    batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], tok.pad_token_id,
-                          [s.logprobs for s in samples])
-    batch.response_mask = pad_rows([s.loss_mask for s in samples], 0, torch.float32)
-    with torch.no_grad():
-        lp, _ = response_logprobs(model, batch, temperature=0.8)
-    m = batch.response_mask.bool()
-    torch.testing.assert_close(lp[m], batch.rollout_logprobs[m], atol=1e-5, rtol=0)
+    assert_multi_turn_logprobs_match_trainer(model, samples, tok.pad_token_id, 0.8)
     # a restored stream continues to the same samples
     engine2 = RolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     stream2 = EngineStream(engine2, sp, max_groups=4, max_prompt_len=8,

@@ -15,15 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import assert_multi_turn_logprobs_match_trainer, tiny_model
 
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, Sample, SamplingParams, multi_turn_metrics
 from twinplane.rollout.sequence import Sequence
 from twinplane.rollout.tools import Calculator, PythonTool, ToolResult, build_tools
 from twinplane.sandbox import SandboxUnavailable, get_sandbox
 from twinplane.tokenizer import build_char_tokenizer
-from twinplane.train.batch import Batch, pad_rows
-from twinplane.train.logprobs import response_logprobs
 
 
 @pytest.fixture
@@ -359,12 +357,6 @@ def test_real_engine_multi_turn_logprobs_match_trainer():
     assert engine.blocks.num_free == engine.blocks.num_blocks and not any(engine.blocks.ref)
     assert [s.token_ids for s in mt.generate(prompts, sp)] == [s.token_ids for s in samples]  # seeded
 
-    batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], tok.pad_token_id,
-                          [s.logprobs for s in samples])
-    batch.response_mask = pad_rows([s.loss_mask for s in samples], 0, torch.float32)
-    with torch.no_grad():
-        lp, _ = response_logprobs(model, batch, temperature=0.8)
-    m = batch.response_mask.bool()
-    torch.testing.assert_close(lp[m], batch.rollout_logprobs[m], atol=1e-5, rtol=0)
-    assert (batch.rollout_logprobs[~m] == 0).all()
+    batch = assert_multi_turn_logprobs_match_trainer(model, samples, tok.pad_token_id, 0.8)
+    assert (batch.rollout_logprobs[~batch.response_mask.bool()] == 0).all()
 
