@@ -11,10 +11,10 @@ Sections, in order:
   paged attention backend and block size, decode graph mode, training precision, distributed backend).
 - copy: device-to-device copy bandwidth (bytes read + written per second) and one tiny kernel's cost, launched
   eagerly and replayed from a graph: the floor under a step of a thousand small kernels.
-- decode: one static decode forward (the engine's `DecodeGraphs`) per batch size at a fixed context, Qwen2.5-0.5B
-  shape in bf16: capture seconds, replay ms, and the memory roofline (every weight and every context token's k/v
-  read once, at the measured copy bandwidth); kernels per forward from the profiler.
-- profile: the profiler's top kernels and per-category device time of one decode forward at batch 128.
+- decode: one static decode step (the engine's `DecodeGraphs`: forward, sampler, row update) per batch size at a
+  fixed context, Qwen2.5-0.5B shape in bf16: capture seconds, replay ms, and the memory roofline (every weight and
+  every context token's k/v read once, at the measured copy bandwidth); kernels per step from the profiler.
+- profile: the profiler's top kernels and per-category device time of one decode step at batch 128.
 - sampling: the engine's sampler alone (policy log-probs, inverse-CDF choice, chosen log-prob, one readback) on
   [B, V] logits.
 - decode_sdpa, decode_torch, decode_triton: the decode section at every other batch size with the portable paged
@@ -241,45 +241,54 @@ def decode_setup(a, device, dtype, kernels: str = "auto"):
 
 
 def fill_rows(dg, n: int, context: int, vocab: int) -> None:
-    """Rows of `n` sequences decoding their token at position context - 1, each over blocks of its own."""
+    """Staged rows of `n` sequences decoding their token at position context - 1, each over blocks of its own: each
+    step starts from them again (the state reset), samples with the uniform 0.5, and advances the rows."""
+    from twinplane.rollout.graphs import STATE
+
     bs, per_seq, p = dg.block_size, dg.max_blocks, context - 1
     g = torch.Generator().manual_seed(n)
+    half = torch.tensor([0.5], dtype=torch.float64).view(torch.long).item()
     rows = []
     for i in range(n):
         table = list(range(i * per_seq, (i + 1) * per_seq))
-        rows.append([int(torch.randint(vocab, (1,), generator=g)), p, table[p // bs] * bs + p % bs, context, *table])
-    dg.inputs[:n].copy_(torch.tensor(rows, dtype=torch.long))
+        rows.append([1, 1, 0, half, int(torch.randint(vocab, (1,), generator=g)), p, table[p // bs] * bs + p % bs,
+                     context, *table])
+    dg.staged[:n, :STATE + 4 + per_seq].copy_(torch.tensor(rows, dtype=torch.long))
 
 
 def decode_section(a, device, dtype, bw: float, kernels: str = "auto") -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    from twinplane.rollout.graphs import sampling_key
+    from twinplane.rollout.sampling import SamplingParams
+
     engine, dg = decode_setup(a, device, dtype, kernels)
     cfg, gpu = engine.model.config, device.type == "cuda"
+    key = sampling_key(SamplingParams(temperature=1.0), frozenset())
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # tied: the head once
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     out = {"shape": a.decode_shape, "context": a.context, "kernels": engine.kernels, "backend": engine.backend,
-           "mode": dg.mode,
+           "mode": dg.mode, "step": "forward + sampler + row update",
            "block_size": dg.block_size, "weight_bytes": weight_bytes, "batches": {}}
     for n in a.batches:
         size = dg.bucket(n)
         t = time.perf_counter()
-        if dg.mode == "cuda_graph" and size not in dg.graphs and not dg._capture(size):
+        if dg.mode == "cuda_graph" and (size, key) not in dg.graphs and not dg._capture(size, key):
             out["batches"][n] = {"error": "capture failed"}
             continue
         capture = time.perf_counter() - t
         fill_rows(dg, size, a.context, cfg.vocab_size)
-        run = dg.graphs[size][0].replay if dg.mode == "cuda_graph" else (lambda s=size: dg.forward(s))
+        run = dg.graphs[size, key][0].replay if dg.mode == "cuda_graph" else (lambda s=size: dg.run(s, key))
         ms = [1e3 * s for s in timed(run, device, a.reps)]
         roof = 1e3 * (weight_bytes + size * a.context * kv_per_token) / bw
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         with profile(activities=acts) as prof:  # eager: one launch per kernel, so this counts them
-            dg.forward(size)
+            dg.run(size, key)
             sync(device)
         kernels = kernel_table(prof, gpu, top=0)["kernels"]
         out["batches"][n] = {"bucket": size, "capture_s": round(capture, 3), "replay_ms_median": statistics.median(ms),
                              "replay_ms_min": min(ms), "roofline_ms": roof,
-                             "x_roofline": statistics.median(ms) / roof, "kernels_per_forward": kernels}
+                             "x_roofline": statistics.median(ms) / roof, "kernels_per_step": kernels}
     return out
 
 
@@ -302,19 +311,23 @@ def decode_other_backend(a, device, dtype, bw: float, backend: str | None, kerne
 def profile_section(a, device, dtype) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    from twinplane.rollout.graphs import sampling_key
+    from twinplane.rollout.sampling import SamplingParams
+
     engine, dg = decode_setup(a, device, dtype)
     gpu, n = device.type == "cuda", dg.bucket(min(128, max(a.batches)))
     fill_rows(dg, n, a.context, engine.model.config.vocab_size)
+    key = sampling_key(SamplingParams(temperature=1.0), frozenset())
     for _ in range(2):
-        dg.forward(n)
+        dg.run(n, key)
     sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=acts) as prof:
         for _ in range(3):
-            dg.forward(n)
+            dg.run(n, key)
         sync(device)
     res = kernel_table(prof, gpu)
-    res["forwards"], res["batch"] = 3, n
+    res["steps"], res["batch"] = 3, n
     return res
 
 

@@ -23,7 +23,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     assert res["env"]["commit"] == "abc" and res["env"]["paged_attention_backend"] == "sdpa"
     assert res["env"]["rollout_kernels"] == "torch"  # auto on CPU
     for n, row in res["decode"]["batches"].items():
-        assert row["bucket"] >= int(n) and row["kernels_per_forward"] > 0 and row["roofline_ms"] > 0
+        assert row["bucket"] >= int(n) and row["kernels_per_step"] > 0 and row["roofline_ms"] > 0
     assert (res["decode_sdpa"]["backend"], res["decode_sdpa"]["kernels"]) == ("sdpa", "torch")
     assert (res["decode_torch"]["kernels"], res["decode_triton"]["kernels"]) == ("torch", "triton")
     assert res["decode_triton"]["backend"] == "triton"  # (Triton's interpreter on CPU)

@@ -54,24 +54,38 @@ def test_static_seeded_sampling_equals_eager(sp):
     assert len({tuple(s.token_ids) for s in got}) > 4  # sampled, not one sequence repeated
 
 
-def rows_checked(step):
-    """`DecodeGraphs.step`, checking that the rows it hands the forward are those built afresh from the sequences
-    (token, position, slot, context length, block table padded with the reserved block; padding rows after)."""
-    def checked(self, seqs):
+def rows_checked(monkeypatch, step=None):
+    """`DecodeGraphs.step` (or `step`, a wrapper of it), checking that the rows the forward reads are those built
+    afresh from the sequences (token, position, slot, context length, block table padded with the reserved block;
+    padding rows after), whether the host staged a row or the device advanced it. Returns the counts of rows
+    staged and of rows advanced on the device."""
+    seen, counts, forward, step = {}, {"staged": 0, "advanced": 0}, DecodeGraphs.forward, step or DecodeGraphs.step
+
+    def read(self, size):
+        seen["rows"] = self.inputs[:size].tolist()
+        return forward(self, size)
+
+    def checked(self, seqs, sp):
         bs, size = self.block_size, self.bucket(len(seqs))
         want = [[s.tokens[s.num_computed], s.num_computed, s.block_table[s.num_computed // bs] * bs +
                  s.num_computed % bs, s.num_computed + 1, *s.block_table,
                  *[self.pad_block] * (self.max_blocks - len(s.block_table))] for s in seqs]
-        out = step(self, seqs)
-        assert self.inputs[:size].tolist() == want + [self.pad_row] * (size - len(seqs))
+        out = step(self, seqs, sp)
+        assert seen.pop("rows") == want + [self.pad_row] * (size - len(seqs))
+        staged = int(self.host[:len(seqs), decode_graphs.RESET].sum())
+        counts["staged"] += staged
+        counts["advanced"] += len(seqs) - staged
         return out
-    return checked
+
+    monkeypatch.setattr(DecodeGraphs, "forward", read)
+    monkeypatch.setattr(DecodeGraphs, "step", checked)
+    return counts
 
 
 def test_static_and_eager_steps_mixed_with_preemption_and_chunked_prefill(monkeypatch):
     """Decode batches above graph_max_batch run eagerly, prefill steps always do; a tight pool preempts. The rows
     staged between steps always equal rows built afresh (tables grown, copied on write, freed and given again)."""
-    monkeypatch.setattr(DecodeGraphs, "step", rows_checked(DecodeGraphs.step))
+    counts = rows_checked(monkeypatch)
     model = tiny_model()
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, n=3, seed=5)
     want = engine(model, "eager", eos_token_id=None).generate(PROMPTS, sp)
@@ -84,6 +98,7 @@ def test_static_and_eager_steps_mixed_with_preemption_and_chunked_prefill(monkey
     assert m["rollout/preemptions"] > 0 and 0 < m["rollout/engine_steps_graphed"] < m["rollout/engine_steps"]
     assert_same(got, want)
     assert tight.blocks.num_free == tight.blocks.num_blocks == 3
+    assert counts["staged"] > 0 and counts["advanced"] > 0
 
 
 def test_padding_rows_write_only_the_reserved_block(monkeypatch):
@@ -91,19 +106,19 @@ def test_padding_rows_write_only_the_reserved_block(monkeypatch):
     e = engine(model)
     step, seen = DecodeGraphs.step, []
 
-    def checked(self, seqs):
+    def checked(self, seqs, sp):
         bs, pad = self.block_size, self.pad_block
         assert all(pad not in s.block_table for s in seqs)
         written = {s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in seqs}
         before = self.kv.k.clone(), self.kv.v.clone()
-        out = step(self, seqs)
+        out = step(self, seqs, sp)
         changed = ((self.kv.k != before[0]).flatten(3).any(-1) | (self.kv.v != before[1]).flatten(3).any(-1))
         changed = set(changed.any(0).flatten().nonzero().flatten().tolist())  # pool slots written in any layer
         assert changed - written <= set(range(pad * bs, (pad + 1) * bs))  # nothing else but the padding block
         seen.append((len(seqs), self.bucket(len(seqs)), len(changed & written) == len(written)))
         return out
 
-    monkeypatch.setattr(DecodeGraphs, "step", rows_checked(checked))
+    rows_checked(monkeypatch, checked)
     for _ in range(2):  # the second call's sequences get the first call's rows and blocks again
         e.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=1))
     assert any(n < size for n, size, _ in seen)  # some steps had padding rows
@@ -186,7 +201,7 @@ class FakeStream:
 
 
 class FakeGraph:
-    """A stand-in for torch.cuda.CUDAGraph on CPU: `replay` re-runs the forward that was captured (set below)."""
+    """A stand-in for torch.cuda.CUDAGraph on CPU: `replay` re-runs the step that was captured (set below)."""
 
     capturing = None
 
@@ -202,26 +217,27 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(keep_pool, monkeypa
     """The cuda_graph mode's bookkeeping on CPU, replays giving the eager engine's outputs. An engine that keeps its
     pool captures each bucket once in its lifetime: later calls that fit replay the same graphs, also after a
     weight sync. One that releases its pool after each call (a trainer shares the device) captures each bucket once
-    per call, on the engine's one side stream, with warm-up forwards only for shapes it has not decoded before."""
+    per call, on the engine's one side stream, with warm-up runs only for shapes it has not decoded before."""
     main = FakeStream()
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    forward, calls = DecodeGraphs.forward, {"warmup": 0, "capture": 0}
+    run, calls = DecodeGraphs.run, {"warmup": 0, "capture": 0}
 
-    def recorded(self, size):
+    def recorded(self, size, key):
         graph = FakeGraph.capturing
-        out = forward(self, size)
+        out = run(self, size, key)
         calls["capture" if graph else "warmup"] += 1
         if graph is not None:
-            graph.replay = lambda: out.copy_(forward(self, size))
+            graph.replay = lambda: out.copy_(run(self, size, key))
         return out
 
-    monkeypatch.setattr(DecodeGraphs, "forward", recorded)
+    monkeypatch.setattr(DecodeGraphs, "run", recorded)
     captures, capture = [], DecodeGraphs._capture
-    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, size: captures.append(size) or capture(self, size))
+    monkeypatch.setattr(DecodeGraphs, "_capture",
+                        lambda self, size, key: captures.append(size) or capture(self, size, key))
     model, sp = tiny_model(), SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5)
     graphed, eager = engine(model, "cuda_graph", keep_pool=keep_pool), engine(model, "eager")
     want, first = eager.generate(PROMPTS, sp), None
@@ -254,7 +270,8 @@ def test_captured_graphs_equal_eager_before_and_after_weight_sync(monkeypatch):
     assert graphed.graph_backend == "cuda_graph"
     eager = RolloutEngine(copy.deepcopy(a), eos_token_id=EOS, graphs=False)
     captures, capture = [], DecodeGraphs._capture
-    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, size: captures.append(size) or capture(self, size))
+    monkeypatch.setattr(DecodeGraphs, "_capture",
+                        lambda self, size, key: captures.append(size) or capture(self, size, key))
     greedy = SamplingParams(temperature=0, max_new_tokens=16, n=3)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=16, n=3, seed=4)
     for sp in (greedy, sampled):
@@ -277,17 +294,28 @@ def test_a_captured_graph_reads_weights_loaded_in_place():
     model = copy.deepcopy(a)
     kv = KVCache(model.config, 5, 16, torch.float32, torch.device("cuda"))
     dec = DecodeGraphs(model, kv, "cuda_graph", "sdpa", 2, 8, 8)
-    assert dec._capture(4)
-    graph, out = dec.graphs[4]
-    rows = torch.tensor([[5 + i, 0, i * 16, 1, i, 4] for i in range(4)], device="cuda")  # 4 one-token sequences
-    dec.inputs[:4].copy_(rows)
-    graph.replay()
-    first = out.clone()
-    torch.testing.assert_close(first, dec.forward(4), atol=1e-5, rtol=0)
+    key = decode_graphs.sampling_key(SamplingParams(temperature=1.0), frozenset())
+    assert dec._capture(4, key)
+    graph, out = dec.graphs[4, key]
+    # 4 one-token sequences, staged: reset, live, no ban, a uniform's bits, then the state row
+    u = torch.tensor([0.5], dtype=torch.float64).view(torch.long).item()
+    rows = torch.tensor([[1, 1, 0, u, 5 + i, 0, i * 16, 1, i, 4] for i in range(4)], device="cuda")
+
+    def replayed():
+        dec.staged[:4].copy_(rows)
+        graph.replay()
+        return out.clone()
+
+    def eager():
+        dec.staged[:4].copy_(rows)
+        return dec.run(4, key)
+
+    first = replayed()
+    assert dec.inputs[:4, decode_graphs.POS].tolist() == [1] * 4  # advanced on the device
+    torch.testing.assert_close(first, eager(), atol=1e-5, rtol=0)
     from twinplane.model import load_weights
 
     load_weights(model, b.named_parameters())
-    dec.inputs[:4].copy_(rows)
-    graph.replay()
-    torch.testing.assert_close(out, dec.forward(4), atol=1e-5, rtol=0)
-    assert not torch.allclose(out, first)
+    second = replayed()
+    torch.testing.assert_close(second, eager(), atol=1e-5, rtol=0)
+    assert not torch.allclose(second[1], first[1])

@@ -295,7 +295,8 @@ class RolloutEngine:
             self.decoder = None
         elif self.decoder is None or not self.decoder.serves(mode, need_one, limit):
             self.decoder = decode_graphs.DecodeGraphs(self.model, self.kv, mode, self.backend, need_one,
-                                                      self.graph_max_batch, limit, self.head, self.warmth)
+                                                      self.graph_max_batch, limit, self.head, self.warmth,
+                                                      fused=self.kernels == "triton")
         else:  # the earlier call's static decode, and its captured graphs, serve this call too
             self.decoder.steps = 0
 
@@ -304,9 +305,9 @@ class RolloutEngine:
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
         if self.decoder is not None and self.decoder.fits(batch):
-            logits = self.decoder.step(batch.seqs)  # None: a capture failed, the step runs eagerly below
-            if logits is not None:
-                return self._sample(logits, batch.seqs, sched, sp)
+            chosen = self.decoder.step(batch.seqs, sp)  # None: a capture failed, the step runs eagerly below
+            if chosen is not None:
+                return self._take(batch.seqs, *chosen, sched)
         bs, dev, d = self.block_size, self.device, batch.num_decodes
         # The decodes (most rows of most steps) first, as whole lists: each runs its last token and is then ready.
         decodes = batch.seqs[:d]
@@ -394,7 +395,11 @@ class RolloutEngine:
                 else:
                     rows_of.append(seq)
             ready = rows_of
-        for seq, t, logprob in zip(ready, tok, chosen, strict=True):
+        return self._take(ready, tok, chosen, sched)
+
+    def _take(self, ready: list[Seq], tokens: list[int], logprobs: list[float], sched: Scheduler) -> list[Seq]:
+        """Append each sampled token with its log-prob; returns the sequences that finished (out of the batch)."""
+        for seq, t, logprob in zip(ready, tokens, logprobs, strict=True):
             seq.append(t, logprob, self.weight_version)
         finished = [s for s in ready if s.finish_reason is not None]
         sched.finish(finished)

@@ -2,27 +2,33 @@
 
 Decode-only engine steps (every scheduled sequence runs exactly one token, no prefill chunk in the step) are most
 of a rollout's steps, and at small batches they are bound by kernel launches, not by the GPU's arithmetic.
-`DecodeGraphs` runs them from static device buffers: one int64 row per sequence (token id, position, pool slot,
-context length, then its block table padded to a fixed width: the most blocks one sequence of this `generate`
-call can hold), the batch padded up to a bucket size (1, 2, 4, 8, 16..64 by 8, then by 32 up to
-`rollout.graph_max_batch`). The forward reads only these buffers and returns the logits [bucket, V], with no
-host reads and no data-dependent shapes (`PagedKV.static`: attention's decode group spans the whole fixed-width
-table, masked by the context lengths on the device; the "flex" backend builds its BlockMask from the same table on
-the device). Padding rows decode token 0 at position 0, write their k/v into one extra pool block that no sequence
-is ever given, and attend to that block only; their logits are dropped.
+`DecodeGraphs` runs them from static device buffers, the batch padded up to a bucket size (1, 2, 4, 8, 16..64 by 8,
+then by 32 up to `rollout.graph_max_batch`). One step is one graph: the forward (embedding, layers, final norm, LM
+head), the sampler (the token and its policy log-prob, as the engine's `_sample` chooses them from the same
+uniforms), and the update of each row to its next token on the device. Per step the host stages, in one
+asynchronous copy from pinned memory, each row's uniform and flags, and a new state row only for a row whose
+sequence did not simply continue (new in the batch, a new or copied block, anything else); it reads back [2, B]
+tokens and log-probs once. A row's state is one int64 row: token id, position, pool slot, context length, then its
+block table padded to a fixed width (the most blocks one sequence of the first `generate` call can hold). The
+forward reads only these buffers, with no host reads and no data-dependent shapes (`PagedKV.static`: attention's
+decode group spans the whole fixed-width table, masked by the context lengths on the device; the "flex" backend
+builds its BlockMask from the same table on the device). Padding rows decode token 0 at position 0, write their
+k/v into one extra pool block that no sequence is ever given, and attend to that block only; their outputs are
+dropped.
 
 Modes (the engine's `graph_backend`, from `platform.decode_graph_backend`, then `decode_mode` below):
-- "cuda_graph": a bucket is captured the first time a decode step of its size runs in a `generate` call (on the
-  engine's side stream, into one memory pool shared by the engine's graphs), and replayed after one host-to-device
-  copy of the step's rows. The graphs point at the KV pool: the engine keeps both for later calls that fit (see
-  `serves`), so a bucket is captured once in its lifetime; an engine that releases its pool after each call (a
-  trainer shares the GPU) drops the graphs with it and captures again in the next call. That recapture is kept
-  cheap: warm-up forwards (lazy initialisation: compiled kernels, cuBLAS workspaces) run only for the
-  shapes the engine has not decoded before (`Warmth`), and the capture skips `torch.cuda.graph`'s device sync,
-  allocator `empty_cache` and host cache flush, so the pool's memory stays cached for the next bucket.
-  They read the weights in place: `load_weights` copies into the same tensors, so a weight sync is always seen.
-- "static": the same buffers, buckets and padded rows, run eagerly (no capture). The CPU tests force it to check
-  the graph path's inputs and padding against the eager engine without a GPU.
+- "cuda_graph": a (bucket, sampler) step is captured the first time a decode step of its size runs with those
+  sampling parameters (`sampling_key`; an RL run keeps one), on the engine's side stream, into one memory pool
+  shared by the engine's graphs, and replayed after the staging copy. The graphs point at the KV pool: the
+  engine keeps both for later calls that fit (see `serves`), so a bucket is captured once in its lifetime; an
+  engine that releases its pool after each call (a trainer shares the GPU) drops the graphs with it and captures
+  again in the next call. That recapture is kept cheap: warm-up runs (lazy initialisation: compiled kernels,
+  cuBLAS workspaces) run only for the shapes the engine has not decoded before (`Warmth`), and the capture skips
+  `torch.cuda.graph`'s device sync, allocator `empty_cache` and host cache flush, so the pool's memory stays
+  cached for the next bucket. They read the weights in place: `load_weights` copies into the same tensors, so a
+  weight sync is always seen.
+- "static": the same buffers, buckets, padded rows and device-side update, run eagerly (no capture). The CPU tests
+  force it to check the graph path against the eager engine without a GPU.
 - "eager": every step goes through the engine's ordinary forward (`rollout.graphs=false`, CPU, MoE routing being
   recorded); so do steps that do not fit: a prefill chunk in the step, or more sequences than the largest bucket.
 Copy-on-write block copies a step needs are made by the engine before the forward, outside any graph.
@@ -33,6 +39,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from twinplane.model import AttentionMetadata, Transformer
@@ -41,11 +48,15 @@ from twinplane.platform import platform
 from twinplane.rollout.kv_cache import KVCache
 from twinplane.rollout.packed import PackedWeight, linear
 from twinplane.rollout.paged_attention import PagedKV
+from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.rollout.scheduler import ScheduledBatch
 from twinplane.rollout.sequence import Sequence
 
 MODES = ("cuda_graph", "static", "eager")
-WARMUP_RUNS = 2  # forwards before a capture: lazy initialisation (cuBLAS handles, kernel choice, caches) happens here
+WARMUP_RUNS = 2  # runs before a capture: lazy initialisation (cuBLAS handles, kernel choice, caches) happens here
+RESET, LIVE, BAN, UNIFORM, STATE = range(5)  # columns staged per row: flags, the uniform's bits, then a state row
+TOK, POS, SLOT, CTX, TABLE = range(5)  # columns of a row's state: TABLE is where its block table starts
+_PAD = "pad"  # a row expected to hold the padding row
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -84,34 +95,38 @@ class Warmth:
 class DecodeGraphs:
     """Static (and on GPUs captured) decode steps over `kv`, whose last block is reserved for padding rows, for a
     `generate` call and the later ones it `serves`. `max_blocks`: the block-table width (the longest sequence of
-    the first call, in blocks);
-    `max_batch`: the largest bucket (`rollout.graph_max_batch`); `limit`: the most sequences the call can run at
-    once (buckets above the first one that holds them are never needed)."""
+    the first call, in blocks); `max_batch`: the largest bucket (`rollout.graph_max_batch`); `limit`: the most
+    sequences the call can run at once (buckets above the first one that holds them are never needed); `fused`:
+    sample with the Triton sampler where it serves (no top-k/top-p)."""
 
     def __init__(self, model: Transformer, kv: KVCache, mode: str, backend: str, max_blocks: int, max_batch: int,
-                 limit: int, head: PackedWeight | None = None, warmth: Warmth | None = None):
+                 limit: int, head: PackedWeight | None = None, warmth: Warmth | None = None, fused: bool = False):
         if mode not in ("cuda_graph", "static"):
             raise ValueError(f"DecodeGraphs runs the static or cuda_graph mode, not {mode!r}")
-        self.model, self.kv, self.mode, self.backend, self.head = model, kv, mode, backend, head
+        self.model, self.kv, self.mode, self.backend, self.head, self.fused = model, kv, mode, backend, head, fused
         self.warmth = Warmth() if warmth is None else warmth
         self.window = model.config.sliding_window
         self.block_size, self.max_blocks = kv.block_size, max_blocks
         self.pad_block = kv.num_blocks - 1  # the engine's block manager never hands it out
         self.max_batch, sizes = max_batch, buckets(max_batch)
         self.buckets = sizes[:next((i for i, b in enumerate(sizes) if b >= limit), len(sizes) - 1) + 1]
-        dev = kv.k.device
-        # columns: token id, position, slot, context length, block table [max_blocks]
-        self.inputs = torch.zeros(self.buckets[-1], 4 + max_blocks, dtype=torch.long, device=dev)
-        self.cu_seqlens = torch.arange(self.buckets[-1] + 1, dtype=torch.int32, device=dev)  # one query each
+        dev, rows = kv.k.device, self.buckets[-1]
         self.pad_row = [0, 0, self.pad_block * self.block_size, 1] + [self.pad_block] * max_blocks
-        # The rows are staged on the host (pinned on GPUs: one asynchronous copy per step) and kept between
-        # steps: a row's block table is rewritten only when its sequence's table changed (`_held`), since
-        # building every row from Python lists costs milliseconds a step at a few hundred sequences.
-        self.host = torch.tensor([self.pad_row] * self.buckets[-1], dtype=torch.long)
+        # The rows' state on the device (token id, position, slot, context length, block table [max_blocks]),
+        # advanced by the step itself; what the host stages for a step (one asynchronous copy from pinned memory)
+        # replaces a row's state only where its sequence did not just continue (RESET).
+        self.inputs = torch.tensor([self.pad_row] * rows, dtype=torch.long, device=dev)
+        self.staged = torch.zeros(rows, STATE + 4 + max_blocks, dtype=torch.long, device=dev)
+        self.host = torch.zeros(rows, STATE + 4 + max_blocks, dtype=torch.long)
         if dev.type == "cuda":
             self.host = self.host.pin_memory()
-        self._held: list[tuple[list[int], int, int] | None] = [None] * self.buckets[-1]  # None: a padding row
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one query each
+        # per row, what the device will hold after the step in flight: [sequence, position, its block table (the
+        # list, its length, its last block), token] (a list kept alive, so its identity is not reused), _PAD,
+        # or None (unknown: rewritten by the next step)
+        self._expect: list = [_PAD] * rows
+        self._banned: dict[tuple[int, ...], torch.Tensor] = {}  # stop ids -> tensor (made outside any capture)
+        self.graphs: dict[tuple[int, tuple], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # the graphs' shared memory pool (cuda_graph mode)
         self.steps = 0  # decode steps run here
         self.broken = False  # a capture failed: the engine runs eager from then on
@@ -123,67 +138,115 @@ class DecodeGraphs:
                 and self.buckets[-1] >= min(limit, self.max_batch))
 
     def fits(self, batch: ScheduledBatch) -> bool:
-        """Decode-only, within the largest bucket, every block table within the fixed width."""
+        """Decode-only, one sample per sequence (no fork), within the largest bucket, every block table within the
+        fixed width."""
         return (not self.broken and batch.num_decodes == len(batch) <= self.buckets[-1]
-                and all(len(s.block_table) <= self.max_blocks for s in batch.seqs))
+                and all(s.width == 1 and len(s.block_table) <= self.max_blocks for s in batch.seqs))
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def step(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """Decode one token of each of `seqs` (their `num_computed` advance): logits [len(seqs), V]; None when a
-        capture failed (nothing was run; the caller runs the step eagerly)."""
+    def step(self, seqs: list[Sequence], sp: SamplingParams) -> tuple[list[int], list[float]] | None:
+        """Decode one token of each of `seqs` (their `num_computed` advance; each draws one uniform) and sample it:
+        (tokens, their policy log-probs), read back once; None when a capture failed (nothing was run or drawn;
+        the caller runs the step eagerly)."""
         n, bs = len(seqs), self.block_size
-        size = self.bucket(n)
-        if self.mode == "cuda_graph" and size not in self.graphs and not self._capture(size):
+        size, key = self.bucket(n), sampling_key(sp, seqs[0].stop_ids)
+        if key[3] and key[3] not in self._banned:
+            self._banned[key[3]] = torch.tensor(key[3], device=self.inputs.device)
+        if self.mode == "cuda_graph" and (size, key) not in self.graphs and not self._capture(size, key):
             return None
-        host, held, toks, pos, slots = self.host.numpy(), self._held, [], [], []
+        host, expect, early = self.host.numpy(), self._expect, bool(key[3])
+        uniforms = host.view(np.float64)[:, UNIFORM]
         for i, seq in enumerate(seqs):
             p, table = seq.num_computed, seq.block_table
-            toks.append(seq.tokens[p])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            seq.num_computed = p + 1
             # The block manager appends to a table, replaces its last block (copy-on-write) or gives the
-            # sequence a new list (freed): the same list, length and last block mean the same table. (Holding
-            # the list keeps its identity from being reused.)
-            h = held[i]
-            if h is None or h[0] is not table or h[1] != len(table) or h[2] != table[-1]:
-                host[i, 4:4 + len(table)] = table
-                host[i, 4 + len(table):] = self.pad_block
-                held[i] = table, len(table), table[-1]
-        host[:n, 0], host[:n, 1], host[:n, 2] = toks, pos, slots
-        host[:n, 3] = host[:n, 1] + 1
+            # sequence a new list (freed): the same list, length and last block mean the same table.
+            e = expect[i]
+            if (e is not None and e is not _PAD and e[0] is seq and e[1] == p and e[2] is table
+                    and e[3] == len(table) and e[4] == table[-1] and e[5] == seq.tokens[p]):
+                host[i, RESET] = 0  # the device's update made this row
+            else:
+                host[i, RESET] = host[i, LIVE] = 1
+                host[i, STATE:STATE + 4] = seq.tokens[p], p, table[p // bs] * bs + p % bs, p + 1
+                host[i, STATE + 4:STATE + 4 + len(table)] = table
+                host[i, STATE + 4 + len(table):] = self.pad_block
+            uniforms[i] = seq.rngs[0].random()  # (a double: rounded to float32 on the device, as `_sample` does)
+            if early:
+                host[i, BAN] = seq.num_generated < sp.min_new_tokens
+            expect[i] = [seq, p + 1, table, len(table), table[-1], None]
+            seq.num_computed = p + 1
         for i in range(n, size):
-            if held[i] is not None:
-                host[i] = self.pad_row
-                held[i] = None
+            host[i, RESET] = expect[i] is not _PAD
+            if expect[i] is not _PAD:
+                host[i, LIVE] = 0
+                host[i, STATE:] = self.pad_row
+                expect[i] = _PAD
         # (asynchronous from pinned memory: the host rows change again only after this step's tokens are read
         # back, which waits for the copy, queued before the forward on the same stream)
-        self.inputs[:size].copy_(self.host[:size], non_blocking=True)
+        self.staged[:size].copy_(self.host[:size], non_blocking=True)
         self.steps += 1
         if self.mode == "static":
-            return self.forward(size)[:n]
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits[:n]  # read before the next replay overwrites it (the engine samples from it at once)
+            out = self.run(size, key)
+        else:
+            graph, out = self.graphs[size, key]
+            graph.replay()
+        # one read back to the host for both (float64 holds every token id and each fp32 log-prob exactly)
+        tokens, logprobs = out[:, :n].tolist()
+        tokens = [int(t) for t in tokens]
+        for i, t in enumerate(tokens):
+            expect[i][5] = t
+        return tokens, logprobs
 
     @torch.no_grad()  # (the Triton kernels' module variants run their kernels only without autograd)
+    def run(self, size: int, key: tuple) -> torch.Tensor:
+        """One step of the first `size` rows, what a graph captures: the staged rows in, the forward, the sampler
+        (`key`: `sampling_key`), the rows advanced to their next token on the device -> [2, size] float64: the
+        tokens and their policy log-probs (float64 holds both exactly)."""
+        st, x, bs = self.staged[:size], self.inputs[:size], self.block_size
+        x.copy_(torch.where(st[:, RESET, None] != 0, st[:, STATE:], x))
+        logits = self.forward(size)
+        temperature, top_k, top_p, stop_ids = key
+        u = st[:, UNIFORM].view(torch.float64).float()  # [size] (the same bits: int64 and float64 are 8 bytes)
+        banned = self._banned[stop_ids] if stop_ids else None
+        rows = st[:, BAN] != 0 if stop_ids else None
+        if self.fused and top_k == 0 and top_p == 1.0:
+            from twinplane.rollout.kernels.sampler import sample_tokens
+
+            tok, logp = sample_tokens(logits, temperature, u, banned, rows)
+        else:
+            lp = policy_logprobs(logits, temperature)  # [size, V]
+            tok = sample(lp, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), u, banned, rows)
+            logp = lp.gather(-1, tok[:, None])[:, 0]
+        # the next step's rows: each live row's sampled token at the next position; its slot from its table (a
+        # row whose next position needs a new block gets a new table from the host then, as does any other change)
+        live = st[:, LIVE]
+        pos = x[:, POS] + live
+        slot = x[:, TABLE:].gather(1, (pos // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0] * bs + pos % bs
+        x[:, TOK] = torch.where(live != 0, tok, x[:, TOK])
+        x[:, SLOT] = torch.where(live != 0, slot, x[:, SLOT])
+        x[:, POS] = pos
+        x[:, CTX] += live
+        return torch.stack([tok.double(), logp.double()])
+
+    @torch.no_grad()
     def forward(self, size: int) -> torch.Tensor:
-        """The static decode of the first `size` rows of `inputs` -> logits [size, V]: what a graph captures."""
+        """The model's decode forward of the first `size` rows of `inputs` -> logits [size, V]."""
         x, bs = self.inputs[:size], self.block_size
-        paged = PagedKV(self.kv.k, self.kv.v, x[:, 2].contiguous(), x[:, 4:].to(torch.int32),
-                        x[:, 3].to(torch.int32), self.cu_seqlens[:size + 1], [1] * size, size,
+        paged = PagedKV(self.kv.k, self.kv.v, x[:, SLOT].contiguous(), x[:, TABLE:].to(torch.int32),
+                        x[:, CTX].to(torch.int32), self.cu_seqlens[:size + 1], [1] * size, size,
                         self.max_blocks * bs, static=True)
-        meta = AttentionMetadata(x[None, :, 1], window=self.window, backend=self.backend, paged=paged)
-        h = self.model.hidden_states(x[None, :, 0], meta=meta)[0]  # [size, D]
+        meta = AttentionMetadata(x[None, :, POS], window=self.window, backend=self.backend, paged=paged)
+        h = self.model.hidden_states(x[None, :, TOK], meta=meta)[0]  # [size, D]
         return linear(h, self.model.output_weight(), self.head)
 
-    def _capture(self, size: int) -> bool:
-        """Capture the bucket `size` (inputs all padding rows meanwhile: the warm-up forwards run for real and
-        must write into the reserved block only). False, with a warning, when the capture fails."""
-        dev, shape = self.inputs.device, (size, self.max_blocks)
-        self.inputs[:size].copy_(torch.tensor([self.pad_row] * size, dtype=torch.long))
+    def _capture(self, size: int, key: tuple) -> bool:
+        """Capture the step of bucket `size` with the sampler `key` (rows all padding meanwhile: the warm-up runs
+        are real and must write into the reserved block only). False, with a warning, when the capture fails."""
+        dev, shape = self.inputs.device, (size, self.max_blocks, key)
+        pad = torch.tensor([[1, 0, 0, 0, *self.pad_row]] * size, dtype=torch.long)
+        self.staged[:size].copy_(pad)
+        self._expect[:size] = [_PAD] * size  # (the device rows are padding rows after these runs)
         try:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
@@ -193,11 +256,11 @@ class DecodeGraphs:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 for _ in range(0 if shape in self.warmth.shapes else WARMUP_RUNS):
-                    self.forward(size)
+                    self.run(size, key)
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(self.pool, capture_error_mode="thread_local")
                 try:
-                    logits = self.forward(size)
+                    out = self.run(size, key)
                 finally:
                     graph.capture_end()
             main.wait_stream(side)
@@ -208,6 +271,13 @@ class DecodeGraphs:
             self.broken = True
             self.graphs.clear()
             return False
-        self.graphs[size] = graph, logits
+        self.graphs[size, key] = graph, out
         self.warmth.shapes.add(shape)
         return True
+
+
+def sampling_key(sp: SamplingParams, stop_ids: frozenset[int]) -> tuple:
+    """What a captured step's sampler is specialised to: (temperature, top_k, top_p, the stop ids banned in rows
+    short of `min_new_tokens`, sorted; () when none are)."""
+    banned = tuple(sorted(stop_ids)) if sp.min_new_tokens and stop_ids else ()
+    return float(sp.temperature), sp.top_k, float(sp.top_p), banned
