@@ -28,6 +28,9 @@ Sections, in order:
   the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
   step time went; a second call of the same shape (the engine's graphs kept); then Hugging Face `generate` on the
   same work and weights for the ratio.
+- attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
+  backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
+  RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
 - train: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over packed
   micro-batches of an RL-like length mix, decoder layers eager (`train.compile=off`): tokens/s, MFU against the
   device's dense bf16 peak, peak memory, the profiler's per-category time; train_compiled: the same compiled
@@ -519,11 +522,70 @@ def rl_lengths(n: int, prompt: tuple[int, int], mean: int, cap: int, seed: int =
     return ps, rs
 
 
+def attention_section(a, device) -> dict:
+    """One layer's packed attention at the training shape in bf16, forward and forward + backward, per varlen
+    backend, over one micro-batch of RL-like rows (a.train_tokens): groups of 8 responses sharing their prompt
+    (the trainer's shared-prompt layout) and the same rows each with its own prompt copy; TFLOP/s over the attended
+    (query, key) pairs (backward counted as 2.5 forwards); which backend the platform picks for each layout."""
+    from twinplane.model import AttentionMetadata
+    from twinplane.model.attention import VARLEN_BACKENDS, torch_varlen_agrees
+
+    cfg, gpu, dtype = SHAPES[a.train_shape], device.type == "cuda", torch.bfloat16
+    H, H_kv, D = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    ps, rs = rl_lengths(a.train_rows, (a.train_prompt // 2, a.train_prompt), a.train_response, 4 * a.train_response)
+    shared, prefix, plain = [], [], []
+    for g in range(0, len(rs), 8):
+        if sum(shared) + ps[g] + sum(rs[g:g + 8]) > a.train_tokens and shared:
+            break
+        parent = len(shared)
+        shared += [ps[g], *rs[g:g + 8]]
+        prefix += [-1] + [parent] * len(rs[g:g + 8])
+        plain += [ps[g] + r for r in rs[g:g + 8]]
+    layouts = {"shared": (shared, prefix), "unshared": (plain, None)}
+    backends = ["sdpa"] + (["flex", "torch_varlen"] if gpu else [])
+    if gpu and platform.detect().attention.flash_attn_eligible:
+        backends.append("flash_attn")
+    out = {"shape": a.train_shape, "heads": [H, H_kv, D], "layouts": {}}
+    for name, (lens, pre) in layouts.items():
+        T = sum(lens)
+        pairs = sum(q * (q + 1) // 2 + q * (lens[p] if p >= 0 else 0)
+                    for q, p in zip(lens, pre or [-1] * len(lens), strict=True))
+        g = torch.Generator(device).manual_seed(0)
+        q, k, v = (torch.randn(1, h, T, D, generator=g, device=device, dtype=dtype).requires_grad_()
+                   for h in (H, H_kv, H_kv))
+        grad = torch.randn(1, H, T, D, generator=g, device=device, dtype=dtype)
+        row = {"tokens": T, "sequences": len(lens), "pairs": pairs,
+               "chosen": platform.varlen_backend(device, dtype, pre is not None, D, check=torch_varlen_agrees)}
+        fwd_flops = 4 * H * D * pairs
+        for b in backends:
+            if b == "flash_attn" and pre is not None:
+                continue
+            try:
+                meta = AttentionMetadata.packed(lens, device, prefix=pre, backend=b)
+                fwd, both = attention_times(VARLEN_BACKENDS[b], (q, k, v), meta, grad, device, a.reps)
+                row[b] = {"forward_ms": 1e3 * fwd, "forward_backward_ms": 1e3 * both,
+                          "forward_tflops": fwd_flops / fwd / 1e12,
+                          "forward_backward_tflops": 3.5 * fwd_flops / both / 1e12}
+            except Exception as e:  # (a backend this device or torch lacks: recorded, the next one runs)
+                row[b] = {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+        out["layouts"][name] = row
+    return out
+
+
+def attention_times(attend, qkv, meta, grad, device, reps: int) -> tuple[float, float]:
+    """Median seconds of `attend` forward alone and forward + backward (gradients of q, k, v)."""
+    with torch.no_grad():
+        fwd = statistics.median(timed(lambda: attend(*qkv, meta), device, reps))
+    both = statistics.median(timed(lambda: torch.autograd.grad(attend(*qkv, meta), qkv, grad), device, reps))
+    return fwd, both
+
+
 def train_section(a, device, compiled: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from twinplane.config import AlgoSection, TrainSection
     from twinplane.model import ModelConfig, Transformer
+    from twinplane.model.attention import torch_varlen_agrees
     from twinplane.model.flops import train_flops_per_token
     from twinplane.train import Batch, Trainer
 
@@ -553,6 +615,8 @@ def train_section(a, device, compiled: bool) -> dict:
     step = statistics.median(steps)
     peak = platform.detect().peak_flops
     out = {"shape": a.train_shape, "params_M": round(cfg.num_params / 1e6, 1), "compiled": compiled,
+           "attention": platform.varlen_backend(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                                True, cfg.head_dim, check=torch_varlen_agrees),
            "rows": len(ps), "tokens": tokens, "response_tokens": sum(rs), "max_tokens_per_micro_batch": a.train_tokens,
            "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
            "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak}
@@ -643,7 +707,7 @@ def main() -> None:
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds past the deadline before the compiled training section is cut")
     p.add_argument("--sections", default="env,copy,decode,profile,sampling,decode_sdpa,decode_torch,decode_triton,"
-                   "kernels,engine,train,train_compiled,train_fit")
+                   "kernels,attention,engine,train,train_compiled,train_fit")
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
     p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate in the engine section")
@@ -680,6 +744,7 @@ def main() -> None:
                                  ("decode_triton", decode_other_backend, (a, device, dtype, bw, "triton", "triton"),
                                   40),
                                  ("kernels", kernels_section, (a, device, dtype), 40),
+                                 ("attention", attention_section, (a, device), 30),
                                  ("engine", engine_section, (a, device, dtype, bw), 90),
                                  ("train", train_section, (a, device, False), 40),
                                  ("train_compiled", *((train_section, (a, device, True)) if a.in_child else

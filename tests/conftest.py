@@ -259,6 +259,25 @@ def static_case(bs, window=None):
     return q, k, v, paged, tables, ctx, [1] * d, window
 
 
+def grouped_batch(model, n=4, seed=0):
+    """GRPO-shaped: 3 prompts of different lengths x n samples (rows of a group not all adjacent), one row with
+    no response token, and a prompt that is another's prefix (equal tokens, shorter: must not share)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [5, 6, 7]]
+    rows = [p for p in prompts for _ in range(n)]
+    rows.append(rows.pop(0))  # a group's rows need not be adjacent
+    responses = [torch.randint(4, 50, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+                 for _ in rows]
+    responses[3] = []
+    batch = Batch.collate(rows, responses, 0)
+    batch.advantages = torch.randn(len(rows), 1, generator=g) * batch.response_mask
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch, 1.0, share_prompts=False)
+    batch.rollout_logprobs = (lp + 0.1 * torch.randn(lp.shape, generator=g)) * batch.response_mask
+    batch.ref_logprobs = (lp - 0.2 * torch.rand(lp.shape, generator=g)) * batch.response_mask
+    return batch
+
+
 def simulate_gpu(monkeypatch, name, *, hip=None, count=2, memory=80 * 2**30, cc=(9, 0), arch=None, installed=()):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)

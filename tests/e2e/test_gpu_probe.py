@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("env", "copy", "decode", "profile", "sampling", "decode_sdpa", "decode_torch", "decode_triton", "kernels",
-            "engine", "train", "train_fit")
+            "attention", "engine", "train", "train_fit")
 
 
 @pytest.mark.slow
@@ -35,6 +35,10 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     # the engine's tokens are the samples' own: 4 prompts x 2 samples, at most 16 new tokens each
     assert 8 <= res["engine"]["tokens"] <= 4 * 2 * 16 and res["engine"]["hf_tokens"] > 0
     assert res["engine"]["second_call"]["tokens"] > 0 and "partial" not in res["engine"]
+    for layout in ("shared", "unshared"):  # CPU: the portable path only, and the platform picks it
+        row = res["attention"]["layouts"][layout]
+        assert row["chosen"] == "sdpa" and row["sdpa"]["forward_backward_ms"] > row["sdpa"]["forward_ms"] > 0
+    assert res["attention"]["layouts"]["shared"]["tokens"] < res["attention"]["layouts"]["unshared"]["tokens"]
     train = res["train"]
     assert train["response_tokens"] < train["tokens"] and 0 < train["mfu"] < 1
     for side in ("chunked", "one_chunk"):  # tiny shapes fit whole on CPU: every size up to the cap

@@ -140,7 +140,8 @@ def test_doctor_on_this_machine(capsys):
         assert (r["kernels"], r["paged_attention"], r["kv_block_size"], r["graphs"]) == ("torch", "sdpa", 16, "eager")
     assert r["kernels_why"] in text and r["paged_attention_why"] in text and r["graphs_why"] in text
     if d["device_type"] == "cpu":  # the training plane's auto choices here
-        assert d["training"] == {"compile": False, "logprob_chunk_tokens": 512, "logprob_kernels": "torch"}
+        assert d["training"] == {"compile": False, "logprob_chunk_tokens": 512, "logprob_kernels": "torch",
+                                 "packed_attention": "sdpa"}
         assert "training  decoder layers eager (train.compile=auto), log-prob chunks of 512 tokens" in text
     cpu = {**d, "visible_devices_env": [], "ray_noset_env": []}
     gpu = {**d, "visible_devices_env": ["CUDA_VISIBLE_DEVICES"],

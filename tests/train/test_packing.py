@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import make_batch, simulate_gpu, tiny_model
+from conftest import grouped_batch, make_batch, simulate_gpu, tiny_model
 
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import AttentionMetadata
@@ -106,25 +106,6 @@ def test_packed_train_step_equals_padded(tool_masks):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
     for k, v in m_pad.items():
         assert abs(m_pack[k] - v) < 1e-5, k
-
-
-def grouped_batch(model, n=4, seed=0):
-    """GRPO-shaped: 3 prompts of different lengths x n samples (rows of a group not all adjacent), one row with
-    no response token, and a prompt that is another's prefix (equal tokens, shorter: must not share)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [[5, 6, 7, 8, 9], [10, 11], [5, 6, 7]]
-    rows = [p for p in prompts for _ in range(n)]
-    rows.append(rows.pop(0))  # a group's rows need not be adjacent
-    responses = [torch.randint(4, 50, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-                 for _ in rows]
-    responses[3] = []
-    batch = Batch.collate(rows, responses, 0)
-    batch.advantages = torch.randn(len(rows), 1, generator=g) * batch.response_mask
-    with torch.no_grad():
-        lp, _ = response_logprobs(model, batch, 1.0, share_prompts=False)
-    batch.rollout_logprobs = (lp + 0.1 * torch.randn(lp.shape, generator=g)) * batch.response_mask
-    batch.ref_logprobs = (lp - 0.2 * torch.rand(lp.shape, generator=g)) * batch.response_mask
-    return batch
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -7,13 +7,13 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
 - varlen (packed): one row [1, T] holding several sequences back to back, delimited by `cu_seqlens`; each token
   attends causally within its own sequence only. Portable path ("sdpa"): sequences of similar length gathered into
   batches for the fused causal SDPA kernel (no mask, at most 2x padding per batch). Fused paths: "flex"
-  (FlexAttention with a document mask, its BlockMask built from `cu_seqlens` at block granularity) and
-  "flash_attn" (flash-attn's varlen kernel).
+  (FlexAttention with a document mask, its BlockMask built from `cu_seqlens` at block granularity),
+  "flash_attn" (flash-attn's varlen kernel) and "torch_varlen" (torch's own varlen flash attention).
   Shared prefixes (`prefix`): a segment may continue another one, e.g. a GRPO group's n responses each continue one
   copy of their prompt, so the prompt is computed once (the prefix sharing of Prefix Grouper, Liu et al. 2025).
   Its tokens then attend to the whole parent segment, then causally to their own. The portable path gathers each
-  such segment's keys (parent + own) and masks; "flex" adds the parent to its document mask; flash-attn's varlen
-  kernel cannot express it, so the platform never picks it for such rows.
+  such segment's keys (parent + own) and masks; "flex" adds the parent to its document mask; "torch_varlen" gathers
+  parent + own keys per segment; flash-attn's varlen call here does not, so the platform never picks it for them.
 - paged (the rollout engine's layout, twinplane.rollout.paged_attention; the model only knows it as a
   `PagedLayout`, which attends by itself): one row [1, T] mixing prefill chunks and one-token decodes of many
   sequences whose earlier keys/values live in a block pool (`PagedKV`). Each layer writes its new k/v to the pool at
@@ -28,6 +28,8 @@ tests/train/test_packing.py, tests/rollout/test_paged_engine.py).
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -215,11 +217,17 @@ def varlen_mask(meta: AttentionMetadata) -> torch.Tensor:
 def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """FlexAttention with a document mask (sparse blocks are skipped). Compiled on GPUs; eager elsewhere, where
     torch 2.13 runs its forward only (tests compare it with the portable path on CPU without grad)."""
-    block_mask = meta.cache.get("flex_block_mask")
-    if block_mask is None:
-        block_mask = meta.cache["flex_block_mask"] = varlen_block_mask(meta.cu_seqlens, meta.window, meta.prefix,
-                                                                       q.device)
-    return flex_attention_for(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return flex_attention_for(q.device.type)(q, k, v, block_mask=flex_block_mask(meta),
+                                             enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_block_mask(meta: AttentionMetadata) -> BlockMask:
+    """`flex_varlen`'s BlockMask, made once per forward (every layer shares it)."""
+    mask = meta.cache.get("flex_block_mask")
+    if mask is None:
+        mask = meta.cache["flex_block_mask"] = varlen_block_mask(meta.cu_seqlens, meta.window, meta.prefix,
+                                                                 meta.cu_seqlens.device)
+    return mask
 
 
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (the tile its compiled kernels skip or mask as a whole)
@@ -316,7 +324,84 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
     return out.transpose(0, 1)[None]
 
 
-VARLEN_BACKENDS = {"sdpa": sdpa_varlen, "flex": flex_varlen, "flash_attn": flash_attn_varlen}
+def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """torch's own varlen flash attention (`torch.nn.attention.varlen.varlen_attn`, in torch's GPU builds since
+    2.10): flash-attn's kernel without the flash-attn package. Shared prefixes: a continuing segment's keys are its
+    parent's then its own (key offsets apart from the query offsets), and the kernel's causal mask aligns a
+    segment's last query with its last key (bottom-right, as flash-attn's), so its queries see the whole parent,
+    then their own tokens causally (the window counted over both, as positions are)."""
+    cu_q, cu_k, max_q, max_k, keys = varlen_keys(meta)
+    x, kk, vv = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], [T, H_kv, D]
+    if keys is not None:
+        kk, vv = kk.index_select(0, keys), vv.index_select(0, keys)  # [T_k, H_kv, D]
+    return varlen_call(x, kk, vv, cu_q, cu_k, max_q, max_k, meta.window).transpose(0, 1)[None]
+
+
+def varlen_keys(meta: AttentionMetadata):
+    """`torch_varlen`'s layout, made once per forward from one host read of `cu_seqlens`: query and key offsets
+    (int32, on the device), the longest query and key segments, and the key rows to gather (None without shared
+    prefixes: the keys are the queries' rows)."""
+    layout = meta.cache.get("torch_varlen")
+    if layout is None:
+        dev, cu = meta.cu_seqlens.device, meta.cu_seqlens.tolist()
+        lens = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+        keys = None
+        if meta.prefix is None:
+            cu_k, key_lens = meta.cu_seqlens, lens
+        else:
+            rows = [r for s, p in enumerate(meta.prefix) for r in
+                    (*(range(cu[p], cu[p + 1]) if p >= 0 else ()), *range(cu[s], cu[s + 1]))]
+            key_lens = [n + (lens[p] if p >= 0 else 0) for n, p in zip(lens, meta.prefix, strict=True)]
+            cu_k = torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32).to(dev)
+            keys = torch.tensor(rows).to(dev)
+        layout = meta.cache["torch_varlen"] = (meta.cu_seqlens.to(torch.int32), cu_k.to(torch.int32), max(lens),
+                                               max(key_lens), keys)
+    return layout
+
+
+def varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                max_q: int, max_k: int, window: int | None) -> torch.Tensor:
+    """`varlen_attn` causal over q [T, H, D], k/v [T_k, H_kv, D] -> [T, H, D], on either of its signatures: torch
+    2.10's (`is_causal`, equal head counts: k/v heads repeated for GQA, no sliding window) or the later one
+    (`window_size`, `enable_gqa`)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kw = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if "window_size" in params:
+        kw["window_size"] = (-1 if window is None else window - 1, 0)
+    elif window is not None:
+        raise ValueError("this torch's varlen_attn has no sliding window: use flex or sdpa")
+    else:
+        kw["is_causal"] = True
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
+def torch_varlen_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """`torch_varlen`'s self-check: one tiny packed forward and backward (GQA, shared prefixes, segments off the
+    kernel's tiles) against the portable path, within the dtype's rounding."""
+    g = torch.Generator().manual_seed(0)
+    lengths, prefix, heads, D = [37, 5, 20, 64, 1], [-1, 0, 0, -1, 3], (4, 2, 2), 64
+    q, k, v = (torch.randn(1, h, sum(lengths), D, generator=g).to(device, dtype).requires_grad_() for h in heads)
+    meta = AttentionMetadata.packed(lengths, device, prefix=prefix)
+    got, want = torch_varlen(q, k, v, meta), sdpa_varlen(q, k, v, AttentionMetadata.packed(lengths, device,
+                                                                                          prefix=prefix))
+    grad = torch.randn(want.shape, generator=g).to(device, dtype)
+    pairs = zip((got, *torch.autograd.grad(got, (q, k, v), grad)), (want, *torch.autograd.grad(want, (q, k, v), grad)),
+                strict=True)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
+
+
+VARLEN_BACKENDS = {"sdpa": sdpa_varlen, "flex": flex_varlen, "flash_attn": flash_attn_varlen,
+                   "torch_varlen": torch_varlen}
+# per forward, what a backend derives from the layout with a host read: made before compiled layers run
+VARLEN_PREPARE = {"sdpa": lambda meta: varlen_plan(meta), "flex": flex_block_mask, "torch_varlen": varlen_keys}
 
 
 def build_mask(q_pos, k_pos, k_valid, self_index, window: int | None) -> torch.Tensor:

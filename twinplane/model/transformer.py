@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from twinplane.model.attention import AttentionMetadata, attention, build_mask, varlen_plan
+from twinplane.model.attention import VARLEN_PREPARE, AttentionMetadata, attention, build_mask
 from twinplane.model.config import ModelConfig, rope_inv_freq
 from twinplane.model.moe import RoutingState, SparseMoE
 
@@ -217,8 +217,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope(meta.positions, x.dtype)
         training = self.training and torch.is_grad_enabled()
         recompute, compiled = self.activation_checkpointing and training, self.compile_layers and training
-        if compiled and meta.varlen and meta.backend == "sdpa":
-            varlen_plan(meta)  # its host read would break the compiled graph (and a checkpointed one entirely)
+        if compiled and meta.varlen and meta.backend in VARLEN_PREPARE:
+            VARLEN_PREPARE[meta.backend](meta)  # its host read would break a compiled graph
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta, recompute, routing, compiled)
         return self.model.norm(x)

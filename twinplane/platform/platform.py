@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
+import inspect
 import os
 import random
 import statistics
@@ -236,17 +237,50 @@ def logprob_chunk_tokens(device: torch.device | str, requested: int = 0) -> int:
 
 
 def varlen_backend(device: torch.device, compute_dtype: torch.dtype, shared_prefix: bool = False,
-                   head_dim: int = 64) -> str:
-    """Kernel for packed (varlen) rows, `AttentionMetadata.backend`: flash-attn's varlen kernel where it is
-    installed and eligible, the compute dtype is 16-bit and no sequence continues a shared prefix (which its
-    kernel cannot express), else FlexAttention on GPUs (head dims >= FLEX_MIN_HEAD_DIM), else the portable SDPA
-    path (CPU: torch 2.13's FlexAttention has no CPU backward)."""
+                   head_dim: int = 64, window: bool = False, check: VarlenCheck | None = None) -> str:
+    """Kernel for packed (varlen) rows, `AttentionMetadata.backend`, on GPUs with a 16-bit compute dtype: flash-attn's
+    varlen kernel where it is installed and eligible and no sequence continues a shared prefix (its call here cannot
+    express one); else torch's own varlen flash attention (`torch_varlen`, which can) where this torch has it (with a
+    sliding window when the model has one) and `check` passes on this device (once per device and dtype); else
+    FlexAttention (head dims >= FLEX_MIN_HEAD_DIM; also fp32), else the portable SDPA path (CPU: torch 2.13's
+    FlexAttention has no CPU backward)."""
     if torch.device(device).type != "cuda":
         return "sdpa"
-    if detect().attention.flash_attn_eligible and compute_dtype in (torch.bfloat16, torch.float16) \
-            and not shared_prefix:
-        return "flash_attn"
+    if compute_dtype in (torch.bfloat16, torch.float16):
+        if detect().attention.flash_attn_eligible and not shared_prefix:
+            return "flash_attn"
+        if check is not None and head_dim % 8 == 0 and head_dim <= 256 and torch_varlen_ok(device, compute_dtype,
+                                                                                             window, check):
+            return "torch_varlen"
     return "flex" if flex_ok(head_dim) else "sdpa"
+
+
+VarlenCheck = Callable[[torch.device, torch.dtype], bool]
+_TORCH_VARLEN: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def torch_varlen_ok(device: torch.device, dtype: torch.dtype, window: bool, check: VarlenCheck) -> bool:
+    """Whether torch's `varlen_attn` may serve packed rows on `device` in `dtype`: this torch has it (a sliding
+    window needs its `window_size`, torch > 2.10), and `check` (twinplane.model.attention.torch_varlen_agrees: a
+    tiny forward and backward against the portable path) passes, once per (device, dtype); a check that raises or
+    disagrees warns once (the kernel may be missing from a ROCm build, or differ on some GPU)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    if window and "window_size" not in inspect.signature(varlen_attn).parameters:
+        return False
+    key = (str(torch.device(device)), dtype)
+    if key not in _TORCH_VARLEN:
+        try:
+            ok, why = check(torch.device(device), dtype), "it disagreed with the portable path"
+        except Exception as e:  # (a missing kernel, an unsupported GPU: RuntimeError, NotImplementedError, ...)
+            ok, why = False, (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if not ok:
+            warnings.warn(f"packed attention: torch's varlen_attn failed its self-check on {device} ({why}); the "
+                          "trainer uses FlexAttention or the portable path", stacklevel=3)
+        _TORCH_VARLEN[key] = ok
+    return _TORCH_VARLEN[key]
 
 
 _GROUPED_MM: dict[tuple[str, torch.dtype, bool], bool] = {}
@@ -379,6 +413,7 @@ def reset() -> None:
     _INFO = None
     _FLEX_PAGED.clear()
     _TRITON_OK.clear()
+    _TORCH_VARLEN.clear()
 
 
 def _other_accelerator() -> str | None:

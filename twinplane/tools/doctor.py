@@ -60,13 +60,17 @@ def sandbox_report() -> dict:
 
 def training_report(info: platform.PlatformInfo) -> dict:
     """What the training plane picks here with its "auto" settings (`train.compile`, `train.logprob_chunk_tokens`,
-    the log-softmax after the LM head: on a GPU this runs its Triton self-check)."""
+    the log-softmax after the LM head: on a GPU this runs its Triton self-check; packed attention with shared
+    prompts at head dim 128: on a GPU this may run torch's varlen_attn self-check)."""
+    from twinplane.model.attention import torch_varlen_agrees
     from twinplane.train.chunked_logprobs import kernel_self_check
 
     device = info.device_type
     compute = platform.train_precision(torch.device(device), torch.float32).compute
     return {"compile": platform.compile_layers(device), "logprob_chunk_tokens": platform.logprob_chunk_tokens(device),
-            "logprob_kernels": platform.logprob_kernels(torch.device(device), compute, check=kernel_self_check)}
+            "logprob_kernels": platform.logprob_kernels(torch.device(device), compute, check=kernel_self_check),
+            "packed_attention": platform.varlen_backend(torch.device(device), compute, True, 128,
+                                                        check=torch_varlen_agrees)}
 
 
 def checkpoint_report(info: platform.PlatformInfo) -> dict:
@@ -205,6 +209,7 @@ def format_report(d: dict) -> str:
         f"          decode {r['graphs']} ({r['graphs_why']})",
         f"training  decoder layers {'compiled' if t['compile'] else 'eager'} (train.compile=auto), log-prob chunks of "
         f"{t['logprob_chunk_tokens']} tokens (train.logprob_chunk_tokens=0) through {t['logprob_kernels']} kernels",
+        f"          packed attention {t['packed_attention']} (sequences sharing their prompt)",
         f"checkpoint {c['bytes_per_param']} bytes/param (weights + AdamW moments): "
         f"{c['gb_per_billion_params_per_rank']:.1f} GB per 1B params per rank, sharded over {c['ranks']} training "
         f"rank(s) here (checkpoint.format=sharded writes 1/N from each of N ranks)",

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from twinplane.model import AttentionMetadata, Transformer
+from twinplane.model.attention import torch_varlen_agrees
 from twinplane.model.moe import RoutingState
 from twinplane.platform import platform
 from twinplane.train import fsdp
@@ -47,7 +48,9 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
         lengths, prefix, index, rows = layout or packed_layout(batch, share_prompts, routing)
         meta = AttentionMetadata.packed(lengths, dev, window=model.config.sliding_window, prefix=prefix,
                                         backend=platform.varlen_backend(dev, _compute_dtype(model), prefix is not None,
-                                                                        model.config.head_dim))
+                                                                        model.config.head_dim,
+                                                                        model.config.sliding_window is not None,
+                                                                        torch_varlen_agrees))
         ids, mask = batch.input_ids.flatten()[index.to(dev)][None], None  # [1, T]
         rows = rows.to(dev)
     else:
