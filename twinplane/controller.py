@@ -10,8 +10,9 @@ controller imports no algorithm module and has no algorithm-specific arguments.
 
 Asynchronous RL (`producer`, `cluster.max_staleness` >= 1): the step's groups come from a `producer.Producer`
 that keeps the engines generating, already scored and filtered, up to k policy versions stale; while the trainer
-works the engines run on (`Producer.overlap`). Old log-probs are then recomputed by the trainer, and the
-off-policy correction (`algo.is_*`, `algo.tis_cap`) weighs the rollout/trainer mismatch.
+works the engines run on (`Producer.overlap`). Old log-probs are then the trainer's (a separate forward, or with
+one update per batch its training forward's), and the off-policy correction (`algo.is_*`, `algo.tis_cap`) weighs
+the rollout/trainer mismatch.
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ class Controller:
         self.rollout_stats = EngineStats()  # the engines' counters for the samples of the current step
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
         self.mini_batches, self.recompute_old = mini_batches, recompute_old_logprobs
+        # One update per rollout batch: pi_old is the policy the update's own forward evaluates, so the trainer takes
+        # it from there (`Batch.old_is_current`), one forward fewer, unless something reads it before: the
+        # KL-in-reward term (and its metrics), or a band mask (it sets the loss's denominator).
+        self.old_in_update = (recompute_old_logprobs and mini_batches == 1 and not self.algo.cfg.kl_in_reward
+                              and self.algo.cfg.is_mask == "off")
         self.on_phase = on_phase
         self.peak_flops = peak_flops  # per device, for MFU; None (unknown device) reports MFU as null
         self.version = planes.weight_version
@@ -155,7 +161,9 @@ class Controller:
         if self.reference is not None:
             with timer("ref_logprob"):
                 batch.ref_logprobs = self.reference.logprobs(batch)
-        if self.recompute_old:
+        if self.old_in_update:
+            batch.old_is_current = True
+        elif self.recompute_old:
             with timer("old_logprob"):
                 batch.old_logprobs = self.trainer.logprobs(batch)
         values = None

@@ -1,6 +1,7 @@
 """The off-policy correction suite: weights and masks by hand, verl's `rollout_corr_helper` numbers reproduced by
 independent few-line references, the decoupled objective, the metrics, and their effect on a train step."""
 
+import copy
 import math
 
 import pytest
@@ -16,8 +17,15 @@ from twinplane.algos.off_policy import (
     masked_quantiles,
     sequence_is_weights,
 )
+from twinplane.cluster import LocalPlanes
 from twinplane.config import AlgoSection, ConfigError, TrainSection, load_config
-from twinplane.train import Trainer
+from twinplane.controller import Controller
+from twinplane.data.prompts import Prompt
+from twinplane.data.tasks import ALPHABET
+from twinplane.model.lora import apply_lora
+from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.tokenizer import build_char_tokenizer
+from twinplane.train import Reference, Trainer
 from twinplane.train.logprobs import response_logprobs
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1]]).float()  # row 2 has a gap
@@ -227,3 +235,97 @@ def test_bad_keys_are_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override.split())
     assert load_config(None, ["algo.is_mask=geometric", "algo.policy_loss=gmpo", "algo.loss_agg=token-sum"])
+
+
+# --- pi_old from the update's own forward (`Batch.old_is_current`) ------------------------------------------------
+
+def _updates(algo, current, lora_dropout=0.0):
+    """One step with pi_old from a separate scoring pass (`current` False) or from the step's own forward:
+    (metrics, updated weights, grads). Rollout log-probs are the model's plus noise, so the correction acts;
+    tool-masked responses, several micro-batches."""
+    model = tiny_model()
+    if lora_dropout:
+        apply_lora(model, 4, 8.0, lora_dropout)
+        with torch.no_grad():  # B = 0 at init: make the adapters (and their dropout) change the log-probs
+            for name, p in model.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    cfg = AlgoSection(kl_coef=0.1, entropy_coef=0.01, **algo)
+    trainer = Trainer(model, TrainSection(micro_batch_size=2, lr=1e-2, grad_clip=1.0), cfg, 1.0, 10, tis_cap=1.1)
+    trainer.opt.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
+    batch = make_batch(tiny_model(), n=7, tool_masks=True)
+    if current:
+        batch.old_is_current = True
+    else:
+        batch.old_logprobs = trainer.logprobs(batch)
+    torch.manual_seed(3)  # the dropout masks
+    metrics = trainer.train_step(batch)
+    params = dict(model.named_parameters())
+    grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+    return metrics, {n: p.detach() for n, p in params.items()}, grads
+
+
+@pytest.mark.parametrize("algo", [
+    dict(is_weight="token"),
+    dict(is_weight="sequence"),
+    dict(is_weight="icepop", is_low=0.9, is_high=1.1),
+    dict(is_weight="sequence", policy_loss="gspo", loss_agg="seq-mean-token-mean"),
+    dict(is_weight="token", is_mask="geometric", is_low=0.97, is_high=1.03),  # scored first: sets the denominator
+    dict(is_weight="token", lora_dropout=0.3),  # scored first: a forward with dropout is not the policy
+])
+def test_old_logprobs_from_the_update_equal_a_separate_forward(algo):
+    """With one update per batch pi_old is the policy the step's forwards evaluate: taking it from them (detached,
+    per micro-batch, the correction's metrics over the whole batch) gives the separate forward's loss, grads,
+    weights and metrics. (On the CPU they are in fact bitwise equal, the two forwards being one computation; the
+    tolerance leaves a scoring pass free to use other kernels than a training forward.)"""
+    algo = dict(algo)
+    dropout = algo.pop("lora_dropout", 0.0)
+    (want, w_params, w_grads), (got, g_params, g_grads) = (_updates(algo, c, dropout) for c in (False, True))
+    assert 0 < want["actor/tis_clip_frac"] < 1 or 0 < want["actor/tis_masked_frac"] < 1  # the correction acts
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert g_grads.keys() == w_grads.keys() and g_grads
+    for n in w_grads:
+        torch.testing.assert_close(g_grads[n], w_grads[n], rtol=1e-6, atol=1e-9, msg=n)
+    for n in w_params:
+        torch.testing.assert_close(g_params[n], w_params[n], rtol=1e-6, atol=1e-9, msg=n)
+
+
+class _Scorer:
+    last_verifier: list[float] = []
+
+    def __call__(self, completions, answers, prompts=None):
+        self.last_verifier = [float(i % 2) for i in range(len(completions))]  # rewards that differ in each group
+        return self.last_verifier, {}
+
+
+class _Recording(Trainer):
+    def train_step(self, batch):
+        self.seen.append(batch.old_is_current)
+        return super().train_step(batch)
+
+
+@pytest.mark.parametrize(("mini_batches", "recompute", "algo", "phase"), [
+    (1, True, {}, False),  # pi_old from the update's forward
+    (2, True, {}, True),  # the second mini-batch trains a moved policy
+    (1, True, {"kl_in_reward": True}, True),  # the reward reads pi_old before the update
+    (1, True, {"is_mask": "token"}, True),  # the band sets the loss's denominator
+    (1, False, {}, False),  # the ratio and nothing else against the engine's log-probs
+])
+def test_the_old_logprob_phase_runs_only_when_pi_old_is_read_before_the_update(mini_batches, recompute, algo, phase):
+    tok = build_char_tokenizer(ALPHABET)
+    model = tiny_model(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=16)
+    engine = RolloutEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, 64, seed=0)
+    cfg = AlgoSection(**algo)
+    trainer = _Recording(model, TrainSection(micro_batch_size=4), cfg, 1.0, 10, tis_cap=2.0)
+    trainer.seen = []
+    reference = Reference(copy.deepcopy(model), 1.0, 4) if cfg.kl_in_reward else None
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, n=2)
+    controller = Controller(LocalPlanes(engine, trainer, reference), _Scorer(), tok, sampling, mini_batches,
+                            recompute, algo=Algorithm(cfg, 4))
+    m = controller.step([Prompt(tok.encode(q), a, q) for q, a in (("12+34=", "46"), ("5+6=", "11"))])
+    assert ("time/old_logprob" in m) == phase
+    assert trainer.seen == [recompute and not phase] * mini_batches
+    assert ("actor/tis_weight_mean" in m) == recompute  # corrected either way

@@ -122,6 +122,57 @@ def test_dp2_off_policy_correction_equals_dp1(tmp_path):
         assert abs(got["metrics"][f"actor/{k}"] - want[f"actor/{k}"]) < 1e-5, k
 
 
+# pi_old from the update's own forward: sequence weights (whole rows per micro-batch), tool-masked rows.
+CURRENT = dict(kl_coef=0.1, entropy_coef=0.01, is_weight="sequence")
+
+
+def _current_worker(rank, world, tmp):
+    """One step with pi_old from each rank's own training forwards (`Batch.old_is_current`) and one with a
+    separate scoring pass first, on fresh copies of the model."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        local = split_for_rank(make_batch(tiny_model(), n=5, tool_masks=True), rank, world)
+        out = {}
+        for current in (True, False):
+            model = shard_model(tiny_model())
+            tr = trainer(model, 0.0, dist.group.WORLD, algo=AlgoSection(**CURRENT), tis_cap=1.1)
+            batch = dataclasses.replace(local, old_is_current=True) if current else \
+                dataclasses.replace(local, old_logprobs=tr.logprobs(local))
+            metrics = tr.train_step(batch)
+            out[current] = {"state": full_state_dict(model), "grads": full_grads(model), "metrics": metrics}
+        if rank == 0:
+            torch.save(out, f"{tmp}/current.pt")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    dist.barrier()
+    os._exit(0)
+
+
+def test_dp2_old_logprobs_from_the_update_equal_a_separate_forward_and_dp1(tmp_path):
+    """Each rank's micro-batches hold whole rows and the correction's metrics are reduced like the recomputed
+    ones: on 2 ranks the step equals the one with a separate forward (every metric, the per-rank ratio
+    quantiles included) and one process's (the quantiles, a mean of each rank's, left out)."""
+    spawn(_current_worker, (2, str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "current.pt")
+    model = tiny_model()
+    batch = dataclasses.replace(make_batch(tiny_model(), n=5, tool_masks=True), old_is_current=True)
+    want = trainer(model, 0.0, algo=AlgoSection(**CURRENT), tis_cap=1.1).train_step(batch)
+    assert 0 < want["actor/tis_clip_frac"] < 1
+    on, off = got[True], got[False]
+    assert set(on["metrics"]) == set(off["metrics"])
+    for k, v in off["metrics"].items():
+        assert on["metrics"][k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(on["grads"][name], off["grads"][name], atol=1e-9, rtol=1e-6, msg=name)
+        torch.testing.assert_close(on["grads"][name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(on["state"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
+    for k in (*METRICS, "tis_weight_mean", "tis_clip_frac", "tis_masked_frac"):
+        assert abs(on["metrics"][f"actor/{k}"] - want[f"actor/{k}"]) < 1e-5, k
+
+
 def test_dp2_moe_step_equals_dp1(tmp_path):
     """Experts sharded like any parameter; replay and the load/agreement metrics are global-batch quantities. (The
     aux loss is per micro-batch, as in Megatron, so it depends on how rows are split and is left out here.)"""

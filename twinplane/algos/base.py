@@ -87,16 +87,19 @@ class Algorithm:
         return normaliser(mask, self.cfg.loss_agg)
 
     def off_policy(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
-                   num_tokens: float, ranks: int = 1) -> tuple[torch.Tensor | None, torch.Tensor | None,
-                                                               dict[str, torch.Tensor]]:
+                   num_tokens: float | None = None, ranks: int = 1) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                                             dict[str, torch.Tensor]]:
         """(importance weights [N, R] or None, keep [N, R] bool or None, metrics' shares) of the off-policy
         correction `algo.is_weight` / `algo.is_mask` (`off_policy.correction`, truncation at `cap`) for a batch
         with behaviour log-probs `rollout_logprobs` and proximal `old_logprobs`; the trainer leaves the tokens
         outside `keep` out of the loss and weights the rest (the decoupled objective). Metrics as
-        `off_policy.correction_metrics` over the global batch's `num_tokens` and `ranks`."""
+        `off_policy.correction_metrics` over the global batch's `num_tokens` and `ranks` (none when `num_tokens` is
+        None: the weights of one micro-batch, whose metrics the trainer takes over the whole batch)."""
         a = self.cfg
         w, keep = correction(old_logprobs, rollout_logprobs, mask, weight=a.is_weight, keep=a.is_mask, cap=cap,
                              low=a.is_low, high=a.is_high)
+        if num_tokens is None:
+            return w, keep, {}
         return w, keep, correction_metrics(old_logprobs, rollout_logprobs, mask, w, keep, cap, num_tokens, ranks)
 
     def loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

@@ -305,7 +305,8 @@ class AlgoSection(Section):
     entropy_coef: float = opt(0.0, "entropy bonus weight", bounds=">= 0")
     recompute_old_logprobs: bool | None = opt(
         None, "score old log-probs with the trainer (the decoupled objective's proximal policy) instead of using the "
-        "engine's; unset: when they can differ (asynchronous RL, another rollout dtype)")
+        "engine's; unset: when they can differ (asynchronous RL, another rollout dtype). With train.mini_batches=1 "
+        "they are the training forward's own (no separate forward) unless kl_in_reward or is_mask needs them first")
     tis_cap: float = opt(2.0, "off-policy correction (cluster.max_staleness >= 1, is_sync, or rollout.backend=vllm "
         "with recompute_old_logprobs): cap of the importance weight pi_old / pi_rollout", bounds=">= 1")
     is_weight: ISWeight = opt("token", "off-policy correction's weight on r = pi_old / pi_rollout: token | sequence "

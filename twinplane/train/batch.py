@@ -41,6 +41,9 @@ class Batch:
     is_weights: torch.Tensor | None = None  # the off-policy correction's importance weights (the trainer's)
     # MoE: the engine's expert ids per token [N, P + R, M, k] (int16, -1 = none, e.g. padding), for replay
     routing: torch.Tensor | None = None
+    # pi_old is the trainer's current policy (one update per rollout batch): the trainer takes the old log-probs
+    # from its own training forward instead of a separate scoring pass (`Trainer.train_step`)
+    old_is_current: bool = False
 
     @classmethod
     def collate(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,

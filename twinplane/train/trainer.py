@@ -79,6 +79,8 @@ class Trainer:
         self.precision = platform.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
         self.chunk_tokens = platform.logprob_chunk_tokens(self.device, train.logprob_chunk_tokens)
         self._frozen_sums: dict[torch.dtype, dict[str, int]] = {}
+        # a training forward that draws dropout masks (LoRA dropout) is not the policy itself (`Batch.old_is_current`)
+        self.stochastic = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
     @property
     def config(self) -> ModelConfig:
@@ -136,18 +138,27 @@ class Trainer:
         micro-batch is the algorithm's (`algos.Algorithm.loss`), normalised by the global batch's denominator, so
         micro-batching and data parallelism change nothing.
 
-        The ratio's denominator is `old_logprobs` when recomputed, else the engine's `rollout_logprobs`.
+        The ratio's denominator is `old_logprobs` when recomputed, else the engine's `rollout_logprobs`. With
+        `batch.old_is_current` pi_old is the policy this step's forwards evaluate, so each micro-batch takes its old
+        log-probs from its own forward (detached) for the ratio and the correction, and the correction's metrics
+        are taken over the whole batch after the last one: as a separate scoring pass would give, one forward
+        fewer. A band mask (`algo.is_mask`) needs pi_old before the first micro-batch (it sets the loss's
+        denominator) and a forward with dropout is not the policy itself: both score pi_old first instead.
         Every token-level metric is a token mean over the whole batch; `actor/logprob_gap` compares the
         engine's log-probs with this forward pass (meaningful on the first mini-batch, before any update).
         With `tis_cap` and both old and rollout log-probs, the off-policy correction (`Algorithm.off_policy`:
         by default each token's loss weighted by min(pi_old / pi_rollout, tis_cap)) is made on the whole batch
         first: tokens it masks leave the loss and its denominator. Its metrics are `actor/tis_*`.
         """
-        self.model.train()
-        tis = self.tis_cap is not None and batch.old_logprobs is not None and batch.rollout_logprobs is not None
+        tis = self.tis_cap is not None and batch.rollout_logprobs is not None
+        if batch.old_is_current and (self.stochastic or (tis and self.algo.cfg.is_mask != "off")):
+            batch = replace(batch, old_logprobs=self.logprobs(batch), old_is_current=False)
+        current = batch.old_is_current
+        tis = tis and (current or batch.old_logprobs is not None)
         corrected = {}
-        if tis:
+        if tis and not current:
             batch, corrected = self._off_policy(batch)
+        self.model.train()
         num_tokens = max(self._global(batch.num_response_tokens), 1)  # for token-mean metrics
         norm = max(self._global(self.algo.normaliser(batch.response_mask)), 1)  # the loss's global denominator
         horizon = self.algo.horizon
@@ -160,7 +171,8 @@ class Trainer:
         mbs = device_micro_batches(batch, self.device, c.micro_batch_size, self.group, c.max_tokens_per_micro_batch,
                                    c.packing, share)
         shared = 0  # prompt tokens not recomputed (train.share_prompts), for the FLOP count
-        for _, mb, weight, layout, tokens in mbs:
+        olds = torch.zeros(batch.response_mask.shape, device=self.device) if current and tis else None  # pi_old
+        for rows, mb, weight, layout, tokens in mbs:
             rs = routing_state(mb, self.algo.cfg.routing_replay, c.packing, keep_logits=moe is not None)
             if layout is not None and weight:
                 shared += tokens - sum(layout.lengths)
@@ -169,8 +181,15 @@ class Trainer:
                                             chunk_tokens=self.chunk_tokens, routing=rs, layout=layout)
             m = mb.response_mask
             old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
+            is_weights = mb.is_weights
+            if current:  # whole rows: the sequence-level correction sees each sequence at once
+                old = lp.detach() * m
+                if tis:
+                    is_weights = self.algo.off_policy(old, mb.rollout_logprobs, m, self.tis_cap)[0]
+                    if weight:
+                        olds[rows.to(self.device), :old.shape[1]] = old
             loss, stats = self.algo.loss(lp, old, mb.advantages, m, entropy=ent, ref_logprobs=mb.ref_logprobs,
-                                         is_weights=mb.is_weights, norm=norm, num_tokens=num_tokens, horizon=horizon)
+                                         is_weights=is_weights, norm=norm, num_tokens=num_tokens, horizon=horizon)
             if moe is not None:  # load-balancing loss, weighted by the micro-batch's share of the step's tokens
                 share = weight * mb.num_response_tokens / num_tokens
                 loss = loss + c.router_aux_loss_coef * share * moe.aux_loss(rs, mb, share, c.packing)
@@ -179,6 +198,8 @@ class Trainer:
             (loss * weight).backward()
             for k, v in stats.items():  # kept on the device: no host sync between micro-batches
                 sums[k] = sums[k] + weight * torch.as_tensor(v).detach().to(self.device, torch.float64)
+        if olds is not None:  # the correction's metrics over this rank's batch (the quantiles need all of it)
+            sums |= self._off_policy(replace(batch, old_logprobs=olds))[1]
         lr = self.sched.get_last_lr()[0]  # the rate this update uses, read before the scheduler steps
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
                                   self.cfg.optimizer_offload, readback=False)
