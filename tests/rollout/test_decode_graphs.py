@@ -72,6 +72,7 @@ def rows_checked(monkeypatch, step=None):
                  *[self.pad_block] * (self.max_blocks - len(s.block_table))] for s in seqs]
         out = step(self, seqs, sp)
         assert seen.pop("rows") == want + [self.pad_row] * (size - len(seqs))
+        assert self.host[len(seqs):size, decode_graphs.LIVE].sum() == 0  # padding rows stay where they are
         staged = int(self.host[:len(seqs), decode_graphs.RESET].sum())
         counts["staged"] += staged
         counts["advanced"] += len(seqs) - staged
@@ -238,6 +239,7 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(keep_pool, monkeypa
     captures, capture = [], DecodeGraphs._capture
     monkeypatch.setattr(DecodeGraphs, "_capture",
                         lambda self, size, key: captures.append(size) or capture(self, size, key))
+    counts = rows_checked(monkeypatch)
     model, sp = tiny_model(), SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5)
     graphed, eager = engine(model, "cuda_graph", keep_pool=keep_pool), engine(model, "eager")
     want, first = eager.generate(PROMPTS, sp), None
@@ -259,6 +261,7 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(keep_pool, monkeypa
         else:
             assert graphed.decoder is None and graphed.kv is None
     assert isinstance(graphed.warmth.stream, FakeStream) and graphed.warmth.stream is not main
+    assert counts["advanced"] > counts["staged"] > 0  # most rows continue on the device between steps
 
 
 # --- GPUs: the captured graphs ----------------------------------------------------------------------------------

@@ -121,9 +121,8 @@ class DecodeGraphs:
         if dev.type == "cuda":
             self.host = self.host.pin_memory()
         self.cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one query each
-        # per row, what the device will hold after the step in flight: [sequence, position, its block table (the
-        # list, its length, its last block), token] (a list kept alive, so its identity is not reused), _PAD,
-        # or None (unknown: rewritten by the next step)
+        # per row, what the device holds for the next step: [sequence, position, its block table (the list, its
+        # length, its last block), token] (the sequence kept alive, so its identity is not reused), or _PAD
         self._expect: list = [_PAD] * rows
         self._banned: dict[tuple[int, ...], torch.Tensor] = {}  # stop ids -> tensor (made outside any capture)
         self.graphs: dict[tuple[int, tuple], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -163,8 +162,8 @@ class DecodeGraphs:
             # The block manager appends to a table, replaces its last block (copy-on-write) or gives the
             # sequence a new list (freed): the same list, length and last block mean the same table.
             e = expect[i]
-            if (e is not None and e is not _PAD and e[0] is seq and e[1] == p and e[2] is table
-                    and e[3] == len(table) and e[4] == table[-1] and e[5] == seq.tokens[p]):
+            if (e is not _PAD and e[0] is seq and e[1] == p and e[2] is table and e[3] == len(table)
+                    and e[4] == table[-1] and e[5] == seq.tokens[p]):
                 host[i, RESET] = 0  # the device's update made this row
             else:
                 host[i, RESET] = host[i, LIVE] = 1
@@ -244,8 +243,8 @@ class DecodeGraphs:
         """Capture the step of bucket `size` with the sampler `key` (rows all padding meanwhile: the warm-up runs
         are real and must write into the reserved block only). False, with a warning, when the capture fails."""
         dev, shape = self.inputs.device, (size, self.max_blocks, key)
-        pad = torch.tensor([[1, 0, 0, 0, *self.pad_row]] * size, dtype=torch.long)
-        self.staged[:size].copy_(pad)
+        self.host[:size] = torch.tensor([[1, 0, 0, 0, *self.pad_row]] * size, dtype=torch.long)  # reset, not live
+        self.staged[:size].copy_(self.host[:size])
         self._expect[:size] = [_PAD] * size  # (the device rows are padding rows after these runs)
         try:
             if self.pool is None:
