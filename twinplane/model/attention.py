@@ -329,57 +329,48 @@ def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attent
     2.10): flash-attn's kernel without the flash-attn package. Shared prefixes: a continuing segment's keys are its
     parent's then its own (key offsets apart from the query offsets), and the kernel's causal mask aligns a
     segment's last query with its last key (bottom-right, as flash-attn's), so its queries see the whole parent,
-    then their own tokens causally (the window counted over both, as positions are)."""
-    cu_q, cu_k, max_q, max_k, keys = varlen_keys(meta)
+    then their own tokens causally (the window counted over both, as positions are). Either of `varlen_attn`'s
+    signatures: torch 2.10's (`is_causal`, equal head counts: k/v heads repeated for GQA, no sliding window) or the
+    later one (`window_size`, `enable_gqa`)."""
+    cu_q, cu_k, max_q, max_k, keys, attn, params = varlen_keys(meta)
     x, kk, vv = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], [T, H_kv, D]
     if keys is not None:
         kk, vv = kk.index_select(0, keys), vv.index_select(0, keys)  # [T_k, H_kv, D]
-    return varlen_call(x, kk, vv, cu_q, cu_k, max_q, max_k, meta.window).transpose(0, 1)[None]
+    kw = {}
+    if kk.shape[1] != x.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            kk, vv = (t.repeat_interleave(x.shape[1] // kk.shape[1], dim=1) for t in (kk, vv))
+    if "window_size" in params:
+        kw["window_size"] = (-1 if meta.window is None else meta.window - 1, 0)
+    elif meta.window is not None:
+        raise ValueError("this torch's varlen_attn has no sliding window: use flex or sdpa")
+    else:
+        kw["is_causal"] = True
+    return attn(x, kk, vv, cu_q, cu_k, max_q, max_k, **kw).transpose(0, 1)[None]
 
 
 def varlen_keys(meta: AttentionMetadata):
-    """`torch_varlen`'s layout, made once per forward from one host read of `cu_seqlens`: query and key offsets
-    (int32, on the device), the longest query and key segments, and the key rows to gather (None without shared
-    prefixes: the keys are the queries' rows)."""
+    """`torch_varlen`'s layout, made once per forward from one host read of `cu_seqlens` (before compiled layers
+    run): query and key offsets (int32, on the device), the longest query and key segments, the key rows to gather
+    (None without shared prefixes: the keys are the queries' rows), and `varlen_attn` with its parameter names."""
     layout = meta.cache.get("torch_varlen")
     if layout is None:
+        from torch.nn.attention.varlen import varlen_attn
+
         dev, cu = meta.cu_seqlens.device, meta.cu_seqlens.tolist()
         lens = [b - a for a, b in zip(cu, cu[1:], strict=False)]
-        keys = None
-        if meta.prefix is None:
-            cu_k, key_lens = meta.cu_seqlens, lens
-        else:
+        cu_k, key_lens, keys = meta.cu_seqlens, lens, None
+        if meta.prefix is not None:
             rows = [r for s, p in enumerate(meta.prefix) for r in
                     (*(range(cu[p], cu[p + 1]) if p >= 0 else ()), *range(cu[s], cu[s + 1]))]
             key_lens = [n + (lens[p] if p >= 0 else 0) for n, p in zip(lens, meta.prefix, strict=True)]
             cu_k = torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32).to(dev)
             keys = torch.tensor(rows).to(dev)
-        layout = meta.cache["torch_varlen"] = (meta.cu_seqlens.to(torch.int32), cu_k.to(torch.int32), max(lens),
-                                               max(key_lens), keys)
+        layout = meta.cache["torch_varlen"] = (meta.cu_seqlens, cu_k, max(lens), max(key_lens), keys, varlen_attn,
+                                               frozenset(inspect.signature(varlen_attn).parameters))
     return layout
-
-
-def varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                max_q: int, max_k: int, window: int | None) -> torch.Tensor:
-    """`varlen_attn` causal over q [T, H, D], k/v [T_k, H_kv, D] -> [T, H, D], on either of its signatures: torch
-    2.10's (`is_causal`, equal head counts: k/v heads repeated for GQA, no sliding window) or the later one
-    (`window_size`, `enable_gqa`)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kw = {}
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    if "window_size" in params:
-        kw["window_size"] = (-1 if window is None else window - 1, 0)
-    elif window is not None:
-        raise ValueError("this torch's varlen_attn has no sliding window: use flex or sdpa")
-    else:
-        kw["is_causal"] = True
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
 def torch_varlen_agrees(device: torch.device, dtype: torch.dtype) -> bool:
@@ -401,7 +392,7 @@ def torch_varlen_agrees(device: torch.device, dtype: torch.dtype) -> bool:
 VARLEN_BACKENDS = {"sdpa": sdpa_varlen, "flex": flex_varlen, "flash_attn": flash_attn_varlen,
                    "torch_varlen": torch_varlen}
 # per forward, what a backend derives from the layout with a host read: made before compiled layers run
-VARLEN_PREPARE = {"sdpa": lambda meta: varlen_plan(meta), "flex": flex_block_mask, "torch_varlen": varlen_keys}
+VARLEN_PREPARE = {"sdpa": varlen_plan, "flex": flex_block_mask, "torch_varlen": varlen_keys}
 
 
 def build_mask(q_pos, k_pos, k_valid, self_index, window: int | None) -> torch.Tensor:

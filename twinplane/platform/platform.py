@@ -270,17 +270,25 @@ def torch_varlen_ok(device: torch.device, dtype: torch.dtype, window: bool, chec
         return False
     if window and "window_size" not in inspect.signature(varlen_attn).parameters:
         return False
-    key = (str(torch.device(device)), dtype)
-    if key not in _TORCH_VARLEN:
+    return _self_checked(_TORCH_VARLEN, (str(torch.device(device)), dtype),
+                         lambda: check(torch.device(device), dtype),
+                         f"packed attention: torch's varlen_attn failed its self-check on {device} ({{why}}); the "
+                         "trainer uses FlexAttention or the portable path")
+
+
+def _self_checked(cache: dict, key, check: Callable[[], bool], failed: str) -> bool:
+    """`check()`, run once per `key` and remembered in `cache`: whether a fast path agreed with the portable one.
+    One that raises (a missing kernel, a failed compile: many exception types) or disagrees warns once, `failed`
+    with `{why}` filled in."""
+    if key not in cache:
         try:
-            ok, why = check(torch.device(device), dtype), "it disagreed with the portable path"
-        except Exception as e:  # (a missing kernel, an unsupported GPU: RuntimeError, NotImplementedError, ...)
+            ok, why = check(), "it disagreed with the portable path"
+        except Exception as e:
             ok, why = False, (str(e).strip().splitlines() or [type(e).__name__])[0]
         if not ok:
-            warnings.warn(f"packed attention: torch's varlen_attn failed its self-check on {device} ({why}); the "
-                          "trainer uses FlexAttention or the portable path", stacklevel=3)
-        _TORCH_VARLEN[key] = ok
-    return _TORCH_VARLEN[key]
+            warnings.warn(failed.format(why=why), stacklevel=4)
+        cache[key] = ok
+    return cache[key]
 
 
 _GROUPED_MM: dict[tuple[str, torch.dtype, bool], bool] = {}
@@ -665,17 +673,9 @@ def flex_paged_ok(device: torch.device, dtype: torch.dtype, check: FlexCheck) ->
     decode through flex and through the portable path (twinplane.rollout.paged_attention.flex_decode_agrees). Flex's
     kernels are generated and compiled for each GPU, and this path is not tested on every one; if the check
     raises or the two disagree, one warning, and the engine uses the portable path."""
-    key = (str(device), dtype)
-    if key not in _FLEX_PAGED:
-        try:
-            ok, why = check(device, dtype, FLEX_PAGE_SIZE), "it disagreed with the portable path"
-        except Exception as e:  # a failed compile raises many types (inductor's, triton's, ValueError, ...)
-            ok, why = False, (str(e).strip().splitlines() or [type(e).__name__])[0]
-        if not ok:
-            warnings.warn(f"paged attention: FlexAttention failed its self-check on {device} ({why}); the rollout "
-                          "engine uses the portable gather + SDPA path", stacklevel=3)
-        _FLEX_PAGED[key] = ok
-    return _FLEX_PAGED[key]
+    return _self_checked(_FLEX_PAGED, (str(device), dtype), lambda: check(device, dtype, FLEX_PAGE_SIZE),
+                         f"paged attention: FlexAttention failed its self-check on {device} ({{why}}); the rollout "
+                         "engine uses the portable gather + SDPA path")
 
 
 def kv_cache_budget(device: torch.device, kv_cache_bytes: int, gpu_memory_utilization: float, held: int = 0) -> int:
