@@ -120,7 +120,8 @@ class Roofline:
     """Times each engine step (each ends in a host read of the sampled tokens, so host time is device time) and
     the bytes a decode-only step must read: every weight once (the input embedding's rows aside) and the k/v of
     every context token of every sequence. Also times, with a device sync around each, the phases inside a step
-    (sampling, graph captures) and the scheduler, so a slow run says where its time went."""
+    (sampling in eager steps: a graphed step samples inside its graph; graph captures) and the scheduler, so a slow
+    run says where its time went."""
 
     def __init__(self, engine: RolloutEngine):
         from twinplane.rollout import graphs
