@@ -88,8 +88,8 @@ def test_a_checkpoint_holds_partial_rollouts_with_each_tokens_version(reference)
         assert state["weight_version"] - s["versions"][0] <= 2 if s["versions"] else True
 
 
-POINTS = random.Random(0).sample([f"{phase}@{step}" for phase in ("rollout", "old_logprob", "train", "weight_sync",
-                                                                     "checkpoint") for step in range(2, 6)], 4)
+POINTS = random.Random(0).sample([f"{phase}@{step}" for phase in ("rollout", "train", "weight_sync", "checkpoint")
+                                  for step in range(2, 6)], 4)
 
 
 @pytest.mark.slow
