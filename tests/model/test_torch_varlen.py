@@ -48,9 +48,9 @@ def old_signature(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal
     return brute_force(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0 if is_causal else -1))
 
 
-def qkv(T, heads=(4, 2, 2), seed=0):
+def qkv(T, heads=(4, 2, 2), seed=0, D=8):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, h, T, 8, generator=g, dtype=torch.float64).requires_grad_() for h in heads]
+    return [torch.randn(1, h, T, D, generator=g, dtype=torch.float64).requires_grad_() for h in heads]
 
 
 CASES = [([9, 1, 16, 5], None, None), ([9, 1, 16, 5], [-1, 0, 0, -1], None), ([7, 3, 4, 12, 2], [-1, 0, 0, -1, 3], 4),
@@ -159,7 +159,7 @@ def test_torch_varlen_on_gpu_equals_the_portable_path(window):
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("flash attention needs sm80+")
     lengths, prefix = [50, 7, 130, 1, 64], [-1, 0, 0, -1, 3]
-    q, k, v = (x.detach().cuda().to(torch.bfloat16).requires_grad_() for x in qkv(sum(lengths)))
+    q, k, v = (x.detach().cuda().to(torch.bfloat16).requires_grad_() for x in qkv(sum(lengths), D=64))
     meta = AttentionMetadata.packed(lengths, "cuda", window=window, prefix=prefix)
     want = sdpa_varlen(q, k, v, AttentionMetadata.packed(lengths, "cuda", window=window, prefix=prefix))
     got = torch_varlen(q, k, v, meta)
