@@ -125,6 +125,7 @@ class DecodeGraphs:
         # length, its last block), token] (the sequence kept alive, so its identity is not reused), or _PAD
         self._expect: list = [_PAD] * rows
         self._banned: dict[tuple[int, ...], torch.Tensor] = {}  # stop ids -> tensor (made outside any capture)
+        self._sampler: tuple = (None, None, None)  # the last (sampling fields, stop ids, `sampling_key`)
         self.graphs: dict[tuple[int, tuple], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # the graphs' shared memory pool (cuda_graph mode)
         self.steps = 0  # decode steps run here
@@ -150,9 +151,7 @@ class DecodeGraphs:
         (tokens, their policy log-probs), read back once; None when a capture failed (nothing was run or drawn;
         the caller runs the step eagerly)."""
         n, bs = len(seqs), self.block_size
-        size, key = self.bucket(n), sampling_key(sp, seqs[0].stop_ids)
-        if key[3] and key[3] not in self._banned:
-            self._banned[key[3]] = torch.tensor(key[3], device=self.inputs.device)
+        size, key = self.bucket(n), self._sampling_key(sp, seqs[0].stop_ids)
         if self.mode == "cuda_graph" and (size, key) not in self.graphs and not self._capture(size, key):
             return None
         host, expect, early = self.host.numpy(), self._expect, bool(key[3])
@@ -196,6 +195,17 @@ class DecodeGraphs:
         for i, t in enumerate(tokens):
             expect[i][5] = t
         return tokens, logprobs
+
+    def _sampling_key(self, sp: SamplingParams, stop_ids: frozenset[int]) -> tuple:
+        """`sampling_key`, worked out again only when the sampling fields or the stop-id set change (not in every
+        step: the stop ids can be hundreds), its stop-id tensor made then, outside any capture."""
+        fields = sp.temperature, sp.top_k, sp.top_p, sp.min_new_tokens
+        if fields != self._sampler[0] or stop_ids is not self._sampler[1]:
+            key = sampling_key(sp, stop_ids)
+            if key[3] and key[3] not in self._banned:
+                self._banned[key[3]] = torch.tensor(key[3], device=self.inputs.device)
+            self._sampler = fields, stop_ids, key
+        return self._sampler[2]
 
     @torch.no_grad()  # (the Triton kernels' module variants run their kernels only without autograd)
     def run(self, size: int, key: tuple) -> torch.Tensor:
