@@ -117,11 +117,13 @@ def run_twinplane(engine, prompts, args, seed: int, temperature: float = 1.0, ne
 
 
 class Roofline:
-    """Times each engine step (each ends in a host read of the sampled tokens, so host time is device time) and
-    the bytes a decode-only step must read: every weight once (the input embedding's rows aside) and the k/v of
-    every context token of every sequence. Also times, with a device sync around each, the phases inside a step
-    (sampling in eager steps: a graphed step samples inside its graph; graph captures) and the scheduler, so a slow
-    run says where its time went."""
+    """Times each engine step and the bytes a decode-only step must read: every weight once (the input
+    embedding's rows aside) and the k/v of every context token of every sequence. A step is one `engine_step`
+    call: it runs one step and reads back its tokens or, with decode graphs running ahead, launches one step and
+    reads back the one before it, so over a run of decode steps the time per call is the time per step. Also
+    times, with a device sync around each, the phases outside the steps run ahead (sampling in eager steps: a
+    graphed step samples inside its graph; graph captures; the ordinary scheduler), so a slow run says where its
+    time went."""
 
     def __init__(self, engine: RolloutEngine):
         from twinplane.rollout import graphs
@@ -134,20 +136,21 @@ class Roofline:
         self.kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
         self.steps: list[tuple[int, int, float]] = []  # decode-only steps: (sequences, context tokens, seconds)
         self.phases: dict[str, float] = {}
-        step = engine._step
+        step = engine.engine_step
 
-        def timed(batch, sched, sp):
-            decode_only = batch.num_decodes == len(batch)
-            context = sum(s.num_computed + 1 for s in batch.seqs)
+        def timed(sched, sp, *rest):
+            st = engine.stats
+            before = st.steps, st.running_sum, st.prefill_tokens
+            context = sum(s.num_computed + 1 for s in sched.running)
             t0 = time.perf_counter()
-            out = step(batch, sched, sp)
+            out = step(sched, sp, *rest)
             dt = time.perf_counter() - t0
             self.phases["steps"] = self.phases.get("steps", 0.0) + dt
-            if decode_only:
-                self.steps.append((len(batch), context, dt))
+            if st.steps > before[0] and st.prefill_tokens == before[2]:  # a decode-only step ran
+                self.steps.append((st.running_sum - before[1], context, dt))
             return out
 
-        engine._step = timed
+        engine.engine_step = timed
         engine._sample = self.phase(engine._sample, "sample", engine.device)
         for obj, name in ((graphs.DecodeGraphs, "_capture"), (Scheduler, "schedule")):
             if not hasattr(getattr(obj, name), "timed"):  # (class methods: wrap once, for every engine)
@@ -242,15 +245,15 @@ def kernel_profile(engine, prompts, args, steps: int) -> str:
 
     gpu = engine.device.type == "cuda"
     seen = {"all": 0, "profiled": 0}
-    step = engine._step
+    step = engine.engine_step
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
 
-    def counted(batch, sched, sp):
+    def counted(sched, sp, *rest):
         seen["all"] += 1
-        record = seen["all"] > PROFILE_AFTER and seen["profiled"] < steps and batch.num_decodes == len(batch)
+        record = seen["all"] > PROFILE_AFTER and seen["profiled"] < steps and not sched.waiting
         if record and seen["profiled"] == 0:
-            prof.start()  # recording starts at the first decode-only step after PROFILE_AFTER
-        out = step(batch, sched, sp)
+            prof.start()  # recording starts after PROFILE_AFTER steps, once every sequence is in (decodes only)
+        out = step(sched, sp, *rest)
         if record:
             seen["profiled"] += 1
             if seen["profiled"] == steps:
@@ -258,11 +261,11 @@ def kernel_profile(engine, prompts, args, steps: int) -> str:
                 prof.stop()
         return out
 
-    engine._step = counted
+    engine.engine_step = counted
     try:
         run_twinplane(engine, prompts, args, seed=0, new_tokens=min(args.new_tokens, 256))
     finally:
-        engine._step = step
+        del engine.engine_step
     if not seen["profiled"]:
         return "no decode-only step to profile (the generate ended first)"
     sort = "self_device_time_total" if gpu else "self_cpu_time_total"

@@ -246,17 +246,18 @@ def decode_setup(a, device, dtype, kernels: str = "auto"):
 def fill_rows(dg, n: int, context: int, vocab: int) -> None:
     """Staged rows of `n` sequences decoding their token at position context - 1, each over blocks of its own: each
     step starts from them again (the state reset), samples with the uniform 0.5, and advances the rows."""
-    from twinplane.rollout.graphs import STATE
+    from twinplane.rollout.graphs import LIVE, RESET, RETABLE, SRC, STATE, UNIFORM
 
-    bs, per_seq, p = dg.block_size, dg.max_blocks, context - 1
+    per_seq, p = dg.max_blocks, context - 1
     g = torch.Generator().manual_seed(n)
-    half = torch.tensor([0.5], dtype=torch.float64).view(torch.long).item()
-    rows = []
-    for i in range(n):
-        table = list(range(i * per_seq, (i + 1) * per_seq))
-        rows.append([1, 1, 0, half, int(torch.randint(vocab, (1,), generator=g)), p, table[p // bs] * bs + p % bs,
-                     context, *table])
-    dg.staged[:n, :STATE + 4 + per_seq].copy_(torch.tensor(rows, dtype=torch.long))
+    rows = torch.zeros(n, STATE + 4 + per_seq, dtype=torch.long)
+    rows[:, RESET] = rows[:, LIVE] = rows[:, RETABLE] = 1
+    rows[:, UNIFORM] = torch.tensor([0.5], dtype=torch.float64).view(torch.long).item()
+    rows[:, SRC] = torch.arange(n)
+    rows[:, STATE:STATE + 4] = torch.tensor([0, p, 0, context])  # (token below; the slot: from the table)
+    rows[:, STATE] = torch.randint(vocab, (n,), generator=g)
+    rows[:, STATE + 4:] = torch.arange(n * per_seq).view(n, per_seq)
+    dg.staged[:n].copy_(rows)
 
 
 def decode_section(a, device, dtype, bw: float, kernels: str = "auto") -> dict:
@@ -465,10 +466,10 @@ def engine_section(a, device, dtype, bw: float) -> dict:
     captures = {"n": 0, "seconds": 0.0}
     capture = DecodeGraphs._capture
 
-    def counted(self, size):
+    def counted(self, *args):
         sync(device)
         t = time.perf_counter()
-        ok = capture(self, size)
+        ok = capture(self, *args)
         sync(device)
         captures["n"] += 1
         captures["seconds"] += time.perf_counter() - t

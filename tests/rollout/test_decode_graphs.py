@@ -54,32 +54,45 @@ def test_static_seeded_sampling_equals_eager(sp):
     assert len({tuple(s.token_ids) for s in got}) > 4  # sampled, not one sequence repeated
 
 
-def rows_checked(monkeypatch, step=None):
-    """`DecodeGraphs.step` (or `step`, a wrapper of it), checking that the rows the forward reads are those built
-    afresh from the sequences (token, position, slot, context length, block table padded with the reserved block;
-    padding rows after), whether the host staged a row or the device advanced it. Returns the counts of rows
-    staged and of rows advanced on the device."""
-    seen, counts, forward, step = {}, {"staged": 0, "advanced": 0}, DecodeGraphs.forward, step or DecodeGraphs.step
+def rows_checked(monkeypatch, launch=None):
+    """`DecodeGraphs.launch` (or `launch`, a wrapper of it), checking that the rows the forward reads are those
+    built afresh from the sequences (token, position, slot, context length, block table padded with the reserved
+    block; padding rows after), whether the host staged a row or the device advanced it. The token of a step
+    launched ahead is known on the host only after the step before it is read back: the rows are checked when the
+    step is (`finish`). Returns the counts of rows staged, rows advanced on the device and steps launched ahead."""
+    seen, counts, forward = {}, {"staged": 0, "advanced": 0, "ahead": 0}, DecodeGraphs.forward
+    launch, finish, launched = launch or DecodeGraphs.launch, DecodeGraphs.finish, {}
 
     def read(self, size):
         seen["rows"] = self.inputs[:size].tolist()
         return forward(self, size)
 
-    def checked(self, seqs, sp):
-        bs, size = self.block_size, self.bucket(len(seqs))
-        want = [[s.tokens[s.num_computed], s.num_computed, s.block_table[s.num_computed // bs] * bs +
-                 s.num_computed % bs, s.num_computed + 1, *s.block_table,
-                 *[self.pad_block] * (self.max_blocks - len(s.block_table))] for s in seqs]
-        out = step(self, seqs, sp)
-        assert seen.pop("rows") == want + [self.pad_row] * (size - len(seqs))
-        assert self.host[len(seqs):size, decode_graphs.LIVE].sum() == 0  # padding rows stay where they are
-        staged = int(self.host[:len(seqs), decode_graphs.RESET].sum())
+    def checked_launch(self, seqs, sp, ahead=False):
+        before = [(s, s.num_computed, list(s.block_table)) for s in seqs]
+        step = launch(self, seqs, sp, ahead)
+        if step is None:
+            return None
+        size, host = self.bucket(len(seqs)), self.host[step.buffer]
+        assert host[len(seqs):size, decode_graphs.LIVE].sum() == 0  # padding rows stay where they are
+        staged = int(host[:len(seqs), decode_graphs.RESET].sum())
         counts["staged"] += staged
         counts["advanced"] += len(seqs) - staged
+        counts["ahead"] += ahead
+        launched[id(step)] = before, seen.pop("rows"), size
+        return step
+
+    def checked_finish(self, step):
+        out = finish(self, step)
+        before, rows, size = launched.pop(id(step))
+        bs, pad = self.block_size, self.pad_block
+        want = [[s.tokens[p], p, table[p // bs] * bs + p % bs, p + 1, *table, *[pad] * (self.max_blocks - len(table))]
+                for s, p, table in before]
+        assert rows == want + [self.pad_row] * (size - len(before))
         return out
 
     monkeypatch.setattr(DecodeGraphs, "forward", read)
-    monkeypatch.setattr(DecodeGraphs, "step", checked)
+    monkeypatch.setattr(DecodeGraphs, "launch", checked_launch)
+    monkeypatch.setattr(DecodeGraphs, "finish", checked_finish)
     return counts
 
 
@@ -105,14 +118,14 @@ def test_static_and_eager_steps_mixed_with_preemption_and_chunked_prefill(monkey
 def test_padding_rows_write_only_the_reserved_block(monkeypatch):
     model = tiny_model()
     e = engine(model)
-    step, seen = DecodeGraphs.step, []
+    launch, seen = DecodeGraphs.launch, []
 
-    def checked(self, seqs, sp):
+    def checked(self, seqs, sp, ahead=False):
         bs, pad = self.block_size, self.pad_block
         assert all(pad not in s.block_table for s in seqs)
         written = {s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in seqs}
         before = self.kv.k.clone(), self.kv.v.clone()
-        out = step(self, seqs, sp)
+        out = launch(self, seqs, sp, ahead)
         changed = ((self.kv.k != before[0]).flatten(3).any(-1) | (self.kv.v != before[1]).flatten(3).any(-1))
         changed = set(changed.any(0).flatten().nonzero().flatten().tolist())  # pool slots written in any layer
         assert changed - written <= set(range(pad * bs, (pad + 1) * bs))  # nothing else but the padding block
@@ -124,6 +137,91 @@ def test_padding_rows_write_only_the_reserved_block(monkeypatch):
         e.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=1))
     assert any(n < size for n, size, _ in seen)  # some steps had padding rows
     assert all(ok for _, _, ok in seen)  # and every real row's k/v landed in its own slot
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0, max_new_tokens=24, n=3, seed=2),
+                                SamplingParams(temperature=0.8, max_new_tokens=20, n=2, min_new_tokens=5, seed=6),
+                                SamplingParams(temperature=0, max_new_tokens=16, n=2)])
+def test_steps_run_ahead_give_the_samples_of_steps_read_back_one_by_one(sp, monkeypatch):
+    """Run ahead, each decode step is launched before the one before it is read back: sequences that stopped in
+    that step waste a row (dropped), the ones whose last token it was sit the step out. Samples, log-probs and the
+    counters equal those of an engine that reads every step back (and the eager engine's), the rows each step
+    read are the sequences' own, and a sequence's wasted row draws nothing it would have used."""
+    counts, dropped, current = rows_checked(monkeypatch), [], decode_graphs.Launched.current
+
+    def counted(self, i, seq):
+        ok = current(self, i, seq)
+        dropped.extend([] if ok else [seq])
+        return ok
+
+    monkeypatch.setattr(decode_graphs.Launched, "current", counted)
+    model, caps = tiny_model(), [sp.max_new_tokens, 3, sp.max_new_tokens - 5, 7]  # (caps: lengths differ)
+    ahead, step_by_step = engine(model), engine(model, run_ahead=False)
+    got = ahead.generate(PROMPTS, sp, caps)
+    assert_same(got, step_by_step.generate(PROMPTS, sp, caps))  # (a wasted row can change a bucket: GEMM rounding)
+    assert_same(got, engine(model, "eager").generate(PROMPTS, sp, caps))
+    a, b = ahead.pop_stats(), step_by_step.pop_stats()
+    assert a.ahead_steps > 5 and b.ahead_steps == 0 and counts["ahead"] == a.ahead_steps
+    assert a.decode_tokens == b.decode_tokens and a.steps >= b.steps  # (a last step ahead may find none going on)
+    if sp.temperature:
+        assert {s.finish_reason for s in got} == {"stop", "length"}
+        assert dropped  # rows of sequences that had just stopped
+    assert all(s.finish_reason == "stop" for s in dropped)  # a last token by length: the step ahead sat it out
+    assert ahead.blocks.num_free == ahead.blocks.num_blocks
+
+
+def test_steps_run_ahead_in_a_stream_of_rounds_and_weight_updates():
+    """An engine stream runs ahead within a round of engine steps and reads the last step back before the round
+    ends, so groups, tokens, log-probs and versions equal those of steps read back one by one, across rounds with
+    partial rollouts under new weights."""
+    from twinplane.rollout.sequence import sample_seed
+    from twinplane.rollout.stream import EngineStream, GroupRequest
+
+    sp, new = SamplingParams(temperature=1.0, max_new_tokens=16, n=2), tiny_model(seed=4)
+    runs = []
+    for run_ahead in (True, False):
+        e = engine(tiny_model(), run_ahead=run_ahead)
+        stream = EngineStream(e, sp, max_groups=8, max_prompt_len=16)
+        stream.add([GroupRequest(i, p, [sample_seed(5, i, j) for j in range(sp.n)]) for i, p in enumerate(PROMPTS)])
+        done = stream.advance(steps=4) + stream.advance(steps=3)
+        e.load_weights(new.named_parameters(), version=1)  # (the stream requeues what is in flight)
+        done += stream.advance(until_groups=1) + stream.advance()
+        runs.append(([s for g in done for s in g], e.pop_stats().ahead_steps))
+    (got, ahead_steps), (want, none) = runs
+    assert_same(got, want)
+    assert [s.versions for s in got] == [s.versions for s in want] and ahead_steps > 3 and none == 0
+    assert any(1 in s.versions and 0 in s.versions for s in got)  # partial rollouts continued under new weights
+
+
+def test_nothing_runs_ahead_of_a_tool_call():
+    """A sample that stops at a tool call goes on after the tool's output, drawing from its random stream: no step
+    runs ahead of it (its wasted row would have drawn a number), so samples equal steps read back one by one."""
+    import string
+
+    from twinplane.rollout import MultiTurnRollout
+    from twinplane.rollout.sequence import sample_seed
+    from twinplane.rollout.stream import EngineStream, GroupRequest
+    from twinplane.rollout.tools import build_tools
+    from twinplane.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(string.printable)
+    model, sp = tiny_model(vocab_size=tok.vocab_size), SamplingParams(temperature=1.0, max_new_tokens=40, n=3)
+    # the random model's favourite character ends a call, so calls happen
+    probe = engine(model, "eager", eos_token_id=tok.eos_token_id).generate([tok.encode("2+3=")], sp)
+    counts = torch.bincount(torch.tensor([t for s in probe for t in s.token_ids]), minlength=tok.vocab_size)
+    counts[tok.eos_token_id] = 0
+    call_end, runs = tok.decode([int(counts.argmax())], skip_special_tokens=False), []
+    for run_ahead in (True, False):
+        e = engine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, run_ahead=run_ahead)
+        turns = MultiTurnRollout(e, tok, build_tools(["calculator"]), max_turns=3, call_start="#", call_end=call_end)
+        stream = EngineStream(e, sp, max_groups=4, max_prompt_len=8, turns=turns)
+        stream.add([GroupRequest(i, tok.encode(p), [sample_seed(1, i, j) for j in range(3)])
+                    for i, p in enumerate(["2+3=", "hello", "x"])])
+        samples = [s for g in stream.advance() for s in g]
+        runs.append((samples, e.pop_stats()))
+    (got, a), (want, b) = runs
+    assert_same(got, want)
+    assert a.ahead_steps == 0 and a.graph_steps == b.graph_steps > 10 and any(s.num_tool_calls for s in got)
 
 
 def test_weight_sync_in_place_and_outputs_follow_the_new_weights():

@@ -166,6 +166,8 @@ class RolloutSection(Section):
         True, "decode steps as CUDA/HIP graphs at bucketed batch sizes where the device can (false = eager)")
     graph_max_batch: int = opt(0, "largest captured decode batch (0 = max_num_seqs); larger decode steps run eagerly",
         bounds="0..1024 (0 = max_num_seqs)")
+    run_ahead: bool = opt(True, "with decode graphs: launch each decode step before reading back the one before "
+                          "(the host's work overlaps the device's)")
     batch_invariant: bool = opt(False, "CPU fp32: every engine GEMM via oneDNN, whose rows do not depend on the batch")
     kernels: Literal["auto", "triton", "torch"] = opt(
         "auto", "decode-path kernels: auto (Triton on GPUs where its self-check passes) | triton | torch")

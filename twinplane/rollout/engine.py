@@ -63,10 +63,12 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     graph_steps: int = 0  # decode steps run from the static buffers (replayed graphs on GPUs)
+    ahead_steps: int = 0  # of those, launched before the step before them was read back (`run_ahead`)
     seconds: float = 0.0  # busy time (of the slowest engine, for data-parallel engines)
     seconds_min: float | None = None  # data-parallel engines: the least busy one's (their spread is load imbalance)
 
-    COUNTERS = ("steps", "running_sum", "preemptions", "prefill_tokens", "decode_tokens", "graph_steps")
+    COUNTERS = ("steps", "running_sum", "preemptions", "prefill_tokens", "decode_tokens", "graph_steps",
+                "ahead_steps")
 
     def __add__(self, later: EngineStats) -> EngineStats:
         """Two rollouts one after the other (DAPO's extra batches): everything adds up; the peak is the fuller."""
@@ -91,7 +93,7 @@ class EngineStats:
                                                     "rollout/engine_busy_s_min": self.seconds_min}
         return busy | {"rollout/kv_cache_usage_peak": self.usage_peak, "rollout/preemptions": self.preemptions,
                 "rollout/running_seqs_mean": self.running_sum / self.steps, "rollout/engine_steps": self.steps,
-                "rollout/engine_steps_graphed": self.graph_steps,
+                "rollout/engine_steps_graphed": self.graph_steps, "rollout/engine_steps_ahead": self.ahead_steps,
                 "perf/prefill_tokens_per_s": self.prefill_tokens / max(self.seconds, 1e-9),
                 "perf/decode_tokens_per_s": self.decode_tokens / max(self.seconds, 1e-9)}
 
@@ -101,7 +103,8 @@ class RolloutEngine:
                  max_num_seqs: int = 512, seed: int = 0, kv_cache_bytes: int = 0,
                  max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
                  record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 0,
-                 kernels: str = "auto", batch_invariant: bool = False, keep_pool: bool = True):
+                 kernels: str = "auto", batch_invariant: bool = False, keep_pool: bool = True,
+                 run_ahead: bool = True):
         """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
         `record_routing`: MoE, keep each token's experts per sparse layer in its sample; `graphs`: decode steps of
         up to `graph_max_batch` sequences (0 = max_num_seqs) as captured graphs where the platform can
@@ -112,7 +115,10 @@ class RolloutEngine:
         token). Attention is not covered: its masked padding to the step's longest context still rounds a row by
         the batch (~1e-7). Dense models without separate LoRA adapters (experts and rank-r adapters run
         `F.linear`). `keep_pool`: keep the KV pool and the decode graphs over it between calls (else `release`
-        after each: an engine sharing its device with a trainer, `platform.keep_kv_pool`)."""
+        after each: an engine sharing its device with a trainer, `platform.keep_kv_pool`). `run_ahead`: with
+        decode graphs, launch each decode step before reading back the one before it, so that the host's work
+        between steps (reading tokens back, stop checks, scheduling, staging) overlaps the device's (see
+        `engine_step`)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or graph_max_batch < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, graph_max_batch >= 0")
         self.model = model.eval().requires_grad_(False)
@@ -148,6 +154,8 @@ class RolloutEngine:
         self.kv: KVCache | None = None
         self.blocks: BlockManager | None = None
         self.decoder: decode_graphs.DecodeGraphs | None = None  # this call's static decode (None = all eager)
+        self.run_ahead = run_ahead
+        self._pending: tuple[decode_graphs.Launched, list[Seq]] | None = None  # a decode step not read back yet
         self.stats = EngineStats()
 
     @property
@@ -220,24 +228,71 @@ class RolloutEngine:
             while sched.has_work():
                 for seq in self.engine_step(sched, sampling):
                     done[seq.request_index, seq.sample_indices[0]] = seq.to_sample(self.weight_version)
+            for seq in self.flush(sched):  # (a last step run ahead: its sequences had all finished)
+                done[seq.request_index, seq.sample_indices[0]] = seq.to_sample(self.weight_version)
         finally:
             self.end_steps(sched, t0)
             if not self.keep_pool:
                 self.release()
         return [done[k] for k in sorted(done)]
 
-    def engine_step(self, sched: Scheduler, sampling: SamplingParams) -> list[Seq]:
-        """One scheduled forward and its sampling, counted; returns the sequences that finished."""
+    def engine_step(self, sched: Scheduler, sampling: SamplingParams, ahead: bool = True) -> list[Seq]:
+        """One scheduled forward and its sampling, counted; returns the sequences that finished.
+
+        With decode graphs and `run_ahead`, a decode step's tokens are read back in the next call, after that
+        call has launched its own step: the next decode of every running sequence, scheduled as if none had
+        stopped (`Scheduler.schedule_ahead`; the device already holds their tokens in its rows). So the device
+        runs one step while the host reads back and books the one before. A sequence that did stop wastes one
+        row of the step ahead (dropped when read back; its random stream is not used again, so samples do not
+        change). Where the schedule could differ (a sequence waiting, a preemption, a capture) the call reads
+        back first and schedules as usual. `ahead=False`: a finished sequence may go on (a tool's output is
+        appended), so nothing runs ahead of it."""
+        finished = []
+        if self._pending is not None:
+            batch = sched.schedule_ahead(self.decoder.max_blocks) if ahead else None
+            step = None
+            if batch is not None:
+                if batch.copies:
+                    self.kv.copy_blocks(batch.copies)
+                step = self.decoder.launch(batch.seqs, sampling, ahead=True)
+                if step is not None:  # (None: a capture is due; the blocks taken serve the step below)
+                    self._count(batch, sched)
+                    self.stats.ahead_steps += 1
+            finished = self._resolve(sched)
+            if step is not None:
+                self._pending = step, batch.seqs
+                return finished
+            if not sched.has_work():
+                return finished
         batch = sched.schedule()
+        self._count(batch, sched)
+        return finished + self._step(batch, sched, sampling)
+
+    def _count(self, batch: ScheduledBatch, sched: Scheduler) -> None:
         self.stats.steps += 1
         self.stats.running_sum += sched.num_running
         self.stats.usage_peak = max(self.stats.usage_peak, self.blocks.num_used / self.blocks.num_blocks)
         self.stats.decode_tokens += batch.num_decodes
         self.stats.prefill_tokens += sum(batch.num_tokens) - batch.num_decodes
-        return self._step(batch, sched, sampling)
+
+    def flush(self, sched: Scheduler) -> list[Seq]:
+        """Read back a decode step still in flight (`engine_step`); returns the sequences it finished."""
+        return [] if self._pending is None else self._resolve(sched)
+
+    def _resolve(self, sched: Scheduler) -> list[Seq]:
+        """Read back the step in flight and book its tokens: rows of sequences that stopped before it are
+        dropped (they are finished, or their blocks were released)."""
+        (step, seqs), self._pending = self._pending, None
+        tokens, logprobs = self.decoder.finish(step)
+        keep = [i for i, s in enumerate(seqs) if step.current(i, s)]
+        if len(keep) < len(seqs):
+            self.stats.decode_tokens -= len(seqs) - len(keep)
+            seqs, tokens, logprobs = [seqs[i] for i in keep], [tokens[i] for i in keep], [logprobs[i] for i in keep]
+        return self._take(seqs, tokens, logprobs, sched)
 
     def end_steps(self, sched: Scheduler, t0: float) -> None:
-        """After a run of `engine_step`s since `t0`: the counters, a broken capture."""
+        """After a run of `engine_step`s since `t0` (and `flush`): the counters, a broken capture."""
+        self._pending = None  # (left only by a failed step)
         self.stats.preemptions += sched.preemptions
         sched.preemptions = 0
         self.stats.seconds += time.perf_counter() - t0
@@ -305,9 +360,10 @@ class RolloutEngine:
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
         if self.decoder is not None and self.decoder.fits(batch):
-            chosen = self.decoder.step(batch.seqs, sp)  # None: a capture failed, the step runs eagerly below
-            if chosen is not None:
-                return self._take(batch.seqs, *chosen, sched)
+            step = self.decoder.launch(batch.seqs, sp)  # None: a capture failed, the step runs eagerly below
+            if step is not None:
+                self._pending = step, batch.seqs
+                return [] if self.run_ahead else self._resolve(sched)
         bs, dev, d = self.block_size, self.device, batch.num_decodes
         # The decodes (most rows of most steps) first, as whole lists: each runs its last token and is then ready.
         decodes = batch.seqs[:d]
@@ -462,4 +518,4 @@ def engine_options(rollout) -> dict:
             "kv_cache_bytes": int(rollout.kv_cache_gb * 2**30),
             "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing,
             "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch, "kernels": rollout.kernels,
-            "batch_invariant": rollout.batch_invariant}
+            "batch_invariant": rollout.batch_invariant, "run_ahead": rollout.run_ahead}

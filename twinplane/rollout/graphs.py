@@ -6,10 +6,14 @@ of a rollout's steps, and at small batches they are bound by kernel launches, no
 then by 32 up to `rollout.graph_max_batch`). One step is one graph: the forward (embedding, layers, final norm, LM
 head), the sampler (the token and its policy log-prob, as the engine's `_sample` chooses them from the same
 uniforms), and the update of each row to its next token on the device. Per step the host stages, in one
-asynchronous copy from pinned memory, each row's uniform and flags, and a new state row only for a row whose
-sequence did not simply continue (new in the batch, a new or copied block, anything else); it reads back [2, B]
-tokens and log-probs once. A row's state is one int64 row: token id, position, pool slot, context length, then its
-block table padded to a fixed width (the most blocks one sequence of the first `generate` call can hold). The
+asynchronous copy from pinned memory, each row's uniform and flags, the row the device holds its state in (rows
+move up as sequences leave the batch), a new block table where it changed, and a whole state row only for a
+sequence that did not simply continue (new in the batch, preempted, anything else); the tokens and log-probs come
+back in one asynchronous copy [2, B]. `launch` queues a step and `finish` waits for its tokens, so the engine can
+launch the next step before reading this one back (`RolloutEngine.engine_step`): the device then holds each
+sequence's last token before the host does. A row's state is one int64 row: token id, position, pool slot
+(worked out on the device from the table), context length, then its block table padded to a fixed width (the most
+blocks one sequence of the first `generate` call can hold). The
 forward reads only these buffers, with no host reads and no data-dependent shapes (`PagedKV.static`: attention's
 decode group spans the whole fixed-width table, masked by the context lengths on the device; the "flex" backend
 builds its BlockMask from the same table on the device). Padding rows decode token 0 at position 0, write their
@@ -54,9 +58,9 @@ from twinplane.rollout.sequence import Sequence
 
 MODES = ("cuda_graph", "static", "eager")
 WARMUP_RUNS = 2  # runs before a capture: lazy initialisation (cuBLAS handles, kernel choice, caches) happens here
-RESET, LIVE, BAN, UNIFORM, STATE = range(5)  # columns staged per row: flags, the uniform's bits, then a state row
+# Columns staged per row: flags, the uniform's bits, the row the device holds its state in, then a state row.
+RESET, LIVE, BAN, UNIFORM, SRC, RETABLE, STATE = range(7)
 TOK, POS, SLOT, CTX, TABLE = range(5)  # columns of a row's state: TABLE is where its block table starts
-_PAD = "pad"  # a row expected to hold the padding row
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -113,21 +117,32 @@ class DecodeGraphs:
         dev, rows = kv.k.device, self.buckets[-1]
         self.pad_row = [0, 0, self.pad_block * self.block_size, 1] + [self.pad_block] * max_blocks
         # The rows' state on the device (token id, position, slot, context length, block table [max_blocks]),
-        # advanced by the step itself; what the host stages for a step (one asynchronous copy from pinned memory)
-        # replaces a row's state only where its sequence did not just continue (RESET).
+        # advanced by the step itself. What the host stages for a step (one asynchronous copy from pinned memory)
+        # says per row where the device holds its state (SRC: rows move when others leave the batch) and replaces
+        # the state only where its sequence did not just continue (RESET), or its table alone (RETABLE).
+        width = STATE + 4 + max_blocks
         self.inputs = torch.tensor([self.pad_row] * rows, dtype=torch.long, device=dev)
-        self.staged = torch.zeros(rows, STATE + 4 + max_blocks, dtype=torch.long, device=dev)
-        self.host = torch.zeros(rows, STATE + 4 + max_blocks, dtype=torch.long)
-        if dev.type == "cuda":
-            self.host = self.host.pin_memory()
+        self.staged = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        self.staged[:, RESET] = self.staged[:, RETABLE] = 1
+        self.staged[:, STATE:] = self.inputs
+        # A padding row as staged: reset to the padding state, not live, its uniform 0.
+        self.pad_staged = np.array([[1, 0, 0, 0, 0, 1, *self.pad_row]], dtype=np.int64)
+        # Two of each host buffer, used in turn: a step is staged, and its tokens land, while the step before it
+        # may still be running (`launch` ... `finish`).
+        pinned = dev.type == "cuda"
+        self.host = [_host((rows, width), torch.long, pinned) for _ in range(2)]
+        self.readback = [_host((2, rows), torch.float64, pinned) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if pinned else None
         self.cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one query each
-        # per row, what the device holds for the next step: [sequence, position, its block table (the list, its
-        # length, its last block), token] (the sequence kept alive, so its identity is not reused), or _PAD
-        self._expect: list = [_PAD] * rows
+        # Where each sequence of the last launched step is on the device: id -> [sequence (kept alive, so its id
+        # is not reused), its next position, block table (the list, its length, its last block), the token
+        # sampled (None until read back), row].
+        self._rows: dict[int, list] = {}
         self._banned: dict[tuple[int, ...], torch.Tensor] = {}  # stop ids -> tensor (made outside any capture)
         self._sampler: tuple = (None, None, None)  # the last (sampling fields, stop ids, `sampling_key`)
         self.graphs: dict[tuple[int, tuple], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # the graphs' shared memory pool (cuda_graph mode)
+        self.launches = 0  # steps launched (which host buffers a step uses)
         self.steps = 0  # decode steps run here
         self.broken = False  # a capture failed: the engine runs eager from then on
 
@@ -147,53 +162,75 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def step(self, seqs: list[Sequence], sp: SamplingParams) -> tuple[list[int], list[float]] | None:
-        """Decode one token of each of `seqs` (their `num_computed` advance; each draws one uniform) and sample it:
-        (tokens, their policy log-probs), read back once; None when a capture failed (nothing was run or drawn;
-        the caller runs the step eagerly)."""
-        n, bs = len(seqs), self.block_size
+        """`launch` and `finish`: decode one token of each of `seqs` and read it back; None when a capture
+        failed."""
+        step = self.launch(seqs, sp)
+        return None if step is None else self.finish(step)
+
+    def launch(self, seqs: list[Sequence], sp: SamplingParams, ahead: bool = False) -> Launched | None:
+        """Start decoding one token of each of `seqs` (their `num_computed` advance; each draws one uniform): the
+        staging copy and the step are queued, nothing waits for them. `ahead`: the sequences' last tokens are
+        still on the device only (the step before is not read back yet: the device has each of them in its row),
+        so a step that needs a capture does not launch (a capture resets rows). None when nothing was launched
+        (a capture failed, or was needed ahead)."""
+        n = len(seqs)
         size, key = self.bucket(n), self._sampling_key(sp, seqs[0].stop_ids)
-        if self.mode == "cuda_graph" and (size, key) not in self.graphs and not self._capture(size, key):
+        if self.mode == "cuda_graph" and (size, key) not in self.graphs and (ahead or not self._capture(size, key)):
             return None
-        host, expect, early = self.host.numpy(), self._expect, bool(key[3])
-        uniforms = host.view(np.float64)[:, UNIFORM]
+        buf = self.launches % 2
+        host, rows, placed = self.host[buf].numpy(), self._rows, {}
+        reset, src, retable, uniforms, entries = [0] * n, list(range(n)), [0] * n, [0.0] * n, []
         for i, seq in enumerate(seqs):
             p, table = seq.num_computed, seq.block_table
-            # The block manager appends to a table, replaces its last block (copy-on-write) or gives the
+            e = rows.get(id(seq))
+            # The device holds this row if the last step advanced it here (and the host did not change its token
+            # since). The block manager appends to a table, replaces its last block (copy-on-write) or gives the
             # sequence a new list (freed): the same list, length and last block mean the same table.
-            e = expect[i]
-            if (e is not _PAD and e[0] is seq and e[1] == p and e[2] is table and e[3] == len(table)
-                    and e[4] == table[-1] and e[5] == seq.tokens[p]):
-                host[i, RESET] = 0  # the device's update made this row
+            if e is not None and e[0] is seq and e[1] == p and (e[5] is None or seq.tokens[p] == e[5]):
+                src[i] = e[6]
+                retable[i] = not (e[2] is table and e[3] == len(table) and e[4] == table[-1])
             else:
-                host[i, RESET] = host[i, LIVE] = 1
-                host[i, STATE:STATE + 4] = seq.tokens[p], p, table[p // bs] * bs + p % bs, p + 1
-                host[i, STATE + 4:STATE + 4 + len(table)] = table
-                host[i, STATE + 4 + len(table):] = self.pad_block
+                reset[i] = retable[i] = 1
+                host[i, STATE:STATE + TABLE] = seq.tokens[p], p, 0, p + 1  # (the slot: worked out on the device)
+            if retable[i]:
+                host[i, STATE + TABLE:STATE + TABLE + len(table)] = table
+                host[i, STATE + TABLE + len(table):] = self.pad_block
             uniforms[i] = seq.rngs[0].random()  # (a double: rounded to float32 on the device, as `_sample` does)
-            if early:
-                host[i, BAN] = seq.num_generated < sp.min_new_tokens
-            expect[i] = [seq, p + 1, table, len(table), table[-1], None]
+            e = placed[id(seq)] = [seq, p + 1, table, len(table), table[-1], None, i]
+            entries.append(e)
             seq.num_computed = p + 1
-        for i in range(n, size):
-            host[i, RESET] = expect[i] is not _PAD
-            if expect[i] is not _PAD:
-                host[i, LIVE] = 0
-                host[i, STATE:] = self.pad_row
-                expect[i] = _PAD
-        # (asynchronous from pinned memory: the host rows change again only after this step's tokens are read
-        # back, which waits for the copy, queued before the forward on the same stream)
-        self.staged[:size].copy_(self.host[:size], non_blocking=True)
-        self.steps += 1
+        host[:n, RESET], host[:n, SRC], host[:n, RETABLE], host[:n, LIVE] = reset, src, retable, 1
+        host.view(np.float64)[:n, UNIFORM] = uniforms
+        # stop tokens banned while short of min_new_tokens (generated so far: the tokens after the prompt up to
+        # and including the one this step reads, whether or not the host has it yet)
+        host[:n, BAN] = [s.num_computed - s.prompt_len < sp.min_new_tokens for s in seqs] if key[3] else 0
+        host[n:size] = self.pad_staged
+        host[n:size, SRC] = np.arange(n, size)
+        self._rows = placed
+        # (asynchronous from pinned memory: this buffer is written again two launches on, after this step's
+        # tokens were read back, which waits for the copy, queued before the step on the same stream)
+        self.staged[:size].copy_(self.host[buf][:size], non_blocking=True)
         if self.mode == "static":
             out = self.run(size, key)
         else:
             graph, out = self.graphs[size, key]
             graph.replay()
-        # one read back to the host for both (float64 holds every token id and each fp32 log-prob exactly)
-        tokens, logprobs = out[:, :n].tolist()
+        self.readback[buf][:, :size].copy_(out, non_blocking=True)
+        if self.events is not None:
+            self.events[buf].record()
+        self.launches += 1
+        self.steps += 1
+        return Launched(buf, entries)
+
+    def finish(self, step: Launched) -> tuple[list[int], list[float]]:
+        """Wait for a launched step: its tokens and their policy log-probs (one read back for both: float64 holds
+        every token id and each fp32 log-prob exactly)."""
+        if self.events is not None:
+            self.events[step.buffer].synchronize()
+        tokens, logprobs = self.readback[step.buffer][:, :len(step.rows)].tolist()
         tokens = [int(t) for t in tokens]
-        for i, t in enumerate(tokens):
-            expect[i][5] = t
+        for e, t in zip(step.rows, tokens, strict=True):
+            e[5] = t
         return tokens, logprobs
 
     def _sampling_key(self, sp: SamplingParams, stop_ids: frozenset[int]) -> tuple:
@@ -213,7 +250,11 @@ class DecodeGraphs:
         (`key`: `sampling_key`), the rows advanced to their next token on the device -> [2, size] float64: the
         tokens and their policy log-probs (float64 holds both exactly)."""
         st, x, bs = self.staged[:size], self.inputs[:size], self.block_size
-        x.copy_(torch.where(st[:, RESET, None] != 0, st[:, STATE:], x))
+        moved = self.inputs.index_select(0, st[:, SRC])  # [size, W] each row's state from where the device holds it
+        x[:, :TABLE] = torch.where(st[:, RESET, None] != 0, st[:, STATE:STATE + TABLE], moved[:, :TABLE])
+        x[:, TABLE:] = torch.where(st[:, RETABLE, None] != 0, st[:, STATE + TABLE:], moved[:, TABLE:])
+        pos = x[:, POS]
+        x[:, SLOT] = x[:, TABLE:].gather(1, (pos // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0] * bs + pos % bs
         logits = self.forward(size)
         temperature, top_k, top_p, stop_ids = key
         u = st[:, UNIFORM].view(torch.float64).float()  # [size] (the same bits: int64 and float64 are 8 bytes)
@@ -227,14 +268,11 @@ class DecodeGraphs:
             lp = policy_logprobs(logits, temperature)  # [size, V]
             tok = sample(lp, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), u, banned, rows)
             logp = lp.gather(-1, tok[:, None])[:, 0]
-        # the next step's rows: each live row's sampled token at the next position; its slot from its table (a
-        # row whose next position needs a new block gets a new table from the host then, as does any other change)
+        # the next step's rows: each live row's sampled token at the next position (its slot is worked out from
+        # its table as the next step starts: a row whose next position needs a new block gets it from the host)
         live = st[:, LIVE]
-        pos = x[:, POS] + live
-        slot = x[:, TABLE:].gather(1, (pos // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0] * bs + pos % bs
         x[:, TOK] = torch.where(live != 0, tok, x[:, TOK])
-        x[:, SLOT] = torch.where(live != 0, slot, x[:, SLOT])
-        x[:, POS] = pos
+        x[:, POS] += live
         x[:, CTX] += live
         return torch.stack([tok.double(), logp.double()])
 
@@ -253,9 +291,9 @@ class DecodeGraphs:
         """Capture the step of bucket `size` with the sampler `key` (rows all padding meanwhile: the warm-up runs
         are real and must write into the reserved block only). False, with a warning, when the capture fails."""
         dev, shape = self.inputs.device, (size, self.max_blocks, key)
-        self.host[:size] = torch.tensor([[1, 0, 0, 0, *self.pad_row]] * size, dtype=torch.long)  # reset, not live
-        self.staged[:size].copy_(self.host[:size])
-        self._expect[:size] = [_PAD] * size  # (the device rows are padding rows after these runs)
+        self.staged[:size] = torch.from_numpy(self.pad_staged).to(dev)
+        self.staged[:size, SRC] = torch.arange(size, device=dev)
+        self._rows = {}  # (the device rows are padding rows after these runs: every row is staged afresh)
         try:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
@@ -283,6 +321,23 @@ class DecodeGraphs:
         self.graphs[size, key] = graph, out
         self.warmth.shapes.add(shape)
         return True
+
+
+@dataclass
+class Launched:
+    """A launched step: its host buffers and, per row, the sequence's entry (`DecodeGraphs._rows`)."""
+
+    buffer: int
+    rows: list[list]
+
+    def current(self, i: int, seq: Sequence) -> bool:
+        """Whether row `i`'s token still belongs to `seq`: it has not stopped, nor changed its tokens, since."""
+        return seq.finish_reason is None and len(seq.tokens) == self.rows[i][1]
+
+
+def _host(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    t = torch.zeros(shape, dtype=dtype)
+    return t.pin_memory() if pinned else t
 
 
 def sampling_key(sp: SamplingParams, stop_ids: frozenset[int]) -> tuple:

@@ -107,6 +107,25 @@ class Scheduler:
         return ScheduledBatch(decodes.seqs + prefills.seqs, [1] * d + prefills.num_tokens, d,
                               decodes.copies + prefills.copies)
 
+    def schedule_ahead(self, max_blocks: int) -> ScheduledBatch | None:
+        """The next decode of every running sequence that may go on, scheduled before the step that samples their
+        last tokens is read back (the engine's run-ahead): a sequence whose token in flight is its last by length
+        sits it out; one that turns out to have stopped is dropped when the step is read. None, changing nothing,
+        where the ordinary schedule could differ: a sequence waiting (admissions wait for the finished ones), a
+        sequence not decoding, or blocks short (a preemption) or past `max_blocks` per table."""
+        if self.waiting:
+            return None
+        seqs = [s for s in self.running if s.num_computed + 1 - s.prompt_len < s.max_new_tokens]
+        if not seqs or any(s.width != 1 or s.num_pending != 0 for s in seqs):
+            return None
+        bs, has_slot = self.blocks.block_size, self.blocks.has_slot
+        grow = [s for s in seqs if not has_slot(s)]  # each takes one block: a new one, or its copy-on-write copy
+        if len(grow) > self.blocks.num_free or \
+                any(len(s.block_table) + (s.num_computed % bs == 0) > max_blocks for s in grow):
+            return None
+        copies = [c for s in grow for c in self.blocks.allocate(s, 1)]
+        return ScheduledBatch(seqs, [1] * len(seqs), len(seqs), copies)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and queue it first for recomputation (its samples and random state are kept)."""
         self.running.remove(seq)

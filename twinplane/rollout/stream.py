@@ -107,17 +107,23 @@ class EngineStream:
             return []
         self._ensure_pool()
         e, n, done, ran, t0 = self.engine, self.sampling.n, [], 0, time.perf_counter()
+
+        def book(finished: list[Seq]) -> None:
+            for seq in self._end_turns(finished):
+                uid = seq.request_index
+                self.finished[uid][seq.sample_indices[0]] = seq.to_sample(e.weight_version)
+                if len(self.finished[uid]) == n:
+                    del self.groups[uid]
+                    samples = self.finished.pop(uid)
+                    done.append([samples[j] for j in range(n)])
+
         try:
+            # (no step runs ahead of a tool call: the sequence that stopped at it goes on)
             while self.sched.has_work() and (steps is None or ran < steps) and \
                     (until_groups is None or len(done) < until_groups):
-                for seq in self._end_turns(e.engine_step(self.sched, self.sampling)):
-                    uid = seq.request_index
-                    self.finished[uid][seq.sample_indices[0]] = seq.to_sample(e.weight_version)
-                    if len(self.finished[uid]) == n:
-                        del self.groups[uid]
-                        samples = self.finished.pop(uid)
-                        done.append([samples[j] for j in range(n)])
+                book(e.engine_step(self.sched, self.sampling, ahead=self.turns is None))
                 ran += 1
+            book(e.flush(self.sched))
         finally:
             e.end_steps(self.sched, t0)
         return done
