@@ -26,8 +26,9 @@ Sections, in order:
   included) per backend.
 - engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
   the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
-  step time went; a second call of the same shape (the engine's graphs kept); then Hugging Face `generate` on the
-  same work and weights for the ratio.
+  step time went; a second call of the same shape (the engine's graphs kept) and a third reading every step back
+  before launching the next (`run_ahead` off); then Hugging Face `generate` on the same work and weights for the
+  ratio.
 - attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
   backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
   RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
@@ -502,6 +503,11 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         out |= {"second_call": {"tokens": n2, "seconds": s2, "tokens_per_s": n2 / s2,
                                 "captures": captures["n"] - before, "dynamo_frames": {
                                     k: v - frames.get(k, 0) for k, v in counters["frames"].items()}}}
+        # the same call reading every step back before the next is launched (rollout.run_ahead=false)
+        engine.run_ahead = False
+        n3, s3, _, _ = run_twinplane(engine, prompts, args, seed=2)
+        out |= {"step_by_step_call": {"tokens": n3, "seconds": s3, "tokens_per_s": n3 / s3,
+                                      "run_ahead_speedup": (n2 / s2) / (n3 / s3)}}
     finally:
         DecodeGraphs._capture = capture
         Roofline.active = []
