@@ -398,9 +398,11 @@ def test_a_captured_graph_reads_weights_loaded_in_place():
     key = decode_graphs.sampling_key(SamplingParams(temperature=1.0), frozenset())
     assert dec._capture(4, key)
     graph, out = dec.graphs[4, key]
-    # 4 one-token sequences, staged: reset, live, no ban, a uniform's bits, then the state row
+    # 4 one-token sequences, staged: reset, live, no ban, a uniform's bits, own row, new table, then the state row
+    # (token, position 0, the slot: worked out on the device, context 1, the table: block i, then padding)
     u = torch.tensor([0.5], dtype=torch.float64).view(torch.long).item()
-    rows = torch.tensor([[1, 1, 0, u, 5 + i, 0, i * 16, 1, i, 4] for i in range(4)], device="cuda")
+    rows = torch.tensor([[1, 1, 0, u, i, 1, 5 + i, 0, 0, 1, i, 4] for i in range(4)], device="cuda")
+    assert rows.shape[1] == dec.staged.shape[1] and decode_graphs.STATE == 6
 
     def replayed():
         dec.staged[:4].copy_(rows)
