@@ -20,6 +20,19 @@ def step(micro, algo=None):
     return model, metrics
 
 
+def test_collate_lays_out_prompts_left_and_responses_right_by_hand():
+    from twinplane.train.batch import Batch
+
+    b = Batch.collate([[1, 2], [3]], [[4], [5, 6, 7]], pad_id=9, rollout_logprobs=[[-0.5], [-1.0, -2.0, -3.0]],
+                      loss_masks=[[1], [1, 0, 1]])
+    assert b.prompt_len == 2
+    assert b.input_ids.tolist() == [[1, 2, 4, 9, 9], [9, 3, 5, 6, 7]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    assert b.response_mask.tolist() == [[1, 0, 0], [1, 0, 1]]
+    assert b.rollout_logprobs.tolist() == [[-0.5, 0.0, 0.0], [-1.0, -2.0, -3.0]]
+    assert Batch.collate([[1], [2]], [[], [3]], pad_id=0).input_ids.tolist() == [[1, 0], [2, 3]]
+
+
 def test_grad_accumulation_equals_one_batch():
     big, m1 = step(micro=6)
     small, m3 = step(micro=2)

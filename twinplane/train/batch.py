@@ -13,15 +13,15 @@ import torch
 
 
 def pad_rows(rows: Sequence[Sequence], value, dtype, left: bool = False, width: int | None = None) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0) if width is None else width
+    """[len(rows), width] of `value`, each row's items at its start (or end: `left`). One tensor from all items and
+    one masked write, not one write per row (a row of a few tokens costs about as much as its whole copy)."""
+    lens = [len(r) for r in rows]
+    width = max(lens, default=0) if width is None else width
     out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        if len(r):
-            t = torch.as_tensor(r, dtype=dtype)
-            if left:
-                out[i, width - len(r):] = t
-            else:
-                out[i, :len(r)] = t
+    items = [x for r in rows for x in r]
+    if items:
+        cols, n = torch.arange(width), torch.tensor(lens)[:, None]
+        out[cols >= width - n if left else cols < n] = torch.tensor(items, dtype=dtype)  # (row-major: row by row)
     return out
 
 
