@@ -59,8 +59,9 @@ def rows_checked(monkeypatch, launch=None):
     built afresh from the sequences (token, position, slot, context length, block table padded with the reserved
     block; padding rows after), whether the host staged a row or the device advanced it. The token of a step
     launched ahead is known on the host only after the step before it is read back: the rows are checked when the
-    step is (`finish`). Returns the counts of rows staged, rows advanced on the device and steps launched ahead."""
-    seen, counts, forward = {}, {"staged": 0, "advanced": 0, "ahead": 0}, DecodeGraphs.forward
+    step is (`finish`). Returns the counts of rows staged, rows advanced on the device, steps launched ahead and
+    steps not launched ahead (a capture was due)."""
+    seen, counts, forward = {}, {"staged": 0, "advanced": 0, "ahead": 0, "refused": 0}, DecodeGraphs.forward
     launch, finish, launched = launch or DecodeGraphs.launch, DecodeGraphs.finish, {}
 
     def read(self, size):
@@ -71,6 +72,7 @@ def rows_checked(monkeypatch, launch=None):
         before = [(s, s.num_computed, list(s.block_table)) for s in seqs]
         step = launch(self, seqs, sp, ahead)
         if step is None:
+            counts["refused"] += ahead
             return None
         size, host = self.bucket(len(seqs)), self.host[step.buffer]
         assert host[len(seqs):size, decode_graphs.LIVE].sum() == 0  # padding rows stay where they are
@@ -360,6 +362,8 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(keep_pool, monkeypa
             assert graphed.decoder is None and graphed.kv is None
     assert isinstance(graphed.warmth.stream, FakeStream) and graphed.warmth.stream is not main
     assert counts["advanced"] > counts["staged"] > 0  # most rows continue on the device between steps
+    assert counts["ahead"] > 0  # steps ran ahead where their bucket was captured already,
+    assert counts["refused"] > 0  # and were read back first where it was not (then captured as usual)
 
 
 # --- GPUs: the captured graphs ----------------------------------------------------------------------------------
