@@ -265,7 +265,7 @@ def kernel_profile(engine, prompts, args, steps: int) -> str:
     try:
         run_twinplane(engine, prompts, args, seed=0, new_tokens=min(args.new_tokens, 256))
     finally:
-        del engine.engine_step
+        engine.engine_step = step
     if not seen["profiled"]:
         return "no decode-only step to profile (the generate ended first)"
     sort = "self_device_time_total" if gpu else "self_cpu_time_total"
