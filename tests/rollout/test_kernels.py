@@ -141,6 +141,28 @@ def test_silu_mul_reads_the_halves_of_a_stacked_gemm():
     torch.testing.assert_close(silu_mul(gate, up), silu_mul_torch(gate, up), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("variant", ["stacked", "apart", "bias"])
+def test_mlp_adds_into_the_residual_in_its_down_gemm(variant):
+    """`TritonMLP.add_to` = residual + the MLP (the add inside the down projection's GEMM, in place), with gate/up
+    stacked or apart; a down projection with a bias adds after it (the residual left as it was)."""
+    from twinplane.model.transformer import MLP
+    from twinplane.rollout.kernels.layers import TritonMLP, stack
+
+    torch.manual_seed(0)
+    mlp = MLP(64, 96, bias=variant == "bias").to(DEV)
+    x, residual = torch.randn(1, 5, 64, device=DEV), torch.randn(1, 5, 64, device=DEV)
+    with torch.no_grad():
+        want = residual + mlp(x)
+        mlp.__class__ = TritonMLP
+        mlp.stacked = stack(mlp, ("gate_proj", "up_proj")) if variant != "apart" else None
+        before = residual.clone()
+        got = mlp.add_to(residual, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (got.data_ptr() == residual.data_ptr()) == (variant != "bias")
+    if variant == "bias":
+        assert torch.equal(residual, before)
+
+
 def test_rope_write_equals_rope_and_the_pool_write():
     """Odd head counts (7 query heads, 3 KV heads), positions out of order, slots in several blocks; the rest of
     the pool is untouched."""

@@ -5,7 +5,8 @@ dict stay: weight syncs and LoRA adapters work as before), as twinplane.rollout.
 q/k/v and gate/up become one stacked weight each (`stack`), the per-projection parameters views into it, so a
 weight load in place lands in the stack. Each variant runs its kernels on the paged (engine) path without
 autograd, and the torch forward otherwise. Per layer the decode runs: RMSNorm; the q/k/v GEMM; rope + KV write;
-paged attention; o_proj; residual add + RMSNorm; the gate/up GEMM; SiLU * up; down_proj; residual add.
+paged attention; o_proj; residual add + RMSNorm; the gate/up GEMM; SiLU * up; down_proj with the residual add in
+its GEMM.
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ class TritonMLP(MLP):
         gate, up = F.linear(x, *self.stacked).chunk(2, dim=-1)  # views of one GEMM's output
         return self.down_proj(silu_mul(gate, up))
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + forward(x), the add done by the down projection's GEMM into `residual` (in place: beta = 1),
+        one kernel and one pass over the residual stream fewer; a down projection with a bias or adapters adds
+        after it."""
+        down = self.down_proj
+        if type(down) is not nn.Linear or down.bias is not None or not residual.is_contiguous():
+            return residual + self(x)
+        if self.stacked is None:
+            h = silu_mul(self.gate_proj(x), self.up_proj(x))
+        else:
+            h = silu_mul(*F.linear(x, *self.stacked).chunk(2, dim=-1))
+        rows = residual.view(-1, residual.shape[-1])
+        return rows.addmm_(h.reshape(-1, h.shape[-1]), down.weight.t()).view_as(residual)
+
 
 class TritonAttention(Attention):
     stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None  # q/k/v (`stack`)
@@ -87,7 +102,8 @@ class TritonDecoderLayer(DecoderLayer):
             return super().block(x, cos, sin, meta, routing)
         norm = self.post_attention_layernorm
         h, x = rms_norm(self.self_attn(self.input_layernorm(x), cos, sin, meta), norm.weight, norm.eps, residual=x)
-        return x + self.mlp(h, routing)
+        # (x is the fused norm's own sum: nothing else holds it, so the MLP may add into it)
+        return self.mlp.add_to(x, h) if isinstance(self.mlp, TritonMLP) else x + self.mlp(h, routing)
 
 
 SWAPS: dict[type[nn.Module], type[nn.Module]] = {RMSNorm: TritonRMSNorm, MLP: TritonMLP, Attention: TritonAttention,
