@@ -19,7 +19,8 @@ With `record_routing` (MoE models) every sample carries the experts each sparse 
 tokens (`Sample.routing`), for the trainer to replay.
 
 Decode-only steps run from static buffers at bucketed batch sizes, captured as CUDA/HIP graphs on GPUs
-(`graphs`, `graph_max_batch`; twinplane.rollout.graphs); everything else, and every step on CPU, runs eagerly.
+(`graphs`, `graph_max_batch`; twinplane.rollout.graphs), each launched before the one before it is read back
+(`run_ahead`, see `engine_step`); everything else, and every step on CPU, runs eagerly.
 """
 
 from __future__ import annotations
