@@ -54,10 +54,13 @@ class TritonMLP(MLP):
     def forward(self, x, routing=None):
         if torch.is_grad_enabled():
             return super().forward(x, routing)
+        return self.down_proj(self.gated(x))
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up, gate and up from one GEMM's output where they are stacked."""
         if self.stacked is None:
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate, up = F.linear(x, *self.stacked).chunk(2, dim=-1)  # views of one GEMM's output
-        return self.down_proj(silu_mul(gate, up))
+            return silu_mul(self.gate_proj(x), self.up_proj(x))
+        return silu_mul(*F.linear(x, *self.stacked).chunk(2, dim=-1))  # (views of the GEMM's output)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + forward(x), the add done by the down projection's GEMM into `residual` (in place: beta = 1),
@@ -66,10 +69,7 @@ class TritonMLP(MLP):
         down = self.down_proj
         if type(down) is not nn.Linear or down.bias is not None or not residual.is_contiguous():
             return residual + self(x)
-        if self.stacked is None:
-            h = silu_mul(self.gate_proj(x), self.up_proj(x))
-        else:
-            h = silu_mul(*F.linear(x, *self.stacked).chunk(2, dim=-1))
+        h = self.gated(x)
         rows = residual.view(-1, residual.shape[-1])
         return rows.addmm_(h.reshape(-1, h.shape[-1]), down.weight.t()).view_as(residual)
 
