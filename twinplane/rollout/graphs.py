@@ -122,11 +122,12 @@ class DecodeGraphs:
         # the state only where its sequence did not just continue (RESET), or its table alone (RETABLE).
         width = STATE + 4 + max_blocks
         self.inputs = torch.tensor([self.pad_row] * rows, dtype=torch.long, device=dev)
+        # A padding row as staged: reset to the padding state (table too), not live, its uniform 0 (SRC: its own row)
+        self.pad_staged = np.zeros((1, width), dtype=np.int64)
+        self.pad_staged[0, [RESET, RETABLE]] = 1
+        self.pad_staged[0, STATE:] = self.pad_row
         self.staged = torch.zeros(rows, width, dtype=torch.long, device=dev)
-        self.staged[:, RESET] = self.staged[:, RETABLE] = 1
-        self.staged[:, STATE:] = self.inputs
-        # A padding row as staged: reset to the padding state, not live, its uniform 0.
-        self.pad_staged = np.array([[1, 0, 0, 0, 0, 1, *self.pad_row]], dtype=np.int64)
+        self._stage_padding(rows)
         # Two of each host buffer, used in turn: a step is staged, and its tokens land, while the step before it
         # may still be running (`launch` ... `finish`).
         pinned = dev.type == "cuda"
@@ -160,12 +161,6 @@ class DecodeGraphs:
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
-
-    def step(self, seqs: list[Sequence], sp: SamplingParams) -> tuple[list[int], list[float]] | None:
-        """`launch` and `finish`: decode one token of each of `seqs` and read it back; None when a capture
-        failed."""
-        step = self.launch(seqs, sp)
-        return None if step is None else self.finish(step)
 
     def launch(self, seqs: list[Sequence], sp: SamplingParams, ahead: bool = False) -> Launched | None:
         """Start decoding one token of each of `seqs` (their `num_computed` advance; each draws one uniform): the
@@ -287,12 +282,17 @@ class DecodeGraphs:
         h = self.model.hidden_states(x[None, :, TOK], meta=meta)[0]  # [size, D]
         return linear(h, self.model.output_weight(), self.head)
 
+    def _stage_padding(self, size: int) -> None:
+        """The first `size` staged rows: padding rows (what the device runs them on until the host stages more)."""
+        dev = self.staged.device
+        self.staged[:size] = torch.from_numpy(self.pad_staged).to(dev)
+        self.staged[:size, SRC] = torch.arange(size, device=dev)
+
     def _capture(self, size: int, key: tuple) -> bool:
         """Capture the step of bucket `size` with the sampler `key` (rows all padding meanwhile: the warm-up runs
         are real and must write into the reserved block only). False, with a warning, when the capture fails."""
         dev, shape = self.inputs.device, (size, self.max_blocks, key)
-        self.staged[:size] = torch.from_numpy(self.pad_staged).to(dev)
-        self.staged[:size, SRC] = torch.arange(size, device=dev)
+        self._stage_padding(size)
         self._rows = {}  # (the device rows are padding rows after these runs: every row is staged afresh)
         try:
             if self.pool is None:

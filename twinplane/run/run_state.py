@@ -28,8 +28,7 @@ from twinplane.train import sharded
 MUTABLE = ("train.steps", "log.", "eval.", "checkpoint.", "threads", "device", "reward.timeout_s",
            "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.kv_cache_gb",
            "rollout.gpu_memory_utilization", "rollout.graphs", "rollout.graph_max_batch", "rollout.run_ahead",
-           "rollout.kernels",
-           "train.micro_batch_size",
+           "rollout.kernels", "train.micro_batch_size",
            "train.max_tokens_per_micro_batch", "train.activation_checkpointing", "train.optimizer_offload",
            "cluster.backend", "cluster.address", "cluster.train_devices", "cluster.rollout_devices", "cluster.colocate",
            "cluster.critic_devices", "cluster.timeout_s", "cluster.sync_bucket_mb", "cluster.cpus_per_worker")
