@@ -41,6 +41,26 @@ def ray_init(num_cpus: int) -> None:
              runtime_env={"worker_process_setup_hook": device_only.install})
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def threads_unchanged(request):
+    """Seeded runs are bitwise reproducible only at one thread count: a test file that changes torch's, or the
+    environment that subprocesses take theirs from, must put it back, or later files' references drift."""
+    before = torch.get_num_threads(), {k: os.environ.get(k) for k in THREAD_ENV}
+    yield
+    after = torch.get_num_threads(), {k: os.environ.get(k) for k in THREAD_ENV}
+    if after != before:
+        torch.set_num_threads(before[0])
+        for k, v in before[1].items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        pytest.fail(f"{request.module.__name__} left the thread settings at {after}, found at {before}")
+
+
 def pytest_addoption(parser):
     parser.addoption("--data-dir", help="folder holding the real datasets (gsm8k/, humaneval/); else $TWINPLANE_DATA. "
                      "The tests on real data skip without either")

@@ -176,7 +176,9 @@ def test_restart_loop_resumes_after_crash_and_stops_on_config_error(tmp_path, re
     """A second SIGTERM mid-checkpoint kills the child at once (exit 143, a crash to the supervisor), which
     relaunches it with --resume auto; the run then ends exactly like the uninterrupted one."""
     env = {**os.environ, "TWINPLANE_FAULT": "checkpoint@4x2", "TWINPLANE_FAULT_ONCE": str(tmp_path / "fired")}
-    cmd = [sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *TINY_RUN]
+    # the child at the thread count this process ran the reference with: the weights' last bits depend on it
+    cmd = [sys.executable, "-m", "twinplane.cli", "train", "--run-dir", str(tmp_path), *TINY_RUN,
+           f"threads={torch.get_num_threads()}"]
     supervise = [sys.executable, "-m", "twinplane.cli", "supervise", "--max-restarts", "2", "--backoff", "0.1", "--"]
     out = subprocess.run([*supervise, *cmd], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
