@@ -329,9 +329,9 @@ def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attent
     2.10): flash-attn's kernel without the flash-attn package. Shared prefixes: a continuing segment's keys are its
     parent's then its own (key offsets apart from the query offsets), and the kernel's causal mask aligns a
     segment's last query with its last key (bottom-right, as flash-attn's), so its queries see the whole parent,
-    then their own tokens causally (the window counted over both, as positions are). Either of `varlen_attn`'s
-    signatures: torch 2.10's (`is_causal`, equal head counts: k/v heads repeated for GQA, no sliding window) or the
-    later one (`window_size`, `enable_gqa`)."""
+    then their own tokens causally (the window counted over both, as positions are). Any of `varlen_attn`'s
+    signatures: torch 2.10's (`is_causal`, no sliding window), 2.11's (`window_size`) or a later one (`window_size`,
+    `enable_gqa`); without `enable_gqa` the k/v heads are repeated for GQA."""
     cu_q, cu_k, max_q, max_k, keys, attn, params = varlen_keys(meta)
     x, kk, vv = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], [T, H_kv, D]
     if keys is not None:
