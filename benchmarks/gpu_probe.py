@@ -27,8 +27,8 @@ Sections, in order:
 - engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
   the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
   step time went; a second call of the same shape (the engine's graphs kept) and a third reading every step back
-  before launching the next (`run_ahead` off); then Hugging Face `generate` on the same work and weights for the
-  ratio.
+  before launching the next (`run_ahead` off), each with its steps against the roofline; then Hugging Face
+  `generate` on the same work and weights for the ratio.
 - attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
   backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
   RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
@@ -497,17 +497,21 @@ def engine_section(a, device, dtype, bw: float) -> dict:
                "capture_seconds_timed_call": captures["seconds"] - warm_seconds,
                "dynamo_frames_timed_call": {k: v - frames.get(k, 0) for k, v in counters["frames"].items()},
                "metrics": m, "roofline": roof.summary(bw)}
-        # a later call of the same shape: the engine's pool and graphs serve it (no capture expected)
+        # a later call of the same shape: the engine's pool and graphs serve it (no capture expected); its steps
+        # against the roofline are the steady state's
         before, frames = captures["n"], dict(counters["frames"])
+        roof.reset()
         n2, s2, _, _ = run_twinplane(engine, prompts, args, seed=2)
         out |= {"second_call": {"tokens": n2, "seconds": s2, "tokens_per_s": n2 / s2,
                                 "captures": captures["n"] - before, "dynamo_frames": {
-                                    k: v - frames.get(k, 0) for k, v in counters["frames"].items()}}}
+                                    k: v - frames.get(k, 0) for k, v in counters["frames"].items()},
+                                "roofline": roof.summary(bw)}}
         # the same call reading every step back before the next is launched (rollout.run_ahead=false)
         engine.run_ahead = False
+        roof.reset()
         n3, s3, _, _ = run_twinplane(engine, prompts, args, seed=2)
         out |= {"step_by_step_call": {"tokens": n3, "seconds": s3, "tokens_per_s": n3 / s3,
-                                      "run_ahead_speedup": (n2 / s2) / (n3 / s3)}}
+                                      "run_ahead_speedup": (n2 / s2) / (n3 / s3), "roofline": roof.summary(bw)}}
     finally:
         DecodeGraphs._capture = capture
         Roofline.active = []

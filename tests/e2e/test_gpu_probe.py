@@ -35,6 +35,8 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     # the engine's tokens are the samples' own: 4 prompts x 2 samples, at most 16 new tokens each
     assert 8 <= res["engine"]["tokens"] <= 4 * 2 * 16 and res["engine"]["hf_tokens"] > 0
     assert res["engine"]["second_call"]["tokens"] > 0 and "partial" not in res["engine"]
+    for call in ("second_call", "step_by_step_call"):  # each later call's own steps against the roofline
+        assert res["engine"][call]["roofline"]["decode_steps"] > 0
     for layout in ("shared", "unshared"):  # CPU: the portable path only, and the platform picks it
         row = res["attention"]["layouts"][layout]
         assert row["chosen"] == "sdpa" and row["sdpa"]["forward_backward_ms"] > row["sdpa"]["forward_ms"] > 0
