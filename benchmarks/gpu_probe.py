@@ -476,6 +476,9 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         captures["seconds"] += time.perf_counter() - t
         return ok
 
+    def frames_since(frames: dict) -> dict:  # Dynamo frames compiled since `frames` was taken
+        return {k: v - frames.get(k, 0) for k, v in counters["frames"].items()}
+
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = build(args, tmp)
@@ -495,7 +498,7 @@ def engine_section(a, device, dtype, bw: float) -> dict:
                "tokens_per_s": n / s, "captures_warmup": warm_captures,
                "captures_timed_call": captures["n"] - warm_captures,
                "capture_seconds_timed_call": captures["seconds"] - warm_seconds,
-               "dynamo_frames_timed_call": {k: v - frames.get(k, 0) for k, v in counters["frames"].items()},
+               "dynamo_frames_timed_call": frames_since(frames),
                "metrics": m, "roofline": roof.summary(bw)}
         # a later call of the same shape: the engine's pool and graphs serve it (no capture expected); its steps
         # against the roofline are the steady state's
@@ -503,8 +506,7 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         roof.reset()
         n2, s2, _, _ = run_twinplane(engine, prompts, args, seed=2)
         out |= {"second_call": {"tokens": n2, "seconds": s2, "tokens_per_s": n2 / s2,
-                                "captures": captures["n"] - before, "dynamo_frames": {
-                                    k: v - frames.get(k, 0) for k, v in counters["frames"].items()},
+                                "captures": captures["n"] - before, "dynamo_frames": frames_since(frames),
                                 "roofline": roof.summary(bw)}}
         # the same call reading every step back before the next is launched (rollout.run_ahead=false)
         engine.run_ahead = False

@@ -174,7 +174,7 @@ class DecodeGraphs:
             return None
         buf = self.launches % 2
         host, rows, placed = self.host[buf].numpy(), self._rows, {}
-        reset, src, retable, uniforms, entries = [0] * n, list(range(n)), [0] * n, [0.0] * n, []
+        reset, src, retable, uniforms = [0] * n, list(range(n)), [0] * n, [0.0] * n
         for i, seq in enumerate(seqs):
             p, table = seq.num_computed, seq.block_table
             e = rows.get(id(seq))
@@ -191,8 +191,7 @@ class DecodeGraphs:
                 host[i, STATE + TABLE:STATE + TABLE + len(table)] = table
                 host[i, STATE + TABLE + len(table):] = self.pad_block
             uniforms[i] = seq.rngs[0].random()  # (a double: rounded to float32 on the device, as `_sample` does)
-            e = placed[id(seq)] = [seq, p + 1, table, len(table), table[-1], None, i]
-            entries.append(e)
+            placed[id(seq)] = [seq, p + 1, table, len(table), table[-1], None, i]
             seq.num_computed = p + 1
         host[:n, RESET], host[:n, SRC], host[:n, RETABLE], host[:n, LIVE] = reset, src, retable, 1
         host.view(np.float64)[:n, UNIFORM] = uniforms
@@ -215,7 +214,7 @@ class DecodeGraphs:
             self.events[buf].record()
         self.launches += 1
         self.steps += 1
-        return Launched(buf, entries)
+        return Launched(buf, list(placed.values()))  # (in row order)
 
     def finish(self, step: Launched) -> tuple[list[int], list[float]]:
         """Wait for a launched step: its tokens and their policy log-probs (one read back for both: float64 holds
