@@ -34,7 +34,7 @@ SHAPES = {  # Qwen2-0.5B's published config.json shape; tiny for CPU smoke runs
 def worker(rank: int, a: argparse.Namespace, rdzv: str) -> None:
     from twinplane.config import AlgoSection, TrainSection
     from twinplane.model import ModelConfig, Transformer
-    from twinplane.model.flops import train_flops_per_token
+    from twinplane.model.flops import train_flops
     from twinplane.platform import platform
     from twinplane.train import Batch, Trainer
     from twinplane.train.fsdp import shard_model
@@ -70,7 +70,7 @@ def worker(rank: int, a: argparse.Namespace, rdzv: str) -> None:
         info = platform.detect()
         tokens = a.ranks * n * (a.prompt + a.response)
         step = statistics.median(times)
-        flops = train_flops_per_token(cfg, a.prompt + a.response) * tokens / step
+        flops = train_flops(cfg, tokens, a.prompt + a.response, a.ranks * n * a.response) / step
         print(json.dumps({"shape": a.shape, "params_M": round(cfg.num_params / 1e6, 1), "ranks": a.ranks,
                           "device": info.device_name, "tokens_per_step": tokens, "step_s_median": round(step, 4),
                           "tokens_per_s": round(tokens / step, 1),

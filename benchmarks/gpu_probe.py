@@ -599,7 +599,7 @@ def train_section(a, device, compiled: bool) -> dict:
     from twinplane.config import AlgoSection, TrainSection
     from twinplane.model import ModelConfig, Transformer
     from twinplane.model.attention import torch_varlen_agrees
-    from twinplane.model.flops import train_flops_per_token
+    from twinplane.model.flops import train_flops
     from twinplane.train import Batch, Trainer
 
     torch.manual_seed(0)
@@ -617,7 +617,7 @@ def train_section(a, device, compiled: bool) -> dict:
     batch = Batch.collate(prompts, responses, 0, [[-1.0] * r for r in rs])
     batch.advantages = torch.randn(len(ps), 1, generator=g) * batch.response_mask
     tokens = sum(ps) + sum(rs)
-    flops = sum(train_flops_per_token(cfg, p + r) * (p + r) for p, r in zip(ps, rs, strict=True))
+    flops = sum(train_flops(cfg, p + r, p + r, r) for p, r in zip(ps, rs, strict=True))  # (logits: responses)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()

@@ -28,7 +28,7 @@ from twinplane.cluster import Planes
 from twinplane.cluster.sync import SyncReport
 from twinplane.config import AlgoSection
 from twinplane.data.prompts import Prompt
-from twinplane.model.flops import forward_flops_per_token, train_flops_per_token
+from twinplane.model.flops import forward_flops_per_token, train_flops
 from twinplane.platform.platform import peak_memory_bytes, reset_peak_memory, synchronize
 from twinplane.producer import Producer
 from twinplane.rewards import Scorer
@@ -296,10 +296,12 @@ class Controller:
         cfg = self.trainer.config
         prompt_lens = [len(s.prompt_ids) for s in samples]
         mean_prompt = sum(prompt_lens) / len(samples)
-        train_flops = train_flops_per_token(cfg, train_tokens / len(samples)) * computed
+        actor_flops = train_flops(cfg, computed, train_tokens / len(samples), gen_tokens)  # logits: responses
+        # decode: logits for every generated token (the first from its prefill's last row); prefill: each group's
+        # prompt once, without logits
         rollout_flops = (gen_tokens * forward_flops_per_token(cfg, mean_prompt + lengths.mean().item() / 2)
-                         + sum(prompt_lens) / n * forward_flops_per_token(cfg, mean_prompt / 2))  # prefill once
-        for name, flops, t, devices in (("train", train_flops, times["time/train"], self.planes.train_devices),
+                         + sum(prompt_lens) / n * forward_flops_per_token(cfg, mean_prompt / 2, lm_head=False))
+        for name, flops, t, devices in (("train", actor_flops, times["time/train"], self.planes.train_devices),
                                         ("rollout", rollout_flops, rollout_s, self.planes.rollout_devices)):
             m[f"perf/tflops_{name}"] = flops / max(t, 1e-9) / 1e12
             peak = self.peak_flops * devices if self.peak_flops else None

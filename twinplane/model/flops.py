@@ -2,8 +2,10 @@
 
 Forward FLOPs per token = 2 * (matmul parameters) + 2 * 2 * L * H * hd * context (QK^T and AV over the keys the
 token attends to; `context` is the mean number of visible keys: about T/2 for causal training over T tokens).
-Training (forward + backward) is 3x the forward. Embedding lookups are not matmuls and are not counted; the LM
-head is. This is the PaLM-appendix accounting, without activation recomputation.
+Training (forward + backward) is 3x the forward. Embedding lookups are not matmuls and are not counted. The LM head
+counts only for the tokens whose logits are computed: every decoded token, but in a training pass only the response
+tokens (the trainer's log-probs) and in a prefill only the last prompt token. This is the PaLM-appendix accounting,
+without activation recomputation (nor the chunked log-probs' recomputed LM-head GEMM).
 MoE: a token runs its top-k experts (plus any shared expert and the router), so FLOPs count active parameters;
 memory (`ModelConfig.num_params`) counts every expert.
 """
@@ -42,10 +44,18 @@ def decode_read_params(cfg: ModelConfig, batch: int) -> float:
     return cfg.num_params - routed + touched
 
 
-def forward_flops_per_token(cfg: ModelConfig, context: float) -> float:
-    return 2.0 * matmul_params(cfg) + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+def lm_head_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs of the LM head for one token's logits."""
+    return 2.0 * cfg.hidden_size * cfg.vocab_size
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: float) -> float:
-    """Forward + backward per token of a causal training pass over sequences of `seq_len` tokens."""
-    return 3.0 * forward_flops_per_token(cfg, seq_len / 2)
+def forward_flops_per_token(cfg: ModelConfig, context: float, lm_head: bool = True) -> float:
+    """One token's forward over `context` visible keys, its logits included or not (`lm_head`)."""
+    flops = 2.0 * matmul_params(cfg) + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    return flops if lm_head else flops - lm_head_flops(cfg)
+
+
+def train_flops(cfg: ModelConfig, tokens: float, seq_len: float, logit_tokens: float) -> float:
+    """Forward + backward of a causal training pass over `tokens` tokens in sequences of `seq_len` tokens, of which
+    `logit_tokens` go through the LM head (the response tokens)."""
+    return 3.0 * (tokens * forward_flops_per_token(cfg, seq_len / 2, lm_head=False) + logit_tokens * lm_head_flops(cfg))

@@ -47,7 +47,7 @@ from twinplane.model.flops import (
     decode_read_params,
     forward_flops_per_token,
     matmul_params,
-    train_flops_per_token,
+    train_flops,
 )
 from twinplane.model.memory import (
     Dtypes,
@@ -205,16 +205,18 @@ def rollout_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, engines: 
     if tp > 1:
         step += 2 * cfg.num_layers * ALLREDUCE_LATENCY_S
     prompts = math.ceil(per_engine / w.n)
-    prefill = prompts * w.prompt_len * forward_flops_per_token(cfg, w.prompt_len / 2) / tp / (flops * PREFILL_MFU)
+    prefill = (prompts * w.prompt_len * forward_flops_per_token(cfg, w.prompt_len / 2, lm_head=False)
+               / tp / (flops * PREFILL_MFU))
     return passes * w.response_len * step + prefill
 
 
 def train_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, gpus: int, checkpointing: bool,
                   offload: bool) -> float:
-    """Training FLOPs of the step (all prompt + response tokens) at MFU; checkpointing recomputes the forward
-    (x4/3); offload adds moving this device's share of the moments over PCIe, in before the update and out after."""
-    tokens = w.sequences * w.seq_len
-    f = train_flops_per_token(cfg, w.seq_len) * tokens * (4 / 3 if checkpointing else 1.0)
+    """Training FLOPs of the step (all prompt + response tokens; logits for the responses) at MFU; checkpointing
+    recomputes the forward (x4/3); offload adds moving this device's share of the moments over PCIe, in before the
+    update and out after."""
+    f = train_flops(cfg, w.sequences * w.seq_len, w.seq_len, w.sequences * w.response_len)
+    f *= 4 / 3 if checkpointing else 1.0
     if w.lora_rank:  # no weight gradients for the frozen base: forward + input gradients only
         f *= 2 / 3
     s = f / (gpus * device.bf16_tflops * 1e12 * MFU)
