@@ -14,7 +14,8 @@ Sections, in order:
 - decode: one static decode step (the engine's `DecodeGraphs`: forward, sampler, row update) per batch size at a
   fixed context, Qwen2.5-0.5B shape in bf16: capture seconds, replay ms, and the memory roofline (every weight and
   every context token's k/v read once, at the measured copy bandwidth); kernels per step from the profiler.
-- profile: the profiler's top kernels and per-category device time of one decode step at batch 128.
+- profile: the profiler's top kernels and per-category device time of one decode step at batch 128, and the
+  operators (with their input shapes) that launched them.
 - sampling: the engine's sampler alone (policy log-probs, inverse-CDF choice, chosen log-prob, one readback) on
   [B, V] logits.
 - decode_sdpa, decode_torch, decode_triton: the decode section at every other batch size with the portable paged
@@ -34,8 +35,8 @@ Sections, in order:
   RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
 - train: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over packed
   micro-batches of an RL-like length mix, decoder layers eager (`train.compile=off`): tokens/s, MFU against the
-  device's dense bf16 peak, peak memory, the profiler's per-category time; train_compiled: the same compiled
-  (`train.compile=on`), in a child process cut at the deadline.
+  device's dense bf16 peak, peak memory, the profiler's per-category time and top operators; train_compiled: the
+  same compiled (`train.compile=on`), in a child process cut at the deadline.
 - train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 """
 
@@ -177,7 +178,17 @@ def kernel_table(prof, gpu: bool, top: int = 20) -> dict:
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {"kernels": len(times), "total_us": round(sum(us for _, us in times), 1),
             "by_category_us": {k: round(v, 1) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top": [{"name": n[:120], "calls": len(v), "total_us": round(sum(v), 1)} for n, v in ranked]}
+            "top": [{"name": n[:240], "calls": len(v), "total_us": round(sum(v), 1)} for n, v in ranked]}
+
+
+def op_table(prof, gpu: bool, top: int = 15) -> list[dict]:
+    """The operators that launched the most device time (CPU: took the most time themselves), by input shapes
+    (a profile recorded with `record_shapes`): which call a kernel of `kernel_table` comes from. A compiled
+    region's kernels count under its graph's call."""
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    ranked = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -getattr(e, key))[:top]
+    return [{"op": e.key, "shapes": str(e.input_shapes)[:300], "calls": e.count, "total_us": round(getattr(e, key), 1)}
+            for e in ranked]
 
 
 # --- sections ----------------------------------------------------------------------------------------------------
@@ -327,11 +338,11 @@ def profile_section(a, device, dtype) -> dict:
         dg.run(n, key)
     sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         for _ in range(3):
             dg.run(n, key)
         sync(device)
-    res = kernel_table(prof, gpu)
+    res = kernel_table(prof, gpu) | {"ops": op_table(prof, gpu)}
     res["steps"], res["batch"] = 3, n
     return res
 
@@ -633,12 +644,14 @@ def train_section(a, device, compiled: bool) -> dict:
            "rows": len(ps), "tokens": tokens, "response_tokens": sum(rs), "max_tokens_per_micro_batch": a.train_tokens,
            "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
            "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak}
-    if device.type == "cuda":
+    gpu = device.type == "cuda"
+    if gpu:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            trainer.train_step(batch)
-            sync(device)
-        out["profile"] = kernel_table(prof, True, top=12)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []),
+                 record_shapes=True) as prof:
+        trainer.train_step(batch)
+        sync(device)
+    out["profile"] = kernel_table(prof, gpu, top=12) | {"ops": op_table(prof, gpu)}
     return out
 
 

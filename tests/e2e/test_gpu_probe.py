@@ -43,6 +43,9 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     assert res["attention"]["layouts"]["shared"]["tokens"] < res["attention"]["layouts"]["unshared"]["tokens"]
     train = res["train"]
     assert train["response_tokens"] < train["tokens"] and 0 < train["mfu"] < 1
+    for profiled in (res["profile"], train["profile"]):  # each kernel's time traced to an operator and its shapes
+        assert profiled["ops"] and all(row["calls"] > 0 and row["shapes"] for row in profiled["ops"])
+    assert any(row["op"] == "aten::mm" for row in train["profile"]["ops"])
     for side in ("chunked", "one_chunk"):  # tiny shapes fit whole on CPU: every size up to the cap
         assert res["train_fit"][side]["largest_tokens"] == 64 and len(res["train_fit"][side]["peak_gib_by_tokens"]) == 3
     assert (tmp_path / "probe.log").read_text().count(": start") == len(SECTIONS)
