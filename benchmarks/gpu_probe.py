@@ -28,15 +28,17 @@ Sections, in order:
 - engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
   the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
   step time went; a second call of the same shape (the engine's graphs kept) and a third reading every step back
-  before launching the next (`run_ahead` off), each with its steps against the roofline; then Hugging Face
-  `generate` on the same work and weights for the ratio.
+  before launching the next (`run_ahead` off), each with its steps against the roofline; where a smaller call's
+  host waits for the device (call sites, from CUDA's sync debug mode); then Hugging Face `generate` on the same
+  work and weights for the ratio.
 - attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
   backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
   RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
 - train: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over packed
   micro-batches of an RL-like length mix, decoder layers eager (`train.compile=off`): tokens/s, MFU against the
-  device's dense bf16 peak, peak memory, the profiler's per-category time and top operators; train_compiled: the
-  same compiled (`train.compile=on`), in a child process cut at the deadline.
+  device's dense bf16 peak, peak memory, the profiler's per-category time and top operators, and where a step's
+  host waits for the device; train_compiled: the same compiled (`train.compile=on`), in a child process cut at
+  the deadline.
 - train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 """
 
@@ -155,6 +157,42 @@ def timed(fn, device, reps: int, warmup: int = 2) -> list[float]:
         sync(device)
         out.append(time.perf_counter() - t)
     return out
+
+
+def sync_sites(fn, device, top: int = 20) -> dict | None:
+    """Where `fn` makes the host wait for the device, by torch.cuda's sync debug mode (every synchronizing call, an
+    `.item()`, a blocking copy, an explicit sync, warns): call site -> count, the site being the innermost frame
+    outside torch and the standard library (a path under the checkout). A host wait while the device has work
+    queued leaves it idle until the host's next launches. None off CUDA (no such mode there)."""
+    if device.type != "cuda":
+        return None
+    import collections
+    import sysconfig
+    import warnings
+
+    skip = (str(Path(torch.__file__).parent), sysconfig.get_paths()["stdlib"])
+    root = Path(__file__).resolve().parents[1]
+    sites: collections.Counter = collections.Counter()
+
+    def seen(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(skip)]
+        f = frames[-1] if frames else None
+        where = Path(f.filename) if f else Path(filename)
+        with contextlib.suppress(ValueError):
+            where = where.relative_to(root)
+        sites[f"{where}:{f.lineno if f else lineno} {f.name if f else ''}".strip()] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return {"total": sum(sites.values()), "sites": dict(sites.most_common(top))}
 
 
 def category(name: str) -> str:
@@ -525,6 +563,12 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         n3, s3, _, _ = run_twinplane(engine, prompts, args, seed=2)
         out |= {"step_by_step_call": {"tokens": n3, "seconds": s3, "tokens_per_s": n3 / s3,
                                       "run_ahead_speedup": (n2 / s2) / (n3 / s3), "roofline": roof.summary(bw)}}
+        # where a smaller call's host waits for the device (run ahead, a decode step should wait once, for the
+        # step before it; the sites in engine_vs_hf.py are the roofline's own timing of the ordinary scheduler)
+        engine.run_ahead = True
+        roof.reset()
+        syncs = sync_sites(lambda: run_twinplane(engine, prompts[:16], args, seed=3, new_tokens=64), device)
+        out |= {"host_syncs_small_call": syncs and syncs | {"engine_steps": len(roof.steps)}}
     finally:
         DecodeGraphs._capture = capture
         Roofline.active = []
@@ -652,6 +696,7 @@ def train_section(a, device, compiled: bool) -> dict:
         trainer.train_step(batch)
         sync(device)
     out["profile"] = kernel_table(prof, gpu, top=12) | {"ops": op_table(prof, gpu)}
+    out["host_syncs"] = sync_sites(lambda: trainer.train_step(batch), device)
     return out
 
 

@@ -1,11 +1,14 @@
 """benchmarks/gpu_probe.py runs end to end on CPU with tiny shapes, so the prepared GPU probe cannot rot."""
 
+import importlib
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("env", "copy", "decode", "profile", "sampling", "decode_sdpa", "decode_torch", "decode_triton", "kernels",
@@ -44,8 +47,30 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     train = res["train"]
     assert train["response_tokens"] < train["tokens"] and 0 < train["mfu"] < 1
     for profiled in (res["profile"], train["profile"]):  # each kernel's time traced to an operator and its shapes
-        assert profiled["ops"] and all(row["calls"] > 0 and row["shapes"] for row in profiled["ops"])
-    assert any(row["op"] == "aten::mm" for row in train["profile"]["ops"])
+        assert all(row["calls"] > 0 and row["total_us"] >= 0 for row in profiled["ops"])
+        assert any(row["op"].startswith("aten::") and row["shapes"] != "[]" for row in profiled["ops"])
+    assert train["host_syncs"] is None  # (CPU: no census of host waits)
     for side in ("chunked", "one_chunk"):  # tiny shapes fit whole on CPU: every size up to the cap
         assert res["train_fit"][side]["largest_tokens"] == 64 and len(res["train_fit"][side]["peak_gib_by_tokens"]) == 3
     assert (tmp_path / "probe.log").read_text().count(": start") == len(SECTIONS)
+
+
+def test_sync_sites_counts_host_waits_by_call_site(monkeypatch):
+    """The probe's census of host waits (torch.cuda's sync debug mode warns at each) credits every warning to the
+    innermost frame outside torch and the standard library; other warnings are not counted. CPU: no census."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the probe puts benchmarks/ first on import)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    probe = importlib.import_module("benchmarks.gpu_probe")
+    assert probe.sync_sites(lambda: None, torch.device("cpu")) is None
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("an unrelated warning", stacklevel=1)
+
+    line = step.__code__.co_firstlineno + 2
+    assert probe.sync_sites(step, torch.device("cuda")) == {
+        "total": 3, "sites": {f"tests/e2e/test_gpu_probe.py:{line} step": 3}}
+    assert modes == ["warn", "default"]
