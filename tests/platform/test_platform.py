@@ -371,3 +371,14 @@ def test_kernels_config_key_and_engine_option(monkeypatch):
         load_config(None, ["rollout.kernels=cuda"])
     with pytest.raises(InputError, match="rollout.kernels=triton"):
         RolloutEngine(tiny_model(), 3, kernels="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_to_device_copies_a_host_tensor_asynchronously_and_keeps_its_values():
+    """`to_device` goes through pinned memory with an asynchronous copy: the device tensor holds the host tensor's
+    values even when the host tensor changes right after the call (the pinned buffer is a copy of its own)."""
+    x = torch.arange(1 << 20)
+    y = platform.to_device(x, torch.device("cuda"))
+    x.zero_()
+    assert y.device.type == "cuda" and torch.equal(y.cpu(), torch.arange(1 << 20))
+    assert platform.to_device(x, torch.device("cpu")) is x

@@ -8,7 +8,7 @@ from conftest import make_batch, tiny_model
 
 from twinplane.algos import PRESETS, aggregate, kl_penalty, token_policy_loss
 from twinplane.config import AlgoSection, TrainSection
-from twinplane.train import Reference, Trainer
+from twinplane.train import Batch, Reference, Trainer
 from twinplane.train.logprobs import response_logprobs
 
 
@@ -138,3 +138,41 @@ def test_autocast_runs_the_residual_stream_in_the_compute_dtype():
         full = model(ids)
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
     assert (got - full).abs().max() < 0.2 and seen[-1] == (torch.float32, torch.float32)  # no autocast: fp32
+
+
+class ReadBack(Exception):
+    pass
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_step_reads_the_device_once_at_its_end(monkeypatch, share):
+    """A training step and a scoring pass read nothing back from the device until the step's one readback: on a
+    GPU each read waits for every queued kernel, and the device idles while the host catches up. Run on the meta
+    device, where every read raises (a boolean index, `.tolist()`, `.item()`, a `nonzero`), the step gets to its
+    readback; the micro-batch layouts come from the host batch."""
+    real_enabled, real_autocast = torch.is_autocast_enabled, torch.autocast
+
+    class Autocast(real_autocast):  # (autocast knows no meta device: it does nothing there)
+        def __init__(self, device_type, *args, **kwargs):
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: a[:1] != ("meta",) and real_enabled(*a))
+    monkeypatch.setattr(torch, "autocast", Autocast)
+
+    def readback(self, sums, grad_norm):
+        assert {t.device.type for t in sums.values() if isinstance(t, torch.Tensor)} == {"meta"}
+        raise ReadBack
+
+    monkeypatch.setattr(Trainer, "_readback", readback)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (3, 6, 2)] * 2  # each prompt twice
+    responses = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (4, 1, 7, 5, 3, 2)]
+    batch = Batch.collate(prompts, responses, 0, [[-1.0] * len(r) for r in responses])
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    train = TrainSection(micro_batch_size=4, max_tokens_per_micro_batch=24, share_prompts=share, lr=1e-3)
+    reference = Reference(tiny_model().to("meta"), 1.0, 4, max_tokens=24, train=train)
+    batch.ref_logprobs = reference.logprobs(batch)  # a scoring pass
+    assert batch.ref_logprobs.device.type == "meta"
+    trainer = Trainer(tiny_model().train().to("meta"), train, AlgoSection(kl_coef=0.1, entropy_coef=0.01), 1.0, 10)
+    with pytest.raises(ReadBack):
+        trainer.train_step(batch)

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from twinplane.platform import platform
+
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -54,6 +56,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [B, T] rope position of every token of the forward
     mask: torch.Tensor | None = None  # dense layout: [B, 1, T, S] bool (True = may attend); None = causal
     cu_seqlens: torch.Tensor | None = None  # varlen layout (B == 1): [S + 1] int32 sequence starts in the row
+    cu_seqlens_host: list[int] | None = None  # varlen: the same as host ints (from `packed`; see `offsets`)
     max_seqlen: int = 0  # varlen: longest sequence (what fused varlen kernels size their tiles by)
     window: int | None = None  # sliding-window size (Mistral/Qwen2 configs), None = full causal
     prefix: list[int] | None = None  # varlen: per sequence, the sequence it continues (-1 = none); see above
@@ -64,6 +67,12 @@ class AttentionMetadata:
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens is not None
+
+    def offsets(self) -> list[int]:
+        """`cu_seqlens` as host ints, what backends plan a forward with: kept by `packed`, so that planning reads
+        nothing back from the device (on a GPU a read waits for every queued kernel, and the device then idles
+        while the host plans); read back otherwise."""
+        return self.cu_seqlens_host if self.cu_seqlens_host is not None else self.cu_seqlens.tolist()
 
     @classmethod
     def packed(cls, lengths: Sequence[int], device: torch.device | str = "cpu", window: int | None = None,
@@ -81,8 +90,9 @@ class AttentionMetadata:
                                                for s, p in enumerate(prefix)):
                 raise ValueError(f"prefix must name an earlier sequence without a prefix of its own, or -1: {prefix}")
         _, positions, _ = _documents(cu, prefix)  # [T]
-        return cls(positions[None].to(device), cu_seqlens=cu.to(device), max_seqlen=int(positions.max()) + 1,
-                   window=window, backend=backend, prefix=prefix)
+        return cls(platform.to_device(positions[None], device), cu_seqlens=platform.to_device(cu, device),
+                   cu_seqlens_host=cu.tolist(), max_seqlen=int(positions.max()) + 1, window=window, backend=backend,
+                   prefix=prefix)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -124,12 +134,12 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
 
 
 def varlen_plan(meta: AttentionMetadata):
-    """`sdpa_varlen`'s grouping of `meta`'s sequences, made once per forward (one host read of cu_seqlens); a
-    compiled layer finds it made already (`Transformer.hidden_states`), as the read would break its graph."""
+    """`sdpa_varlen`'s grouping of `meta`'s sequences, made once per forward from its host offsets; a compiled
+    layer finds it made already (`Transformer.hidden_states`), as host work would break its graph."""
     plan = meta.cache.get("varlen_plan")
     if plan is None:
-        plan = meta.cache["varlen_plan"] = _varlen_plan(meta.cu_seqlens.tolist(), meta.window,
-                                                        meta.cu_seqlens.device, meta.prefix)
+        plan = meta.cache["varlen_plan"] = _varlen_plan(meta.offsets(), meta.window, meta.cu_seqlens.device,
+                                                        meta.prefix)
     return plan
 
 
@@ -225,8 +235,8 @@ def flex_block_mask(meta: AttentionMetadata) -> BlockMask:
     """`flex_varlen`'s BlockMask, made once per forward (every layer shares it)."""
     mask = meta.cache.get("flex_block_mask")
     if mask is None:
-        mask = meta.cache["flex_block_mask"] = varlen_block_mask(meta.cu_seqlens, meta.window, meta.prefix,
-                                                                 meta.cu_seqlens.device)
+        mask = meta.cache["flex_block_mask"] = varlen_block_mask(torch.tensor(meta.offsets()), meta.window,
+                                                                 meta.prefix, meta.cu_seqlens.device)
     return mask
 
 
@@ -245,8 +255,8 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, window: int | None, prefix: list
     [lo(first), last], parent [plo(first), end)) and "every pair is kept" (the keys before the sequence's start lie
     in the last query's parent range, the others in [lo(last), first]) are O(1) comparisons. A block
     pair is partial if any piece keeps a pair and full if all of them keep all pairs; like `create_block_mask`,
-    blocks cut by the end of the row are never full. Work: O(P x T/block) small integers, on the host (one read of
-    `cu_seqlens` per forward; the layers share the mask through `meta.cache`)."""
+    blocks cut by the end of the row are never full. Work: O(P x T/block) small integers, on the host (from host
+    offsets: `AttentionMetadata.offsets`; the layers share the mask through `meta.cache`)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     cu = cu_seqlens.cpu().long()
@@ -285,9 +295,10 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, window: int | None, prefix: list
 
     def kv_lists(blocks: torch.Tensor):  # [n, n] bool -> counts [1, 1, n], indices [1, 1, n, n] (listed first)
         order = torch.argsort(blocks.int(), dim=-1, descending=True, stable=True)
-        return (blocks.sum(-1).to(torch.int32)[None, None].to(device), order.to(torch.int32)[None, None].to(device))
+        return (platform.to_device(blocks.sum(-1).to(torch.int32)[None, None], device),
+                platform.to_device(order.to(torch.int32)[None, None], device))
 
-    doc, pos, parent = _documents(cu_seqlens.to(device), prefix)
+    doc, pos, parent = (platform.to_device(t, device) for t in _documents(cu, prefix))
 
     def document_causal(b, h, qi, ki):
         keep = ((doc[qi] == doc[ki]) & (ki <= qi)) | (parent[doc[qi]] == doc[ki])
@@ -352,22 +363,23 @@ def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attent
 
 
 def varlen_keys(meta: AttentionMetadata):
-    """`torch_varlen`'s layout, made once per forward from one host read of `cu_seqlens` (before compiled layers
-    run): query and key offsets (int32, on the device), the longest query and key segments, the key rows to gather
-    (None without shared prefixes: the keys are the queries' rows), and `varlen_attn` with its parameter names."""
+    """`torch_varlen`'s layout, made once per forward from the host offsets (before compiled layers run): query
+    and key offsets (int32, on the device), the longest query and key segments, the key rows to gather (None where
+    no segment continues another: the keys are the queries' rows), and `varlen_attn` with its parameter names."""
     layout = meta.cache.get("torch_varlen")
     if layout is None:
         from torch.nn.attention.varlen import varlen_attn
 
-        dev, cu = meta.cu_seqlens.device, meta.cu_seqlens.tolist()
+        dev, cu = meta.cu_seqlens.device, meta.offsets()
         lens = [b - a for a, b in zip(cu, cu[1:], strict=False)]
         cu_k, key_lens, keys = meta.cu_seqlens, lens, None
-        if meta.prefix is not None:
-            rows = [r for s, p in enumerate(meta.prefix) for r in
-                    (*(range(cu[p], cu[p + 1]) if p >= 0 else ()), *range(cu[s], cu[s + 1]))]
+        if meta.prefix is not None and any(p >= 0 for p in meta.prefix):
+            spans = []  # a segment's keys: its parent's tokens, then its own
+            for s, p in enumerate(meta.prefix):
+                spans += [(cu[p], cu[p + 1])] * (p >= 0) + [(cu[s], cu[s + 1])]
             key_lens = [n + (lens[p] if p >= 0 else 0) for n, p in zip(lens, meta.prefix, strict=True)]
-            cu_k = torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32).to(dev)
-            keys = torch.tensor(rows).to(dev)
+            cu_k = platform.to_device(torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32), dev)
+            keys = platform.to_device(torch.cat([torch.arange(a, b) for a, b in spans]), dev)
         layout = meta.cache["torch_varlen"] = (meta.cu_seqlens, cu_k, max(lens), max(key_lens), keys, varlen_attn,
                                                frozenset(inspect.signature(varlen_attn).parameters))
     return layout
@@ -391,7 +403,7 @@ def torch_varlen_agrees(device: torch.device, dtype: torch.dtype) -> bool:
 
 VARLEN_BACKENDS = {"sdpa": sdpa_varlen, "flex": flex_varlen, "flash_attn": flash_attn_varlen,
                    "torch_varlen": torch_varlen}
-# per forward, what a backend derives from the layout with a host read: made before compiled layers run
+# per forward, what a backend derives from the layout on the host: made before compiled layers run
 VARLEN_PREPARE = {"sdpa": varlen_plan, "flex": flex_block_mask, "torch_varlen": varlen_keys}
 
 

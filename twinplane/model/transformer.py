@@ -218,7 +218,7 @@ class Transformer(nn.Module):
         training = self.training and torch.is_grad_enabled()
         recompute, compiled = self.activation_checkpointing and training, self.compile_layers and training
         if compiled and meta.varlen and meta.backend in VARLEN_PREPARE:
-            VARLEN_PREPARE[meta.backend](meta)  # its host read would break a compiled graph
+            VARLEN_PREPARE[meta.backend](meta)  # (host work: it would break a compiled graph)
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta, recompute, routing, compiled)
         return self.model.norm(x)

@@ -42,29 +42,33 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
     P = batch.prompt_len
     valid = batch.attention_mask.bool()  # [N, P + R]
     resp = valid[:, P:]  # [N, R] real response tokens (tool outputs included: the loss mask is the caller's)
-    targets = batch.response_ids[resp]  # [M]
-    if packed:
+    if packed:  # from the host layout: nothing here reads the device (each read would wait for its queue)
         dev = batch.input_ids.device
-        lengths, prefix, index, rows = layout or packed_layout(batch, share_prompts, routing)
+        lengths, prefix, index, rows, where = layout or packed_layout(batch, share_prompts, routing)
         meta = AttentionMetadata.packed(lengths, dev, window=model.config.sliding_window, prefix=prefix,
                                         backend=platform.varlen_backend(dev, _compute_dtype(model), prefix is not None,
                                                                         model.config.head_dim,
                                                                         model.config.sliding_window is not None,
                                                                         torch_varlen_agrees))
-        ids, mask = batch.input_ids.flatten()[index.to(dev)][None], None  # [1, T]
-        rows = rows.to(dev)
+        index, rows, where = (platform.to_device(t, dev) for t in (index, rows, where))
+        ids, mask = batch.input_ids.flatten()[index][None], None  # [1, T]
+        targets = batch.response_ids.flatten()[where]  # [M]
     else:
         N, W = valid.shape
         rows = (torch.arange(N, device=valid.device)[:, None] * W + P - 1
                 + torch.arange(W - P, device=valid.device))[resp]  # [M] in the flattened [N * W] hidden states
-        ids, mask, meta = batch.input_ids, batch.attention_mask, None
+        ids, mask, meta, targets, where = batch.input_ids, batch.attention_mask, None, batch.response_ids[resp], None
 
     def head(h: torch.Tensor, weight: torch.Tensor):
         return token_logprobs(h.flatten(0, 1)[rows], weight, targets, temperature, chunk_tokens, with_entropy)
 
     lp, ent = model(ids, mask, meta=meta, head=head, routing=routing)
-    zeros = torch.zeros(resp.shape, dtype=lp.dtype, device=resp.device)  # fp32 (fp64 for fp64 models)
-    return zeros.masked_scatter(resp, lp), None if ent is None else zeros.masked_scatter(resp, ent)
+
+    def placed(x: torch.Tensor) -> torch.Tensor:  # [M] -> [N, R], 0 at padding (fp32; fp64 for fp64 models)
+        zeros = torch.zeros(resp.shape, dtype=x.dtype, device=resp.device)
+        return zeros.masked_scatter(resp, x) if where is None else zeros.flatten().index_copy(0, where, x).view_as(resp)
+
+    return placed(lp), None if ent is None else placed(ent)
 
 
 class PackedLayout(NamedTuple):
@@ -74,6 +78,7 @@ class PackedLayout(NamedTuple):
     prefix: list[int] | None  # per sequence, the one it continues (-1 = none); None = no shared prompts
     index: torch.Tensor  # [T] position of each row token in input_ids.flatten()
     rows: torch.Tensor  # [M] the row position whose hidden state predicts each response token ([N, R] order)
+    where: torch.Tensor  # [M] each response token's position in response_ids.flatten() ([N, R] order)
 
 
 def packed_layout(batch: Batch, share_prompts: bool = False, routing: RoutingState | None = None) -> PackedLayout:
@@ -81,7 +86,9 @@ def packed_layout(batch: Batch, share_prompts: bool = False, routing: RoutingSta
     prompt copy per row: its record is laid out that way."""
     if bool((batch.attention_mask[:, :batch.prompt_len].sum(1) == 0).any()):
         raise ValueError("every row needs at least one prompt token (its last one predicts the response)")
-    return shared_layout(batch) if share_prompts and routing is None else row_layout(batch)
+    lengths, prefix, index, rows = shared_layout(batch) if share_prompts and routing is None else row_layout(batch)
+    where = batch.attention_mask[:, batch.prompt_len:].bool().flatten().nonzero().squeeze(1)
+    return PackedLayout(lengths, prefix, index, rows, where)
 
 
 class MicroBatch(NamedTuple):
@@ -110,15 +117,15 @@ def device_micro_batches(batch: Batch, device: torch.device, size: int, group=No
     return out
 
 
-def row_layout(batch: Batch) -> PackedLayout:
-    """Packed, one copy of everything."""
+def row_layout(batch: Batch) -> tuple[list[int], None, torch.Tensor, torch.Tensor]:
+    """Packed, one copy of everything: `PackedLayout`'s first four fields."""
     P, valid = batch.prompt_len, batch.attention_mask.bool()
     packed_index = valid.flatten().long().cumsum(0).view(valid.shape) - 1  # [N, P + R] position in the row
     rows = packed_index[:, P:][valid[:, P:]] - 1  # [M]
-    return PackedLayout(valid.sum(1).tolist(), None, valid.flatten().nonzero().squeeze(1), rows)
+    return valid.sum(1).tolist(), None, valid.flatten().nonzero().squeeze(1), rows
 
 
-def shared_layout(batch: Batch) -> PackedLayout:
+def shared_layout(batch: Batch) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
     """Packed with shared prompts: each distinct prompt once (in order of first appearance), followed by the
     responses of its rows; returns what `row_layout` does, with each response's prefix (its prompt's sequence). A
     row's first response token is predicted by its prompt's last token, the others by its own previous one."""
@@ -144,7 +151,7 @@ def shared_layout(batch: Batch) -> PackedLayout:
                 start += r
     rows.sort(key=lambda x: x[0])  # [N, R] row-major order, as the targets
     predictors = torch.cat([r for _, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
-    return PackedLayout(lengths, prefix, torch.cat(index), predictors)
+    return lengths, prefix, torch.cat(index), predictors
 
 
 def prompt_groups(batch: Batch) -> tuple[list[int], list[list[int]]]:
@@ -182,5 +189,5 @@ def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size
             lp, _ = response_logprobs(model, mb, temperature, packed=packed, chunk_tokens=chunk_tokens,
                                       routing=routing_state(mb, replay, packed), layout=layout)
         if weight:
-            out[rows.to(dev), :lp.shape[1]] = lp * mb.response_mask
+            out[platform.to_device(rows, dev), :lp.shape[1]] = lp * mb.response_mask
     return out
