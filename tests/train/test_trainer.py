@@ -9,6 +9,8 @@ from conftest import make_batch, tiny_model
 from twinplane.algos import PRESETS, aggregate, kl_penalty, token_policy_loss
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.train import Batch, Reference, Trainer
+from twinplane.train import trainer as trainer_module
+from twinplane.train.critic import Critic, ValueModel
 from twinplane.train.logprobs import response_logprobs
 
 
@@ -146,10 +148,10 @@ class ReadBack(Exception):
 
 @pytest.mark.parametrize("share", [False, True])
 def test_a_step_reads_the_device_once_at_its_end(monkeypatch, share):
-    """A training step and a scoring pass read nothing back from the device until the step's one readback: on a
-    GPU each read waits for every queued kernel, and the device idles while the host catches up. Run on the meta
-    device, where every read raises (a boolean index, `.tolist()`, `.item()`, a `nonzero`), the step gets to its
-    readback; the micro-batch layouts come from the host batch."""
+    """A training step, a scoring pass and the critic's values and step read nothing back from the device until
+    the step's one readback: on a GPU each read waits for every queued kernel, and the device idles while the
+    host catches up. Run on the meta device, where every read raises (a boolean index, `.tolist()`, `.item()`, a
+    `nonzero`), each step gets to its readback; the micro-batches are planned from the host batch."""
     real_enabled, real_autocast = torch.is_autocast_enabled, torch.autocast
 
     class Autocast(real_autocast):  # (autocast knows no meta device: it does nothing there)
@@ -159,11 +161,11 @@ def test_a_step_reads_the_device_once_at_its_end(monkeypatch, share):
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: a[:1] != ("meta",) and real_enabled(*a))
     monkeypatch.setattr(torch, "autocast", Autocast)
 
-    def readback(self, sums, grad_norm):
+    def readback(sums, grad_norm, group, device):
         assert {t.device.type for t in sums.values() if isinstance(t, torch.Tensor)} == {"meta"}
         raise ReadBack
 
-    monkeypatch.setattr(Trainer, "_readback", readback)
+    monkeypatch.setattr(trainer_module, "readback", readback)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (3, 6, 2)] * 2  # each prompt twice
     responses = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (4, 1, 7, 5, 3, 2)]
@@ -176,3 +178,9 @@ def test_a_step_reads_the_device_once_at_its_end(monkeypatch, share):
     trainer = Trainer(tiny_model().train().to("meta"), train, AlgoSection(kl_coef=0.1, entropy_coef=0.01), 1.0, 10)
     with pytest.raises(ReadBack):
         trainer.train_step(batch)
+    critic = Critic(ValueModel(tiny_model().config).to("meta"), 1e-3, (0.9, 0.999), 0.0, 0.2, 1.0, 4, 24)
+    batch.old_values = critic.values(batch)  # (padded rows: the critic runs a padded batch)
+    batch.returns = torch.randn(batch.response_mask.shape, generator=g)
+    assert batch.old_values.device.type == "meta"
+    with pytest.raises(ReadBack):
+        critic.train_step(batch)

@@ -224,13 +224,15 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def dense_metadata(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> AttentionMetadata:
-        """Metadata for padded rows [B, T]: positions count real tokens only."""
+        """Metadata for padded rows [B, T]: positions count real tokens only. A host mask without padding takes the
+        fused causal kernel; a device mask is used as given (looking would wait for the device: a caller that knows
+        its rows are whole passes None)."""
         B, T = input_ids.shape
         dev = input_ids.device
         valid = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        if attention_mask is not None and bool(valid.all()):
-            attention_mask = None  # no padding at all: take the fused causal kernel
+        if attention_mask is not None and dev.type == "cpu" and bool(valid.all()):
+            attention_mask = None  # no padding at all
         window, mask = self.config.sliding_window, None
         if attention_mask is not None or (window is not None and T > window):
             mask = build_mask(positions, positions, valid, torch.arange(T, device=dev), window)

@@ -54,9 +54,20 @@ def build_value_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Te
     return model.to(device=device, dtype=dtype)
 
 
-def response_values(model: ValueModel, batch: Batch) -> torch.Tensor:
-    """V(s_t) [N, R]: the value at each response token's predicting position (column P-1+t)."""
-    return model(batch.input_ids, batch.attention_mask, logits_start=batch.prompt_len - 1)[:, :-1]
+def response_values(model: ValueModel, batch: Batch, padded: bool = True) -> torch.Tensor:
+    """V(s_t) [N, R]: the value at each response token's predicting position (column P-1+t). `padded=False`: the
+    caller knows the rows have no padding (the fused causal kernel, no mask), so the forward need not look."""
+    mask = batch.attention_mask if padded else None
+    return model(batch.input_ids, mask, logits_start=batch.prompt_len - 1)[:, :-1]
+
+
+def host_planned(batch: Batch, device: torch.device, size: int, group, max_tokens: int):
+    """(micro-batch on `device`, loss weight, whether it has padding), planned on a host copy of the masks (as the
+    trainer's `device_micro_batches`), so the micro-batch loop reads nothing back from the device."""
+    cpu = torch.device("cpu")
+    plan = Batch(batch.input_ids.to(cpu), batch.attention_mask.to(cpu), batch.response_mask.to(cpu), batch.prompt_len)
+    return [(batch.select(rows, plan.attention_mask).to(device), w, not bool(plan.select(rows).attention_mask.all()))
+            for rows, w in fsdp.micro_batch_rows(plan, size, group, max_tokens)]
 
 
 class Critic:
@@ -75,11 +86,10 @@ class Critic:
     def values(self, batch: Batch) -> torch.Tensor:
         """[N, R] values of the response positions (0 at padding), micro-batched, without grad."""
         self.model.eval()
-        batch = batch.to(self.device)
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)
         i = 0
-        for mb, weight in fsdp.micro_batches(batch, self.micro_batch_size, self.group, self.max_tokens):
-            v = response_values(self.model, mb)
+        for mb, weight, padded in host_planned(batch, self.device, self.micro_batch_size, self.group, self.max_tokens):
+            v = response_values(self.model, mb, padded)
             if weight:
                 out[i:i + len(mb), :v.shape[1]] = v * (mb.attention_mask[:, mb.prompt_len:] > 0)
                 i += len(mb)
@@ -87,27 +97,26 @@ class Critic:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the clipped value loss on `batch` (needs `old_values` and `returns`), a token mean
-        (or sum, `loss_agg`) over the global batch. Metrics: critic/vf_loss, critic/vf_clipfrac, critic/grad_norm."""
-        from twinplane.train.trainer import clip_and_step
+        (or sum, `loss_agg`) over the global batch. Metrics: critic/vf_loss, critic/vf_clipfrac, critic/grad_norm,
+        kept on the device until the step's one read."""
+        from twinplane.train.trainer import clip_and_step, readback
 
         self.model.train()
-        batch = batch.to(self.device)
         num_tokens = batch.num_response_tokens
         if self.group is not None:
             num_tokens = fsdp.all_reduce(num_tokens, self.group)
         num_tokens = max(num_tokens, 1)
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        for mb, weight in fsdp.micro_batches(batch, self.micro_batch_size, self.group, self.max_tokens):
-            v = response_values(self.model, mb)
+        for mb, weight, padded in host_planned(batch, self.device, self.micro_batch_size, self.group, self.max_tokens):
+            v = response_values(self.model, mb, padded)
             m = mb.response_mask
             loss, frac = value_loss(v, mb.old_values, mb.returns, m, clip=self.value_clip, agg=self.loss_agg,
                                     norm=num_tokens)
             (loss * weight).backward()
-            sums["vf_loss"] += weight * float(loss.detach())
-            sums["vf_clipfrac"] += weight * float(frac) * float(m.sum()) / num_tokens
-        if self.group is not None:
-            sums = {k: fsdp.all_reduce(v, self.group) for k, v in sums.items()}
-        grad_norm = clip_and_step(self.model, self.opt, self.sched, self.grad_clip, self.device)
+            sums["vf_loss"] = sums["vf_loss"] + weight * loss.detach().double()
+            sums["vf_clipfrac"] = sums["vf_clipfrac"] + weight * frac.double() * m.sum(dtype=torch.float64) / num_tokens
+        grad_norm = clip_and_step(self.model, self.opt, self.sched, self.grad_clip, self.device, readback=False)
+        sums, grad_norm = readback(sums, grad_norm, self.group, self.device)
         return {f"critic/{k}": v for k, v in sums.items()} | {"critic/grad_norm": grad_norm}
 
     def named_weights(self):

@@ -110,17 +110,6 @@ class Trainer:
     def _global(self, x: float, op=None) -> float:
         return x if self.group is None else fsdp.all_reduce(x, self.group, *(() if op is None else (op,)))
 
-    def _readback(self, sums: dict[str, float | torch.Tensor],
-                  grad_norm: torch.Tensor) -> tuple[dict[str, float], float]:
-        """The step's metric sums, reduced over the ranks, and the grad norm (global already): one host read."""
-        keys = list(sums)
-        vals = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=self.device) for k in keys])
-        if self.group is not None:
-            vals = platform.collective_tensor(vals, self.group)
-            dist.all_reduce(vals, group=self.group)
-        *vals, norm = torch.cat([vals, grad_norm.detach().to(vals.device, torch.float64).reshape(1)]).tolist()
-        return dict(zip(keys, vals, strict=True)), norm
-
     def _off_policy(self, batch: Batch) -> tuple[Batch, dict[str, torch.Tensor]]:
         """`batch` with the off-policy correction's weights and its masked tokens out of `response_mask`, and the
         correction's metrics (this rank's shares), computed on the device and read back with the step's others."""
@@ -203,10 +192,23 @@ class Trainer:
         lr = self.sched.get_last_lr()[0]  # the rate this update uses, read before the scheduler steps
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
                                   self.cfg.optimizer_offload, readback=False)
-        sums, grad_norm = self._readback(sums, grad_norm)
+        sums, grad_norm = readback(sums, grad_norm, self.group, self.device)
         out = {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr,
                                                              "actor/prompt_tokens_shared": self._global(shared)}
         return out | (moe.metrics(self.group) if moe is not None else {})
+
+
+def readback(sums: dict[str, float | torch.Tensor], grad_norm: torch.Tensor, group,
+             device: torch.device) -> tuple[dict[str, float], float]:
+    """A step's metric sums, reduced over `group`'s ranks, and its grad norm (global already): the step's one read
+    from the device."""
+    keys = list(sums)
+    vals = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device) for k in keys])
+    if group is not None:
+        vals = platform.collective_tensor(vals, group)
+        dist.all_reduce(vals, group=group)
+    *vals, norm = torch.cat([vals, grad_norm.detach().to(vals.device, torch.float64).reshape(1)]).tolist()
+    return dict(zip(keys, vals, strict=True)), norm
 
 
 def clip_and_step(model: torch.nn.Module, opt, sched, grad_clip: float, device: torch.device,
