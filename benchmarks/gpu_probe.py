@@ -5,41 +5,43 @@
 
 Each section is written to OUT_DIR/probe.json as soon as it ends (and its lines to OUT_DIR/probe.log), so a run cut
 off by a time limit still reports what it measured; a section that raises records its error and the next one runs.
-Sections, in order:
+Sections, in order: what the goals are judged by first (the engine's decode steps against the memory roofline, the
+compiled training step's MFU, the largest micro-batch), then what explains them, and last HF `generate`, whose rate
+on this work is known already (a section starts only while the time it needs is left before --deadline):
 
 - env: torch / Triton / CUDA or HIP versions, the device, and what `twinplane.platform` chose (rollout kernels,
   paged attention backend and block size, decode graph mode, training precision, distributed backend).
 - copy: device-to-device copy bandwidth (bytes read + written per second) and one tiny kernel's cost, launched
   eagerly and replayed from a graph: the floor under a step of a thousand small kernels.
+- engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
+  the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
+  step time went; a second call of the same shape (the engine's graphs kept) and a third reading every step back
+  before launching the next (`run_ahead` off), each with its steps against the roofline; where a smaller call's
+  host waits for the device (call sites, from CUDA's sync debug mode).
+- train_compiled: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over
+  packed micro-batches of an RL-like length mix, decoder layers compiled (`train.compile=on`), in a child process
+  cut at the deadline: tokens/s, MFU against the device's dense bf16 peak, peak memory, the profiler's
+  per-category time and top operators, and where a step's host waits for the device; train: the same eager
+  (`train.compile=off`).
+- train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 - decode: one static decode step (the engine's `DecodeGraphs`: forward, sampler, row update) per batch size at a
   fixed context, Qwen2.5-0.5B shape in bf16: capture seconds, replay ms, and the memory roofline (every weight and
   every context token's k/v read once, at the measured copy bandwidth); kernels per step from the profiler.
 - profile: the profiler's top kernels and per-category device time of one decode step at batch 128, and the
   operators (with their input shapes) that launched them.
+- kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
+  decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
+  the paged decode's KV read rate and its time per split count, and one layer's paged attention (pool write
+  included) per backend.
+- attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
+  backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
+  RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
 - sampling: the engine's sampler alone (policy log-probs, inverse-CDF choice, chosen log-prob, one readback) on
   [B, V] logits.
 - decode_sdpa, decode_torch, decode_triton: the decode section at every other batch size with the portable paged
   attention and torch kernels, with torch kernels and the platform's attention (flex on GPUs without flash-attn),
   and with the Triton kernels (`rollout.kernels=triton`, twinplane.rollout.kernels) and their paged attention.
-- kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
-  decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
-  the paged decode's KV read rate and its time per split count, and one layer's paged attention (pool write
-  included) per backend.
-- engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
-  the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
-  step time went; a second call of the same shape (the engine's graphs kept) and a third reading every step back
-  before launching the next (`run_ahead` off), each with its steps against the roofline; where a smaller call's
-  host waits for the device (call sites, from CUDA's sync debug mode); then Hugging Face `generate` on the same
-  work and weights for the ratio.
-- attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
-  backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
-  RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
-- train: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over packed
-  micro-batches of an RL-like length mix, decoder layers eager (`train.compile=off`): tokens/s, MFU against the
-  device's dense bf16 peak, peak memory, the profiler's per-category time and top operators, and where a step's
-  host waits for the device; train_compiled: the same compiled (`train.compile=on`), in a child process cut at
-  the deadline.
-- train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
+- engine_hf: Hugging Face `generate` on the engine section's work and weights, and the engine's rate over it.
 """
 
 from __future__ import annotations
@@ -498,14 +500,9 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
     return res
 
 
-def engine_section(a, device, dtype, bw: float) -> dict:
-    import transformers
-    from engine_vs_hf import FIELDS, PRESETS, Roofline, build, run_hf, run_twinplane
-    from torch._dynamo.utils import counters
-
-    import twinplane
-    from twinplane.rollout import RolloutEngine
-    from twinplane.rollout.graphs import DecodeGraphs
+def engine_workload(a, device, dtype) -> argparse.Namespace:
+    """The engine sections' work: `engine_vs_hf`'s GPU preset (its prompts and random weights follow from it)."""
+    from engine_vs_hf import FIELDS, PRESETS
 
     args = argparse.Namespace(**dict(zip(FIELDS, PRESETS["qwen2.5-0.5b" if device.type == "cuda" else "cpu"],
                                          strict=True)))
@@ -513,6 +510,18 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 512
         args.prompts, args.samples, args.new_tokens, args.stops, args.prompt_len = 4, 2, 16, 8, 8
     args.dtype = str(dtype).removeprefix("torch.")
+    return args
+
+
+def engine_section(a, device, dtype, bw: float) -> dict:
+    from engine_vs_hf import Roofline, build, run_twinplane
+    from torch._dynamo.utils import counters
+
+    import twinplane
+    from twinplane.rollout import RolloutEngine
+    from twinplane.rollout.graphs import DecodeGraphs
+
+    args = engine_workload(a, device, dtype)
     captures = {"n": 0, "seconds": 0.0}
     capture = DecodeGraphs._capture
 
@@ -528,11 +537,9 @@ def engine_section(a, device, dtype, bw: float) -> dict:
     def frames_since(frames: dict) -> dict:  # Dynamo frames compiled since `frames` was taken
         return {k: v - frames.get(k, 0) for k, v in counters["frames"].items()}
 
-    transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = build(args, tmp)
         model = twinplane.load_model(tmp, device=device, dtype=dtype)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
     engine = RolloutEngine(copy.deepcopy(model), eos_token_id=None, max_num_seqs=512,
                            max_num_batched_tokens=args.max_num_batched_tokens, graph_max_batch=512)
     roof = Roofline(engine)
@@ -572,13 +579,25 @@ def engine_section(a, device, dtype, bw: float) -> dict:
     finally:
         DecodeGraphs._capture = capture
         Roofline.active = []
-    a.partial("engine", out)  # on record before HF's minutes
-    if a.hf and (a.smoke or time.perf_counter() < a.hf_until):
-        run_hf(hf, prompts[:8], args, seed=0, new_tokens=32)
-        hn, hs, _ = run_hf(hf, prompts, args, seed=1)
-        out |= {"hf_tokens": hn, "hf_seconds": hs, "hf_tokens_per_s": hn / hs, "ratio_vs_hf": (n / s) / (hn / hs),
-                "ratio_vs_hf_second_call": (n2 / s2) / (hn / hs)}
+    a.engine_rates = {"first_call": n / s, "second_call": n2 / s2}  # (for engine_hf's ratios)
     return out
+
+
+def engine_hf_section(a, device, dtype) -> dict:
+    """Hugging Face `generate` on the engine section's work and weights: tokens/s, and the engine's calls' over it."""
+    import transformers
+    from engine_vs_hf import build, run_hf
+
+    args = engine_workload(a, device, dtype)
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = build(args, tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+    run_hf(hf, prompts[:8], args, seed=0, new_tokens=32)  # warm-up
+    n, s, _ = run_hf(hf, prompts, args, seed=1)
+    rates = getattr(a, "engine_rates", {})
+    return {"hf_tokens": n, "hf_seconds": s, "hf_tokens_per_s": n / s} | {
+        f"ratio_vs_hf_{call}": rate / (n / s) for call, rate in rates.items()}
 
 
 def rl_lengths(n: int, prompt: tuple[int, int], mean: int, cap: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -758,7 +777,7 @@ def isolated(a, name: str) -> dict:
     for minutes in native code, where nothing in this process could interrupt it)."""
     out = a.out / name
     cmd = [sys.executable, __file__, str(out), "--sections", name, "--deadline", "1e9", "--in-child",
-           *(["--smoke"] if a.smoke else []), *([] if a.hf else ["--no-hf"])]
+           *(["--smoke"] if a.smoke else [])]
     try:
         subprocess.run(cmd, timeout=max(a.until - time.perf_counter(), 1.0), check=False)
     except subprocess.TimeoutExpired:
@@ -777,11 +796,10 @@ def main() -> None:
     p.add_argument("--deadline", type=float, default=400.0, help="seconds after which no new section starts")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds past the deadline before the compiled training section is cut")
-    p.add_argument("--sections", default="env,copy,decode,profile,sampling,decode_sdpa,decode_torch,decode_triton,"
-                   "kernels,attention,engine,train,train_compiled,train_fit")
+    p.add_argument("--sections", default="env,copy,engine,train_compiled,train_fit,train,decode,profile,kernels,"
+                   "attention,sampling,decode_sdpa,decode_torch,decode_triton,engine_hf")
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
     p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate in the engine section")
     a = p.parse_args()
     gpu = torch.cuda.is_available() and not a.smoke
     if not gpu:  # the Triton sections on CPU: Triton's interpreter (set before any kernel is defined)
@@ -797,7 +815,6 @@ def main() -> None:
     probe = Probe(a.out, a.deadline)
     a.partial = probe.partial
     a.until = probe.t0 + a.deadline + a.grace
-    a.hf_until = probe.t0 + a.deadline - 60  # HF generate only while a minute is left for the training sections
     probe.say(f"gpu_probe: device {device}, dtype {dtype}, deadline {a.deadline:.0f} s, sections {a.sections}")
     want = a.sections.split(",")
     bw = 1e12
@@ -807,20 +824,23 @@ def main() -> None:
     if "copy" in want or gpu:  # (0.1 s; the rooflines need the measured bandwidth)
         res = probe.section("copy", copy_section, device)
         bw = (res or {}).get("copy_bandwidth_bytes_per_s", bw)
-    for name, fn, args, need in (("decode", decode_section, (a, device, dtype, bw), 60),
-                                 ("profile", profile_section, (a, device, dtype), 20),
-                                 ("sampling", sampling_section, (a, device, dtype), 10),
-                                 ("decode_sdpa", decode_other_backend, (a, device, dtype, bw, "sdpa", "torch"), 40),
-                                 ("decode_torch", decode_other_backend, (a, device, dtype, bw, None, "torch"), 40),
-                                 ("decode_triton", decode_other_backend, (a, device, dtype, bw, "triton", "triton"),
-                                  40),
-                                 ("kernels", kernels_section, (a, device, dtype), 40),
-                                 ("attention", attention_section, (a, device), 30),
-                                 ("engine", engine_section, (a, device, dtype, bw), 90),
-                                 ("train", train_section, (a, device, False), 40),
+    # the goals' measurements first (the engine's steps against the roofline, the compiled training step's MFU,
+    # the largest micro-batch), then what explains them; HF generate, whose rate is known, last
+    for name, fn, args, need in (("engine", engine_section, (a, device, dtype, bw), 40),
                                  ("train_compiled", *((train_section, (a, device, True)) if a.in_child else
                                                       (isolated, (a, "train_compiled"))), 90),
-                                 ("train_fit", train_fit_section, (a, device), 60)):
+                                 ("train_fit", train_fit_section, (a, device), 60),
+                                 ("train", train_section, (a, device, False), 40),
+                                 ("decode", decode_section, (a, device, dtype, bw), 30),
+                                 ("profile", profile_section, (a, device, dtype), 20),
+                                 ("kernels", kernels_section, (a, device, dtype), 30),
+                                 ("attention", attention_section, (a, device), 30),
+                                 ("sampling", sampling_section, (a, device, dtype), 10),
+                                 ("decode_sdpa", decode_other_backend, (a, device, dtype, bw, "sdpa", "torch"), 20),
+                                 ("decode_torch", decode_other_backend, (a, device, dtype, bw, None, "torch"), 40),
+                                 ("decode_triton", decode_other_backend, (a, device, dtype, bw, "triton", "triton"),
+                                  20),
+                                 ("engine_hf", engine_hf_section, (a, device, dtype), 90)):
         if name in want:
             probe.section(name, fn, *args, need=0 if a.smoke else need)
             if gpu:  # what the section held goes back before the next one

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("env", "copy", "decode", "profile", "sampling", "decode_sdpa", "decode_torch", "decode_triton", "kernels",
-            "attention", "engine", "train", "train_fit")
+SECTIONS = ("env", "copy", "engine", "train_fit", "train", "decode", "profile", "kernels", "attention", "sampling",
+            "decode_sdpa", "decode_torch", "decode_triton", "engine_hf")
 
 
 @pytest.mark.slow
@@ -36,7 +36,9 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
         assert set(row["paged_decode_by_splits_us"]) == {"1", "2"}
         assert all(isinstance(row["attention_layer_us"][b], float) for b in ("triton", "flex", "sdpa"))
     # the engine's tokens are the samples' own: 4 prompts x 2 samples, at most 16 new tokens each
-    assert 8 <= res["engine"]["tokens"] <= 4 * 2 * 16 and res["engine"]["hf_tokens"] > 0
+    assert 8 <= res["engine"]["tokens"] <= 4 * 2 * 16 and res["engine_hf"]["hf_tokens"] > 0
+    for call in ("first_call", "second_call"):  # HF's rate against the engine's calls, from the same process
+        assert res["engine_hf"][f"ratio_vs_hf_{call}"] > 0
     assert res["engine"]["second_call"]["tokens"] > 0 and "partial" not in res["engine"]
     for call in ("second_call", "step_by_step_call"):  # each later call's own steps against the roofline
         assert res["engine"][call]["roofline"]["decode_steps"] > 0
