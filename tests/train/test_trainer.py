@@ -165,7 +165,7 @@ def test_a_step_reads_the_device_once_at_its_end(monkeypatch, share):
         assert {t.device.type for t in sums.values() if isinstance(t, torch.Tensor)} == {"meta"}
         raise ReadBack
 
-    monkeypatch.setattr(trainer_module, "readback", readback)
+    monkeypatch.setattr(trainer_module, "step_readback", readback)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (3, 6, 2)] * 2  # each prompt twice
     responses = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (4, 1, 7, 5, 3, 2)]

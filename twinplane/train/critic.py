@@ -99,7 +99,7 @@ class Critic:
         """One optimizer step of the clipped value loss on `batch` (needs `old_values` and `returns`), a token mean
         (or sum, `loss_agg`) over the global batch. Metrics: critic/vf_loss, critic/vf_clipfrac, critic/grad_norm,
         kept on the device until the step's one read."""
-        from twinplane.train.trainer import clip_and_step, readback
+        from twinplane.train.trainer import clip_and_step, step_readback
 
         self.model.train()
         num_tokens = batch.num_response_tokens
@@ -116,7 +116,7 @@ class Critic:
             sums["vf_loss"] = sums["vf_loss"] + weight * loss.detach().double()
             sums["vf_clipfrac"] = sums["vf_clipfrac"] + weight * frac.double() * m.sum(dtype=torch.float64) / num_tokens
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.grad_clip, self.device, readback=False)
-        sums, grad_norm = readback(sums, grad_norm, self.group, self.device)
+        sums, grad_norm = step_readback(sums, grad_norm, self.group, self.device)
         return {f"critic/{k}": v for k, v in sums.items()} | {"critic/grad_norm": grad_norm}
 
     def named_weights(self):

@@ -192,14 +192,14 @@ class Trainer:
         lr = self.sched.get_last_lr()[0]  # the rate this update uses, read before the scheduler steps
         grad_norm = clip_and_step(self.model, self.opt, self.sched, self.cfg.grad_clip, self.device,
                                   self.cfg.optimizer_offload, readback=False)
-        sums, grad_norm = readback(sums, grad_norm, self.group, self.device)
+        sums, grad_norm = step_readback(sums, grad_norm, self.group, self.device)
         out = {f"actor/{k}": v for k, v in sums.items()} | {"actor/grad_norm": grad_norm, "actor/lr": lr,
                                                              "actor/prompt_tokens_shared": self._global(shared)}
         return out | (moe.metrics(self.group) if moe is not None else {})
 
 
-def readback(sums: dict[str, float | torch.Tensor], grad_norm: torch.Tensor, group,
-             device: torch.device) -> tuple[dict[str, float], float]:
+def step_readback(sums: dict[str, float | torch.Tensor], grad_norm: torch.Tensor, group,
+                  device: torch.device) -> tuple[dict[str, float], float]:
     """A step's metric sums, reduced over `group`'s ranks, and its grad norm (global already): the step's one read
     from the device."""
     keys = list(sums)
