@@ -571,7 +571,7 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         out |= {"step_by_step_call": {"tokens": n3, "seconds": s3, "tokens_per_s": n3 / s3,
                                       "run_ahead_speedup": (n2 / s2) / (n3 / s3), "roofline": roof.summary(bw)}}
         # where a smaller call's host waits for the device (run ahead, a decode step should wait once, for the
-        # step before it; the sites in engine_vs_hf.py are the roofline's own timing of the ordinary scheduler)
+        # step before it; sites in engine_vs_hf.py are the benchmark's own timing: the call, the scheduler's phase)
         engine.run_ahead = True
         roof.reset()
         syncs = sync_sites(lambda: run_twinplane(engine, prompts[:16], args, seed=3, new_tokens=64), device)
