@@ -20,7 +20,7 @@ on this work is known already (a section starts only while the time it needs is 
   host waits for the device (call sites, from CUDA's sync debug mode).
 - train_compiled: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over
   packed micro-batches of an RL-like length mix, decoder layers compiled (`train.compile=on`), in a child process
-  cut at the deadline: tokens/s, MFU against the device's dense bf16 peak, peak memory, the profiler's
+  cut after --child-limit seconds: tokens/s, MFU against the device's dense bf16 peak, peak memory, the profiler's
   per-category time and top operators, and where a step's host waits for the device; train: the same eager
   (`train.compile=off`).
 - train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
@@ -773,19 +773,20 @@ def train_fit_section(a, device) -> dict:
 
 
 def isolated(a, name: str) -> dict:
-    """Section `name` in a child process that is killed `--grace` seconds past the deadline (a compile can run
-    for minutes in native code, where nothing in this process could interrupt it)."""
+    """Section `name` in a child process that is killed after `--child-limit` seconds, or `--grace` seconds past
+    the deadline if that comes first (a compile can run for minutes in native code, where nothing in this process
+    could interrupt it; the sections after it still get their time)."""
     out = a.out / name
     cmd = [sys.executable, __file__, str(out), "--sections", name, "--deadline", "1e9", "--in-child",
            *(["--smoke"] if a.smoke else [])]
     try:
-        subprocess.run(cmd, timeout=max(a.until - time.perf_counter(), 1.0), check=False)
+        subprocess.run(cmd, timeout=max(min(a.until - time.perf_counter(), a.child_limit), 1.0), check=False)
     except subprocess.TimeoutExpired:
         done = json.loads((out / "probe.json").read_text()) if (out / "probe.json").exists() else {}
         if name in done:  # the section ended; the child was still exiting (compile workers shutting down)
             return done[name]
         log = (out / "probe.log").read_text()[-2000:] if (out / "probe.log").exists() else ""
-        return {"error": "cut at the probe's deadline", "log_tail": log}
+        return {"error": "cut at its time limit", "log_tail": log}
     return json.loads((out / "probe.json").read_text())[name]
 
 
@@ -796,6 +797,8 @@ def main() -> None:
     p.add_argument("--deadline", type=float, default=400.0, help="seconds after which no new section starts")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds past the deadline before the compiled training section is cut")
+    p.add_argument("--child-limit", type=float, default=240.0,
+                   help="seconds the compiled training section (a child process) may take at most")
     p.add_argument("--sections", default="env,copy,engine,train_compiled,train_fit,train,decode,profile,kernels,"
                    "attention,sampling,decode_sdpa,decode_torch,decode_triton,engine_hf")
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
