@@ -146,6 +146,16 @@ class ReadBack(Exception):
     pass
 
 
+def shared_prompt_batch():
+    """Six rows, each prompt twice (a shared prompt where `train.share_prompts`), ragged responses."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (3, 6, 2)] * 2
+    responses = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (4, 1, 7, 5, 3, 2)]
+    batch = Batch.collate(prompts, responses, 0, [[-1.0] * len(r) for r in responses])
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    return batch, g
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_a_step_reads_the_device_once_at_its_end(monkeypatch, share):
     """A training step, a scoring pass and the critic's values and step read nothing back from the device until
@@ -166,11 +176,7 @@ def test_a_step_reads_the_device_once_at_its_end(monkeypatch, share):
         raise ReadBack
 
     monkeypatch.setattr(trainer_module, "step_readback", readback)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (3, 6, 2)] * 2  # each prompt twice
-    responses = [torch.randint(4, 50, (n,), generator=g).tolist() for n in (4, 1, 7, 5, 3, 2)]
-    batch = Batch.collate(prompts, responses, 0, [[-1.0] * len(r) for r in responses])
-    batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    batch, g = shared_prompt_batch()
     train = TrainSection(micro_batch_size=4, max_tokens_per_micro_batch=24, share_prompts=share, lr=1e-3)
     reference = Reference(tiny_model().to("meta"), 1.0, 4, max_tokens=24, train=train)
     batch.ref_logprobs = reference.logprobs(batch)  # a scoring pass
@@ -184,3 +190,32 @@ def test_a_step_reads_the_device_once_at_its_end(monkeypatch, share):
     assert batch.old_values.device.type == "meta"
     with pytest.raises(ReadBack):
         critic.train_step(batch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("share", [False, True])
+def test_a_step_on_a_gpu_waits_for_it_once(monkeypatch, share):
+    """On a GPU, with CUDA's sync debug mode set to raise at any host wait: a training step (after a first one,
+    which runs the kernels' self-checks) and a reference scoring pass never wait for the device; the step's one
+    read happens after the mode is switched off."""
+    batch, _ = shared_prompt_batch()
+    train = TrainSection(micro_batch_size=4, max_tokens_per_micro_batch=24, share_prompts=share, lr=1e-3,
+                         compile="off")  # (the probe counts the compiled step's waits)
+    trainer = Trainer(tiny_model().cuda().train(), train, AlgoSection(kl_coef=0.1, entropy_coef=0.01), 1.0, 10)
+    reference = Reference(tiny_model().cuda(), 1.0, 4, max_tokens=24, train=train)
+    batch.ref_logprobs = reference.logprobs(batch).cpu()
+    trainer.train_step(batch)
+    real = trainer_module.step_readback
+
+    def readback(*args):
+        torch.cuda.set_sync_debug_mode("default")
+        return real(*args)
+
+    monkeypatch.setattr(trainer_module, "step_readback", readback)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        reference.logprobs(batch)
+        trainer.train_step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from twinplane.platform import platform
+
 
 def pad_rows(rows: Sequence[Sequence], value, dtype, left: bool = False, width: int | None = None) -> torch.Tensor:
     """[len(rows), width] of `value`, each row's items at its start (or end: `left`). One tensor from all items and
@@ -89,7 +91,8 @@ class Batch:
         return Batch(**out)
 
     def to(self, device: torch.device) -> Batch:
-        return self._map(lambda t: t.to(device), lambda t: t.to(device))
+        """The batch on `device`; host tensors reach a GPU without waiting for its queue (`platform.to_device`)."""
+        return self._map(lambda t: platform.to_device(t, device), lambda t: platform.to_device(t, device))
 
     def select(self, rows: slice | torch.Tensor, attention_mask: torch.Tensor | None = None) -> Batch:
         """Rows of the batch, with columns that are padding in every selected row cut off, found in

@@ -115,9 +115,9 @@ class Trainer:
         correction's metrics (this rank's shares), computed on the device and read back with the step's others."""
         dev, mask = self.device, batch.response_mask
         ranks = 1 if self.group is None else dist.get_world_size(self.group)
-        w, keep, stats = self.algo.off_policy(batch.old_logprobs.to(dev), batch.rollout_logprobs.to(dev),
-                                              mask.to(dev), self.tis_cap, max(self._global(float(mask.sum())), 1),
-                                              ranks)
+        old, rollout, on_dev = (platform.to_device(t, dev) for t in (batch.old_logprobs, batch.rollout_logprobs, mask))
+        w, keep, stats = self.algo.off_policy(old, rollout, on_dev, self.tis_cap,
+                                              max(self._global(float(mask.sum())), 1), ranks)
         if keep is not None:
             mask = mask * keep.to(mask.device, mask.dtype)
         return replace(batch, response_mask=mask, is_weights=w), stats
@@ -176,7 +176,7 @@ class Trainer:
                 if tis:
                     is_weights = self.algo.off_policy(old, mb.rollout_logprobs, m, self.tis_cap)[0]
                     if weight:
-                        olds[rows.to(self.device), :old.shape[1]] = old
+                        olds[platform.to_device(rows, self.device), :old.shape[1]] = old
             loss, stats = self.algo.loss(lp, old, mb.advantages, m, entropy=ent, ref_logprobs=mb.ref_logprobs,
                                          is_weights=is_weights, norm=norm, num_tokens=num_tokens, horizon=horizon)
             if moe is not None:  # load-balancing loss, weighted by the micro-batch's share of the step's tokens
