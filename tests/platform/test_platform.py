@@ -377,8 +377,8 @@ def test_kernels_config_key_and_engine_option(monkeypatch):
 def test_to_device_copies_a_host_tensor_asynchronously_and_keeps_its_values():
     """`to_device` goes through pinned memory with an asynchronous copy: the device tensor holds the host tensor's
     values even when the host tensor changes right after the call (the pinned buffer is a copy of its own)."""
-    x = torch.arange(1 << 20)
-    y = platform.to_device(x, torch.device("cuda"))
-    x.zero_()
-    assert y.device.type == "cuda" and torch.equal(y.cpu(), torch.arange(1 << 20))
-    assert platform.to_device(x, torch.device("cpu")) is x
+    for x in (torch.arange(1 << 20), torch.arange(1 << 20).pin_memory()):  # (a pinned one is copied too)
+        y = platform.to_device(x, torch.device("cuda"))
+        x.zero_()
+        assert y.device.type == "cuda" and torch.equal(y.cpu(), torch.arange(1 << 20))
+        assert platform.to_device(x, torch.device("cpu")) is x

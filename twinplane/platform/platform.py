@@ -150,11 +150,12 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`, without waiting for the work queued there: on GPUs through pinned memory and an
     asynchronous copy (a copy from pageable memory waits for the stream to drain, and the device then idles until
     the host's next launch; the pinned buffer is kept until the copy is done by torch's host allocator); `.to`
-    elsewhere."""
+    elsewhere. The pinned buffer is always a copy of `t` (`pin_memory` returns a pinned tensor itself), so the
+    caller may change `t` at once."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return (t.clone() if t.is_pinned() else t).pin_memory().to(device, non_blocking=True)
 
 
 def empty_cache(device: torch.device) -> None:
