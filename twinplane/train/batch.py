@@ -92,7 +92,10 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         """The batch on `device`; host tensors reach a GPU without waiting for its queue (`platform.to_device`)."""
-        return self._map(lambda t: platform.to_device(t, device), lambda t: platform.to_device(t, device))
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return platform.to_device(t, device)
+
+        return self._map(move, move)
 
     def select(self, rows: slice | torch.Tensor, attention_mask: torch.Tensor | None = None) -> Batch:
         """Rows of the batch, with columns that are padding in every selected row cut off, found in

@@ -18,6 +18,7 @@ from twinplane.model import ModelConfig, Transformer, load_weights
 from twinplane.model.export import export_weights
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
+from twinplane.train.logprobs import device_micro_batches
 from twinplane.train.optim import build_optimizer, load_named_optimizer_state, named_optimizer_state
 
 
@@ -61,15 +62,6 @@ def response_values(model: ValueModel, batch: Batch, padded: bool = True) -> tor
     return model(batch.input_ids, mask, logits_start=batch.prompt_len - 1)[:, :-1]
 
 
-def host_planned(batch: Batch, device: torch.device, size: int, group, max_tokens: int):
-    """(micro-batch on `device`, loss weight, whether it has padding), planned on a host copy of the masks (as the
-    trainer's `device_micro_batches`), so the micro-batch loop reads nothing back from the device."""
-    cpu = torch.device("cpu")
-    plan = Batch(batch.input_ids.to(cpu), batch.attention_mask.to(cpu), batch.response_mask.to(cpu), batch.prompt_len)
-    return [(batch.select(rows, plan.attention_mask).to(device), w, not bool(plan.select(rows).attention_mask.all()))
-            for rows, w in fsdp.micro_batch_rows(plan, size, group, max_tokens)]
-
-
 class Critic:
     """The value model with its AdamW (constant lr) and the PPO value loss; `group`: its FSDP2 ranks when sharded
     (each rank trains on its rows of the global batch, as `Trainer`)."""
@@ -82,14 +74,19 @@ class Critic:
         self.opt, self.sched = build_optimizer(model.parameters(), lr, betas, weight_decay, 0, 1, "constant")
         self.device = model.output_weight().device
 
+    def _micro_batches(self, batch: Batch):
+        """Padded micro-batches on the device, planned on the host (`device_micro_batches`), as the trainer's."""
+        return device_micro_batches(batch, self.device, self.micro_batch_size, self.group, self.max_tokens,
+                                    packed=False)
+
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
         """[N, R] values of the response positions (0 at padding), micro-batched, without grad."""
         self.model.eval()
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)
         i = 0
-        for mb, weight, padded in host_planned(batch, self.device, self.micro_batch_size, self.group, self.max_tokens):
-            v = response_values(self.model, mb, padded)
+        for _, mb, weight, _, tokens in self._micro_batches(batch):
+            v = response_values(self.model, mb, padded=tokens < mb.attention_mask.numel())
             if weight:
                 out[i:i + len(mb), :v.shape[1]] = v * (mb.attention_mask[:, mb.prompt_len:] > 0)
                 i += len(mb)
@@ -107,8 +104,8 @@ class Critic:
             num_tokens = fsdp.all_reduce(num_tokens, self.group)
         num_tokens = max(num_tokens, 1)
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        for mb, weight, padded in host_planned(batch, self.device, self.micro_batch_size, self.group, self.max_tokens):
-            v = response_values(self.model, mb, padded)
+        for _, mb, weight, _, tokens in self._micro_batches(batch):
+            v = response_values(self.model, mb, padded=tokens < mb.attention_mask.numel())
             m = mb.response_mask
             loss, frac = value_loss(v, mb.old_values, mb.returns, m, clip=self.value_clip, agg=self.loss_agg,
                                     norm=num_tokens)
