@@ -338,7 +338,7 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(keep_pool, monkeypa
     monkeypatch.setattr(DecodeGraphs, "run", recorded)
     captures, capture = [], DecodeGraphs._capture
     monkeypatch.setattr(DecodeGraphs, "_capture",
-                        lambda self, size, key: captures.append(size) or capture(self, size, key))
+                        lambda self, size, key: captures.append((size, key)) or capture(self, size, key))
     counts = rows_checked(monkeypatch)
     model, sp = tiny_model(), SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5)
     graphed, eager = engine(model, "cuda_graph", keep_pool=keep_pool), engine(model, "eager")
@@ -376,17 +376,18 @@ def test_captured_graphs_equal_eager_before_and_after_weight_sync(monkeypatch):
     eager = RolloutEngine(copy.deepcopy(a), eos_token_id=EOS, graphs=False)
     captures, capture = [], DecodeGraphs._capture
     monkeypatch.setattr(DecodeGraphs, "_capture",
-                        lambda self, size, key: captures.append(size) or capture(self, size, key))
+                        lambda self, size, key: captures.append((size, key)) or capture(self, size, key))
     greedy = SamplingParams(temperature=0, max_new_tokens=16, n=3)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=16, n=3, seed=4)
     for sp in (greedy, sampled):
         assert_same(graphed.generate(PROMPTS, sp), eager.generate(PROMPTS, sp), atol=1e-4)
-    assert captures and len(set(captures)) == len(captures)  # each bucket once in the engine's lifetime
+    assert captures and len(set(captures)) == len(captures)  # each (bucket, sampler) once in the engine's lifetime
     assert graphed.pop_metrics()["rollout/engine_steps_graphed"] > 10 and graphed.graph_backend == "cuda_graph"
     for e in (graphed, eager):
         e.load_weights(b.named_parameters())
     for sp in (greedy, sampled):
         assert_same(graphed.generate(PROMPTS, sp), eager.generate(PROMPTS, sp), atol=1e-4)
+    assert len(captures) == len(set(captures))  # the weight sync kept every graph
     for s in graphed.generate(PROMPTS, greedy):
         assert s.token_ids == greedy_no_cache(b, PROMPTS[s.request_index], 16)
 
