@@ -15,14 +15,17 @@ on this work is known already (a section starts only while the time it needs is 
   eagerly and replayed from a graph: the floor under a step of a thousand small kernels.
 - engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
   the vocabulary as stop ids): tokens/s, graph captures, Dynamo frames compiled during the call, and where the
-  step time went; a second call of the same shape (the engine's graphs kept) and a third reading every step back
-  before launching the next (`run_ahead` off), each with its steps against the roofline; where a smaller call's
-  host waits for the device (call sites, from CUDA's sync debug mode).
+  step time went; later calls of the same shape (the engine's graphs kept), alternately running ahead (the
+  default) and reading every step back before launching the next (`run_ahead` off), each with its steps against
+  the roofline; where a smaller call's host waits for the device (call sites, from CUDA's sync debug mode).
 - train_compiled: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over
   packed micro-batches of an RL-like length mix, decoder layers compiled (`train.compile=on`), in a child process
-  cut after --child-limit seconds: tokens/s, MFU against the device's dense bf16 peak, peak memory, the profiler's
-  per-category time and top operators, and where a step's host waits for the device; train: the same eager
-  (`train.compile=off`).
+  cut after --child-limit seconds, with a fresh Inductor cache: tokens/s, MFU against the device's dense bf16
+  peak, peak memory, the caching allocator's device allocations, the profiler's per-category time, device-busy
+  time and top operators, and where a step's host waits for the device; train_compiled_warm: the same in a new
+  process that finds the cache filled (a restarted run); train_compiled_warm_no_aot_cache and
+  train_compiled_warm_triton_launcher: the warm run with AOTAutograd's cache, or Inductor's static kernel
+  launcher, off; train: the same eager (`train.compile=off`).
 - train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 - decode: one static decode step (the engine's `DecodeGraphs`: forward, sampler, row update) per batch size at a
   fixed context, Qwen2.5-0.5B shape in bf16: capture seconds, replay ms, and the memory roofline (every weight and
@@ -203,10 +206,24 @@ def category(name: str) -> str:
 
 
 def kernel_table(prof, gpu: bool, top: int = 20) -> dict:
-    """Kernels (device events on GPUs, ops on CPU) of a profile: count, top by time, totals per category."""
+    """Kernels (device events on GPUs, ops on CPU) of a profile: count, top by time, totals per category; on GPUs
+    also how long the device was busy (the union of its kernels' spans) within the span from the first kernel's
+    start to the last one's end, and how long the host stood blocked on a full launch queue."""
     events = [e for e in prof.events() if (e.device_type.name == "CUDA") == gpu]
-    if gpu:  # a device event's own span (its device_time_total is 0 in some torch versions)
-        times = [(e.name, e.time_range.elapsed_us()) for e in events]
+    extra = {}
+    if gpu:
+        # the profiler also draws annotated ranges (a compiled graph's call) and CUPTI's "Command Buffer Full" (the
+        # host blocked on launching) on the device's timeline: neither is device work
+        full = [e for e in events if e.name == "Command Buffer Full"]
+        events = [e for e in events if not e.is_user_annotation and e.name != "Command Buffer Full"]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+        busy, reach = 0.0, -math.inf
+        for start, end in spans:  # union of the spans
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        extra = {"busy_us": round(busy, 1), "span_us": round(spans[-1][1] - spans[0][0], 1) if spans else 0.0,
+                 "launch_queue_full_us": round(sum(e.time_range.elapsed_us() for e in full), 1)}
+        times = [(e.name, e.time_range.elapsed_us()) for e in events]  # (device_time_total is 0 in some torches)
     else:
         times = [(e.name, e.self_cpu_time_total) for e in events if not e.cpu_children]
     by_name: dict[str, list[float]] = {}
@@ -218,7 +235,7 @@ def kernel_table(prof, gpu: bool, top: int = 20) -> dict:
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {"kernels": len(times), "total_us": round(sum(us for _, us in times), 1),
             "by_category_us": {k: round(v, 1) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top": [{"name": n[:240], "calls": len(v), "total_us": round(sum(v), 1)} for n, v in ranked]}
+            "top": [{"name": n[:240], "calls": len(v), "total_us": round(sum(v), 1)} for n, v in ranked]} | extra
 
 
 def op_table(prof, gpu: bool, top: int = 15) -> list[dict]:
@@ -291,7 +308,8 @@ def decode_setup(a, device, dtype, kernels: str = "auto"):
     per_seq = -(-a.context // bs)
     kv = KVCache(cfg, max(a.batches) * per_seq + 1, bs, dtype, device)
     mode = "cuda_graph" if engine.graph_backend == "cuda_graph" else "static"
-    dg = DecodeGraphs(engine.model, kv, mode, engine.backend, per_seq, max(a.batches), max(a.batches), engine.head)
+    dg = DecodeGraphs(engine.model, kv, mode, engine.backend, per_seq, max(a.batches), max(a.batches), engine.head,
+                      fused=engine.kernels == "triton")  # (the sampler the engine's graphs run)
     return engine, dg
 
 
@@ -556,30 +574,37 @@ def engine_section(a, device, dtype, bw: float) -> dict:
                "capture_seconds_timed_call": captures["seconds"] - warm_seconds,
                "dynamo_frames_timed_call": frames_since(frames),
                "metrics": m, "roofline": roof.summary(bw)}
-        # a later call of the same shape: the engine's pool and graphs serve it (no capture expected); its steps
-        # against the roofline are the steady state's
-        before, frames = captures["n"], dict(counters["frames"])
-        roof.reset()
-        n2, s2, _, _ = run_twinplane(engine, prompts, args, seed=2)
-        out |= {"second_call": {"tokens": n2, "seconds": s2, "tokens_per_s": n2 / s2,
-                                "captures": captures["n"] - before, "dynamo_frames": frames_since(frames),
-                                "roofline": roof.summary(bw)}}
-        # the same call reading every step back before the next is launched (rollout.run_ahead=false)
-        engine.run_ahead = False
-        roof.reset()
-        n3, s3, _, _ = run_twinplane(engine, prompts, args, seed=2)
-        out |= {"step_by_step_call": {"tokens": n3, "seconds": s3, "tokens_per_s": n3 / s3,
-                                      "run_ahead_speedup": (n2 / s2) / (n3 / s3), "roofline": roof.summary(bw)}}
+        # later calls of the same shape: the engine's pool and graphs serve them (no capture expected), their
+        # steps against the roofline are the steady state's; in pairs of the same seed, each step launched before
+        # the one before it is read back (run_ahead, the default) and each read back first, in ABBA order
+        before, frames, default = captures["n"], dict(counters["frames"]), engine.run_ahead
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for i in range(a.engine_pairs):
+            for ahead in (True, False) if i % 2 == 0 else (False, True):
+                engine.run_ahead = ahead
+                roof.reset()
+                n2, s2, _, _ = run_twinplane(engine, prompts, args, seed=2 + i)
+                rates[ahead].append(n2 / s2)
+                call = {"tokens": n2, "seconds": s2, "tokens_per_s": n2 / s2, "roofline": roof.summary(bw)}
+                if "second_call" not in out:
+                    out["second_call"] = call | {"captures": captures["n"] - before,
+                                                 "dynamo_frames": frames_since(frames)}
+                elif "step_by_step_call" not in out and not ahead:
+                    out["step_by_step_call"] = call
+        out["later_calls"] = {"tokens_per_s": {"run_ahead": rates[True], "step_by_step": rates[False]},
+                              "captures": captures["n"] - before, "dynamo_frames": frames_since(frames),
+                              "run_ahead_speedup": statistics.median(rates[True]) / statistics.median(rates[False])}
         # where a smaller call's host waits for the device (run ahead, a decode step should wait once, for the
         # step before it; sites in engine_vs_hf.py are the benchmark's own timing: the call, the scheduler's phase)
-        engine.run_ahead = True
+        engine.run_ahead = default
         roof.reset()
         syncs = sync_sites(lambda: run_twinplane(engine, prompts[:16], args, seed=3, new_tokens=64), device)
         out |= {"host_syncs_small_call": syncs and syncs | {"engine_steps": len(roof.steps)}}
     finally:
         DecodeGraphs._capture = capture
         Roofline.active = []
-    a.engine_rates = {"first_call": n / s, "second_call": n2 / s2}  # (for engine_hf's ratios)
+    # (for engine_hf's ratios: the first call, and the median of the later ones as a run has them)
+    a.engine_rates = {"first_call": n / s, "second_call": statistics.median(rates[default])}
     return out
 
 
@@ -698,7 +723,10 @@ def train_section(a, device, compiled: bool) -> dict:
     trainer.train_step(batch)  # first step: compiles, allocator, cuBLAS
     sync(device)
     first = time.perf_counter() - t
-    steps = timed(lambda: trainer.train_step(batch), device, a.train_steps, warmup=1)
+    trainer.train_step(batch)
+    allocator = alloc_counts(device)
+    steps = timed(lambda: trainer.train_step(batch), device, a.train_steps, warmup=0)
+    allocator = {k: v - allocator[k] for k, v in alloc_counts(device).items()}  # over the timed steps
     step = statistics.median(steps)
     peak = platform.detect().peak_flops
     out = {"shape": a.train_shape, "params_M": round(cfg.num_params / 1e6, 1), "compiled": compiled,
@@ -706,17 +734,29 @@ def train_section(a, device, compiled: bool) -> dict:
                                                 True, cfg.head_dim, check=torch_varlen_agrees),
            "rows": len(ps), "tokens": tokens, "response_tokens": sum(rs), "max_tokens_per_micro_batch": a.train_tokens,
            "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
-           "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak}
+           "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak,
+           "allocator_timed_steps": allocator}
     gpu = device.type == "cuda"
     if gpu:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []),
                  record_shapes=True) as prof:
+        t = time.perf_counter()
         trainer.train_step(batch)
         sync(device)
-    out["profile"] = kernel_table(prof, gpu, top=12) | {"ops": op_table(prof, gpu)}
+        profiled = time.perf_counter() - t
+    out["profile"] = kernel_table(prof, gpu, top=12) | {"ops": op_table(prof, gpu), "step_s": profiled}
     out["host_syncs"] = sync_sites(lambda: trainer.train_step(batch), device)
     return out
+
+
+def alloc_counts(device) -> dict:
+    """The caching allocator's counters that mean the device waited: retries (a cache flush after a failed
+    allocation) and the device allocations and frees themselves (cudaFree synchronizes)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
 
 def train_fit_section(a, device) -> dict:
@@ -772,22 +812,35 @@ def train_fit_section(a, device) -> dict:
     return out
 
 
+# The compiled training step, each in a child process with Inductor's caches in --inductor-cache: the first run
+# (a fresh folder: everything compiled), then runs that find what it left (as a restarted run does), one with
+# Inductor's defaults and others with one cache or launcher switched off, to tell which one a difference comes from.
+COMPILED = {"train_compiled": {}, "train_compiled_warm": {},
+            "train_compiled_warm_no_aot_cache": {"TORCHINDUCTOR_AUTOGRAD_CACHE": "0"},
+            "train_compiled_warm_triton_launcher": {"TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER": "0"}}
+
+
 def isolated(a, name: str) -> dict:
-    """Section `name` in a child process that is killed after `--child-limit` seconds, or `--grace` seconds past
-    the deadline if that comes first (a compile can run for minutes in native code, where nothing in this process
-    could interrupt it; the sections after it still get their time)."""
+    """Section `name` (one of COMPILED) in a child process that is killed after `--child-limit` seconds, or
+    `--grace` seconds past the deadline if that comes first (a compile can run for minutes in native code, where
+    nothing in this process could interrupt it; the sections after it still get their time)."""
     out = a.out / name
     cmd = [sys.executable, __file__, str(out), "--sections", name, "--deadline", "1e9", "--in-child",
            *(["--smoke"] if a.smoke else [])]
+    cache = Path(a.inductor_cache)
+    state = {"inductor_cache": "warm" if cache.is_dir() and any(cache.iterdir()) else "cold",
+             "env": COMPILED[name]}
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(cache)} | COMPILED[name]
     try:
-        subprocess.run(cmd, timeout=max(min(a.until - time.perf_counter(), a.child_limit), 1.0), check=False)
+        subprocess.run(cmd, timeout=max(min(a.until - time.perf_counter(), a.child_limit), 1.0), check=False,
+                       env=env)
     except subprocess.TimeoutExpired:
         done = json.loads((out / "probe.json").read_text()) if (out / "probe.json").exists() else {}
         if name in done:  # the section ended; the child was still exiting (compile workers shutting down)
-            return done[name]
+            return state | done[name]
         log = (out / "probe.log").read_text()[-2000:] if (out / "probe.log").exists() else ""
-        return {"error": "cut at its time limit", "log_tail": log}
-    return json.loads((out / "probe.json").read_text())[name]
+        return state | {"error": "cut at its time limit", "log_tail": log}
+    return state | json.loads((out / "probe.json").read_text())[name]
 
 
 def main() -> None:
@@ -799,8 +852,12 @@ def main() -> None:
                    help="seconds past the deadline before the compiled training section is cut")
     p.add_argument("--child-limit", type=float, default=240.0,
                    help="seconds the compiled training section (a child process) may take at most")
-    p.add_argument("--sections", default="env,copy,engine,train_compiled,train_fit,train,decode,profile,kernels,"
-                   "attention,sampling,decode_sdpa,decode_torch,decode_triton,engine_hf")
+    p.add_argument("--inductor-cache", default="",
+                   help="Inductor's cache folder for the compiled training sections (default: a fresh one, removed "
+                   "at the end; name one to keep it for a later call's warm sections)")
+    p.add_argument("--sections", default="env,copy,engine,train_compiled,train_compiled_warm,"
+                   "train_compiled_warm_no_aot_cache,train_compiled_warm_triton_launcher,train_fit,train,decode,"
+                   "profile,kernels,attention,sampling,decode_sdpa,decode_torch,decode_triton,engine_hf")
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
     p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -810,7 +867,7 @@ def main() -> None:
     device, dtype = torch.device("cuda" if gpu else "cpu"), torch.bfloat16 if gpu else torch.float32
     a.decode_shape, a.train_shape = ("qwen2.5-0.5b", "qwen2.5-1.5b") if gpu else ("tiny", "tiny")
     a.batches = [1, 8, 32, 128, 256, 512] if gpu else [1, 3, 8]
-    a.context, a.reps = (640, 20) if gpu else (40, 2)
+    a.context, a.reps, a.engine_pairs = (640, 20, 2) if gpu else (40, 2, 1)
     a.kernel_batches, a.split_sweep = ([8, 128, 512], [1, 2, 4, 8, 16]) if gpu else ([3], [1, 2])
     a.fit_cap = 262144 if gpu else 64  # the largest micro-batch train_fit tries
     a.train_rows, a.train_prompt, a.train_response, a.train_tokens, a.train_steps = \
@@ -829,9 +886,12 @@ def main() -> None:
         bw = (res or {}).get("copy_bandwidth_bytes_per_s", bw)
     # the goals' measurements first (the engine's steps against the roofline, the compiled training step's MFU,
     # the largest micro-batch), then what explains them; HF generate, whose rate is known, last
+    fresh = None if a.inductor_cache or a.in_child else tempfile.TemporaryDirectory(prefix="probe-inductor-")
+    a.inductor_cache = a.inductor_cache or (fresh.name if fresh else "")
+    compiled = [(name, *((train_section, (a, device, True)) if a.in_child else (isolated, (a, name))),
+                 90 if name == "train_compiled" else 45) for name in COMPILED]
     for name, fn, args, need in (("engine", engine_section, (a, device, dtype, bw), 40),
-                                 ("train_compiled", *((train_section, (a, device, True)) if a.in_child else
-                                                      (isolated, (a, "train_compiled"))), 90),
+                                 *compiled,
                                  ("train_fit", train_fit_section, (a, device), 60),
                                  ("train", train_section, (a, device, False), 40),
                                  ("decode", decode_section, (a, device, dtype, bw), 30),
@@ -848,6 +908,8 @@ def main() -> None:
             probe.section(name, fn, *args, need=0 if a.smoke else need)
             if gpu:  # what the section held goes back before the next one
                 torch.cuda.empty_cache()
+    if fresh:
+        fresh.cleanup()
     probe.say(f"gpu_probe: done in {time.perf_counter() - probe.t0:.0f} s")
 
 

@@ -1,5 +1,6 @@
 """benchmarks/gpu_probe.py runs end to end on CPU with tiny shapes, so the prepared GPU probe cannot rot."""
 
+import argparse
 import importlib
 import json
 import subprocess
@@ -42,6 +43,9 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     assert res["engine"]["second_call"]["tokens"] > 0 and "partial" not in res["engine"]
     for call in ("second_call", "step_by_step_call"):  # each later call's own steps against the roofline
         assert res["engine"][call]["roofline"]["decode_steps"] > 0
+    later = res["engine"]["later_calls"]  # one call each way, alternating
+    assert len(later["tokens_per_s"]["run_ahead"]) == len(later["tokens_per_s"]["step_by_step"]) == 1
+    assert later["run_ahead_speedup"] > 0 and later["captures"] == 0
     for layout in ("shared", "unshared"):  # CPU: the portable path only, and the platform picks it
         row = res["attention"]["layouts"][layout]
         assert row["chosen"] == "sdpa" and row["sdpa"]["forward_backward_ms"] > row["sdpa"]["forward_ms"] > 0
@@ -60,9 +64,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
 def test_sync_sites_counts_host_waits_by_call_site(monkeypatch):
     """The probe's census of host waits (torch.cuda's sync debug mode warns at each) credits every warning to the
     innermost frame outside torch and the standard library; other warnings are not counted. CPU: no census."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # (the probe puts benchmarks/ first on import)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    probe = importlib.import_module("benchmarks.gpu_probe")
+    probe = load_probe(monkeypatch)
     assert probe.sync_sites(lambda: None, torch.device("cpu")) is None
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
@@ -76,3 +78,63 @@ def test_sync_sites_counts_host_waits_by_call_site(monkeypatch):
     assert probe.sync_sites(step, torch.device("cuda")) == {
         "total": 3, "sites": {f"tests/e2e/test_gpu_probe.py:{line} step": 3}}
     assert modes == ["warn", "default"]
+
+
+def load_probe(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the probe puts benchmarks/ first on import)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return importlib.import_module("benchmarks.gpu_probe")
+
+
+class Span:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+class Event:
+    def __init__(self, name, start, end, annotation=False, device="CUDA"):
+        self.name, self.time_range, self.is_user_annotation = name, Span(start, end), annotation
+        self.device_type = type("DeviceType", (), {"name": device})()
+
+
+def test_kernel_table_counts_device_work_only(monkeypatch):
+    """On a GPU the profiler draws a compiled graph's annotated call and CUPTI's "Command Buffer Full" on the
+    device's timeline: the table counts neither as a kernel, and the device's busy time is the union of its
+    kernels' spans (overlapping kernels of two streams count once)."""
+    probe = load_probe(monkeypatch)
+    events = [Event("## Call CompiledFxGraph abc ##", 0, 100, annotation=True), Event("Command Buffer Full", 5, 45),
+              Event("nvjet_gemm", 0, 30), Event("triton_poi_fused", 20, 40), Event("flash_bwd", 60, 70),
+              Event("aten::mm", 0, 500, device="CPU")]
+    prof = type("Profile", (), {"events": lambda self: events})()
+    table = probe.kernel_table(prof, gpu=True)
+    assert table["kernels"] == 3 and table["total_us"] == 30 + 20 + 10
+    assert table["by_category_us"] == {"gemm": 30, "elementwise": 20, "attention": 10}
+    assert (table["busy_us"], table["span_us"], table["launch_queue_full_us"]) == (50, 70, 40)
+
+
+def test_compiled_sections_share_one_inductor_cache(monkeypatch, tmp_path):
+    """Each compiled training section runs in a child process with Inductor's cache in one folder: cold for the
+    first, warm for those after it, each with its own switches in the environment."""
+    probe = load_probe(monkeypatch)
+    seen = []
+
+    def run(cmd, timeout, check, env):
+        out = Path(cmd[2])
+        seen.append((cmd[cmd.index("--sections") + 1], env["TORCHINDUCTOR_CACHE_DIR"],
+                     env.get("TORCHINDUCTOR_AUTOGRAD_CACHE")))
+        (Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "fxgraph").mkdir(exist_ok=True)  # what a compile leaves
+        out.mkdir(parents=True)
+        (out / "probe.json").write_text(json.dumps({cmd[cmd.index("--sections") + 1]: {"mfu": 0.5}}))
+
+    monkeypatch.setattr(probe.subprocess, "run", run)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    a = argparse.Namespace(out=tmp_path / "out", smoke=True, inductor_cache=str(cache), until=1e12, child_limit=60)
+    got = [probe.isolated(a, name) for name in ("train_compiled", "train_compiled_warm",
+                                               "train_compiled_warm_no_aot_cache")]
+    assert [g["inductor_cache"] for g in got] == ["cold", "warm", "warm"] and all(g["mfu"] == 0.5 for g in got)
+    assert seen == [("train_compiled", str(cache), None), ("train_compiled_warm", str(cache), None),
+                    ("train_compiled_warm_no_aot_cache", str(cache), "0")]
