@@ -5,9 +5,9 @@
 
 Each section is written to OUT_DIR/probe.json as soon as it ends (and its lines to OUT_DIR/probe.log), so a run cut
 off by a time limit still reports what it measured; a section that raises records its error and the next one runs.
-Sections, in order: what the goals are judged by first (the engine's decode steps against the memory roofline, the
-compiled training step's MFU, the largest micro-batch), then what explains them, and last HF `generate`, whose rate
-on this work is known already (a section starts only while the time it needs is left before --deadline):
+Sections, in order: what the goals are judged by first (the engine's calls and a full-batch decode step against the
+memory roofline, the compiled training step's MFU), then what explains them, and last HF `generate`, whose rate on
+this work is known already (a section starts only while the time it needs is left before --deadline):
 
 - env: torch / Triton / CUDA or HIP versions, the device, and what `twinplane.platform` chose (rollout kernels,
   paged attention backend and block size, decode graph mode, training precision, distributed backend).
@@ -18,6 +18,9 @@ on this work is known already (a section starts only while the time it needs is 
   step time went; later calls of the same shape (the engine's graphs kept), alternately running ahead (the
   default) and reading every step back before launching the next (`run_ahead` off), each with its steps against
   the roofline; where a smaller call's host waits for the device (call sites, from CUDA's sync debug mode).
+- decode: one static decode step (the engine's `DecodeGraphs`: forward, its sampler, row update) per batch size at a
+  fixed context, Qwen2.5-0.5B shape in bf16: capture seconds, replay ms, and the memory roofline (every weight and
+  every context token's k/v read once, at the measured copy bandwidth); kernels per step from the profiler.
 - train_compiled: `Trainer.train_step` on a Qwen2.5-1.5B shape (random weights, fp32 master, bf16 compute) over
   packed micro-batches of an RL-like length mix, decoder layers compiled (`train.compile=on`), in a child process
   cut after --child-limit seconds, with a fresh Inductor cache: tokens/s, MFU against the device's dense bf16
@@ -26,12 +29,11 @@ on this work is known already (a section starts only while the time it needs is 
   process that finds the cache filled (a restarted run); train_compiled_warm_no_aot_cache and
   train_compiled_warm_triton_launcher: the warm run with AOTAutograd's cache, or Inductor's static kernel
   launcher, off; train: the same eager (`train.compile=off`).
-- train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
-- decode: one static decode step (the engine's `DecodeGraphs`: forward, sampler, row update) per batch size at a
-  fixed context, Qwen2.5-0.5B shape in bf16: capture seconds, replay ms, and the memory roofline (every weight and
-  every context token's k/v read once, at the measured copy bandwidth); kernels per step from the profiler.
+- host: the engine's host work per decode step (reading back, stop checks, scheduling, staging) at batches 64, 256
+  and 512 on this machine's CPU (`benchmarks/engine_host.py`), against which running ahead must hide it.
 - profile: the profiler's top kernels and per-category device time of one decode step at batch 128, and the
   operators (with their input shapes) that launched them.
+- train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 - kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
   decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
   the paged decode's KV read rate and its time per split count, and one layer's paged attention (pool write
@@ -583,9 +585,10 @@ def engine_section(a, device, dtype, bw: float) -> dict:
             for ahead in (True, False) if i % 2 == 0 else (False, True):
                 engine.run_ahead = ahead
                 roof.reset()
-                n2, s2, _, _ = run_twinplane(engine, prompts, args, seed=2 + i)
+                n2, s2, _, m2 = run_twinplane(engine, prompts, args, seed=2 + i)
                 rates[ahead].append(n2 / s2)
-                call = {"tokens": n2, "seconds": s2, "tokens_per_s": n2 / s2, "roofline": roof.summary(bw)}
+                call = {"tokens": n2, "seconds": s2, "tokens_per_s": n2 / s2, "roofline": roof.summary(bw),
+                        "run_ahead": ahead, "metrics": m2}
                 if "second_call" not in out:
                     out["second_call"] = call | {"captures": captures["n"] - before,
                                                  "dynamo_frames": frames_since(frames)}
@@ -606,6 +609,24 @@ def engine_section(a, device, dtype, bw: float) -> dict:
     # (for engine_hf's ratios: the first call, and the median of the later ones as a run has them)
     a.engine_rates = {"first_call": n / s, "second_call": statistics.median(rates[default])}
     return out
+
+
+def host_section(a) -> dict:
+    """The engine's host work per decode step on this machine's CPU (`benchmarks/engine_host.py`: a one-layer model's
+    graph-path steps run without capture, the step's compute taken out), which a device step must outlast for
+    running ahead to hide it: median ms per batch size over 3 calls."""
+    from engine_host import host_ms
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as the engine's host loop runs: one Python thread)
+    try:
+        out = {}
+        for b in a.host_batches:
+            runs = [host_ms(b, a.host_tokens)[0] for _ in range(3)]
+            out[str(b)] = {"host_ms": statistics.median(runs), "runs": runs}
+        return {"batches": out, "cpu": host.processor() or host.machine()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def engine_hf_section(a, device, dtype) -> dict:
@@ -855,9 +876,9 @@ def main() -> None:
     p.add_argument("--inductor-cache", default="",
                    help="Inductor's cache folder for the compiled training sections (default: a fresh one, removed "
                    "at the end; name one to keep it for a later call's warm sections)")
-    p.add_argument("--sections", default="env,copy,engine,train_compiled,train_compiled_warm,"
-                   "train_compiled_warm_no_aot_cache,train_compiled_warm_triton_launcher,train_fit,train,decode,"
-                   "profile,kernels,attention,sampling,decode_sdpa,decode_torch,decode_triton,engine_hf")
+    p.add_argument("--sections", default="env,copy,engine,decode,train_compiled,train_compiled_warm,"
+                   "train_compiled_warm_no_aot_cache,train_compiled_warm_triton_launcher,host,profile,train_fit,train,"
+                   "kernels,attention,sampling,decode_sdpa,decode_torch,decode_triton,engine_hf")
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
     p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -868,6 +889,7 @@ def main() -> None:
     a.decode_shape, a.train_shape = ("qwen2.5-0.5b", "qwen2.5-1.5b") if gpu else ("tiny", "tiny")
     a.batches = [1, 8, 32, 128, 256, 512] if gpu else [1, 3, 8]
     a.context, a.reps, a.engine_pairs = (640, 20, 2) if gpu else (40, 2, 1)
+    a.host_batches, a.host_tokens = ([64, 256, 512], 128) if gpu else ([8], 8)
     a.kernel_batches, a.split_sweep = ([8, 128, 512], [1, 2, 4, 8, 16]) if gpu else ([3], [1, 2])
     a.fit_cap = 262144 if gpu else 64  # the largest micro-batch train_fit tries
     a.train_rows, a.train_prompt, a.train_response, a.train_tokens, a.train_steps = \
@@ -891,11 +913,12 @@ def main() -> None:
     compiled = [(name, *((train_section, (a, device, True)) if a.in_child else (isolated, (a, name))),
                  90 if name == "train_compiled" else 45) for name in COMPILED]
     for name, fn, args, need in (("engine", engine_section, (a, device, dtype, bw), 40),
+                                 ("decode", decode_section, (a, device, dtype, bw), 30),
                                  *compiled,
+                                 ("host", host_section, (a,), 20),
+                                 ("profile", profile_section, (a, device, dtype), 20),
                                  ("train_fit", train_fit_section, (a, device), 60),
                                  ("train", train_section, (a, device, False), 40),
-                                 ("decode", decode_section, (a, device, dtype, bw), 30),
-                                 ("profile", profile_section, (a, device, dtype), 20),
                                  ("kernels", kernels_section, (a, device, dtype), 30),
                                  ("attention", attention_section, (a, device), 30),
                                  ("sampling", sampling_section, (a, device, dtype), 10),

@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("env", "copy", "engine", "train_fit", "train", "decode", "profile", "kernels", "attention", "sampling",
-            "decode_sdpa", "decode_torch", "decode_triton", "engine_hf")
+            "host", "decode_sdpa", "decode_torch", "decode_triton", "engine_hf")
 
 
 @pytest.mark.slow
@@ -43,6 +43,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     assert res["engine"]["second_call"]["tokens"] > 0 and "partial" not in res["engine"]
     for call in ("second_call", "step_by_step_call"):  # each later call's own steps against the roofline
         assert res["engine"][call]["roofline"]["decode_steps"] > 0
+    assert res["host"]["batches"]["8"]["host_ms"] > 0 and len(res["host"]["batches"]["8"]["runs"]) == 3
     later = res["engine"]["later_calls"]  # one call each way, alternating
     assert len(later["tokens_per_s"]["run_ahead"]) == len(later["tokens_per_s"]["step_by_step"]) == 1
     assert later["run_ahead_speedup"] > 0 and later["captures"] == 0
