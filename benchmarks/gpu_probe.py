@@ -240,6 +240,27 @@ def kernel_table(prof, gpu: bool, top: int = 20) -> dict:
             "top": [{"name": n[:240], "calls": len(v), "total_us": round(sum(v), 1)} for n, v in ranked]} | extra
 
 
+# host-side ranges of a training step, by name or (ending in "*") the start of one: Dynamo's guard checks,
+# AOTAutograd's forward and backward wrappers, Inductor's graph calls (which launch the kernels), the optimizer
+HOST_RANGES = ("TorchDynamo Cache Lookup", "CompiledFunction", "CompiledFunctionBackward", "## Call CompiledFxGraph*",
+               "Optimizer.step*")
+
+
+def host_table(prof) -> dict:
+    """Host time (inclusive, microseconds) and calls per range of HOST_RANGES: where the host's time in a step
+    goes, to set against the device's busy time."""
+    out = {name.rstrip("*"): {"calls": 0, "cpu_us": 0.0} for name in HOST_RANGES}
+    for e in prof.events():
+        if e.device_type.name != "CPU":
+            continue
+        name = next((n.rstrip("*") for n in HOST_RANGES
+                     if e.name == n or (n.endswith("*") and e.name.startswith(n[:-1]))), None)
+        if name:
+            out[name]["calls"] += 1
+            out[name]["cpu_us"] += e.cpu_time_total
+    return {k: v | {"cpu_us": round(v["cpu_us"], 1)} for k, v in out.items()}
+
+
 def op_table(prof, gpu: bool, top: int = 15) -> list[dict]:
     """The operators that launched the most device time (CPU: took the most time themselves), by input shapes
     (a profile recorded with `record_shapes`): which call a kernel of `kernel_table` comes from. A compiled
@@ -766,7 +787,8 @@ def train_section(a, device, compiled: bool) -> dict:
         trainer.train_step(batch)
         sync(device)
         profiled = time.perf_counter() - t
-    out["profile"] = kernel_table(prof, gpu, top=12) | {"ops": op_table(prof, gpu), "step_s": profiled}
+    out["profile"] = kernel_table(prof, gpu, top=12) | {"ops": op_table(prof, gpu), "step_s": profiled,
+                                                        "host": host_table(prof)}
     out["host_syncs"] = sync_sites(lambda: trainer.train_step(batch), device)
     return out
 
