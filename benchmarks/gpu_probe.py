@@ -765,10 +765,12 @@ def train_section(a, device, compiled: bool) -> dict:
     trainer.train_step(batch)  # first step: compiles, allocator, cuBLAS
     sync(device)
     first = time.perf_counter() - t
+    first_counts = dynamo_counts()  # (what the first step compiled, and found in the caches)
     trainer.train_step(batch)
-    allocator = alloc_counts(device)
+    allocator, counts = alloc_counts(device), dynamo_counts()
     steps = timed(lambda: trainer.train_step(batch), device, a.train_steps, warmup=0)
     allocator = {k: v - allocator[k] for k, v in alloc_counts(device).items()}  # over the timed steps
+    counts = {k: v - counts.get(k, 0) for k, v in dynamo_counts().items() if v != counts.get(k, 0)}
     step = statistics.median(steps)
     peak = platform.detect().peak_flops
     out = {"shape": a.train_shape, "params_M": round(cfg.num_params / 1e6, 1), "compiled": compiled,
@@ -777,7 +779,8 @@ def train_section(a, device, compiled: bool) -> dict:
            "rows": len(ps), "tokens": tokens, "response_tokens": sum(rs), "max_tokens_per_micro_batch": a.train_tokens,
            "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
            "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak,
-           "allocator_timed_steps": allocator}
+           "allocator_timed_steps": allocator, "compile_counters_first_step": first_counts,
+           "compile_counters_timed_steps": counts}
     gpu = device.type == "cuda"
     if gpu:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -791,6 +794,15 @@ def train_section(a, device, compiled: bool) -> dict:
                                                         "host": host_table(prof)}
     out["host_syncs"] = sync_sites(lambda: trainer.train_step(batch), device)
     return out
+
+
+def dynamo_counts() -> dict:
+    """torch.compile's counters so far (Dynamo frames and graphs, Inductor's and AOTAutograd's cache hits and misses,
+    recompiles), flattened: "group/name" -> count."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}/{name}": n for group, names in counters.items() if group != "aten_mm_info"  # (per GEMM shape)
+            for name, n in names.items() if isinstance(n, int)}
 
 
 def alloc_counts(device) -> dict:
