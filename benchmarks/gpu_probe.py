@@ -1,6 +1,6 @@
 """One prepared probe of the rollout engine and the training plane on a GPU (or, with --smoke, a tiny CPU run).
 
-    python benchmarks/gpu_probe.py OUT_DIR                  # on a GPU: ~6 minutes, stops new sections at --deadline
+    python benchmarks/gpu_probe.py OUT_DIR                  # on a GPU: ~8 minutes, stops new sections at --deadline
     python benchmarks/gpu_probe.py OUT_DIR --smoke          # tiny shapes on CPU (the test suite runs this)
 
 Each section is written to OUT_DIR/probe.json as soon as it ends (and its lines to OUT_DIR/probe.log), so a run cut
@@ -940,9 +940,10 @@ def main() -> None:
     if "copy" in want or gpu:  # (0.1 s; the rooflines need the measured bandwidth)
         res = probe.section("copy", copy_section, device)
         bw = (res or {}).get("copy_bandwidth_bytes_per_s", bw)
-    # the goals' measurements first (the engine's steps against the roofline, the compiled training step's MFU,
-    # the largest micro-batch), then what explains them; HF generate, whose rate is known, last
-    fresh = None if a.inductor_cache or a.in_child else tempfile.TemporaryDirectory(prefix="probe-inductor-")
+    # the goals' measurements first (the engine's calls and a full-batch step against the roofline, the compiled
+    # training step's MFU), then what explains them; HF generate, whose rate is known, last
+    fresh = None if a.inductor_cache or a.in_child else tempfile.TemporaryDirectory(prefix="probe-inductor-",
+                                                                                    ignore_cleanup_errors=True)
     a.inductor_cache = a.inductor_cache or (fresh.name if fresh else "")
     compiled = [(name, *((train_section, (a, device, True)) if a.in_child else (isolated, (a, name))),
                  90 if name == "train_compiled" else 45) for name in COMPILED]

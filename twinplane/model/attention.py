@@ -387,8 +387,8 @@ def varlen_keys(meta: AttentionMetadata):
 
 def torch_varlen_agrees(device: torch.device, dtype: torch.dtype) -> bool:
     """`torch_varlen`'s self-check: one tiny packed forward and backward (GQA, shared prefixes, segments off the
-    kernel's tiles) against the portable path, within the dtype's rounding. Gradients are on whatever the caller's
-    grad mode: a run's first packed pass is often a scoring pass under no_grad."""
+    kernel's tiles) against the portable path, within the dtype's rounding; with gradients in any grad mode (a run's
+    first packed pass, which runs the check, is often a scoring pass under no_grad)."""
     with torch.inference_mode(False), torch.enable_grad():
         g = torch.Generator().manual_seed(0)
         lengths, prefix, heads, D = [37, 5, 20, 64, 1], [-1, 0, 0, -1, 3], (4, 2, 2), 64
