@@ -36,8 +36,8 @@ this work is known already (a section starts only while the time it needs is lef
 - train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 - kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
   decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
-  the paged decode's KV read rate and its time per split count, and one layer's paged attention (pool write
-  included) per backend.
+  the paged decode's KV read rate and its time per split count and per tile (tokens per tile x warps), and one
+  layer's paged attention (pool write included) per backend.
 - attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
   backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
   RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
@@ -520,6 +520,10 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
                             2 * B * ctx * H_kv * D * dtype.itemsize / (1e-6 * res["paged_decode"]["triton_us"])}
     res["paged_decode_by_splits_us"] = {s: us(lambda s=s: paged_decode(q, k_pool, v_pool, tables, lens, splits=s))
                                         for s in a.split_sweep}
+    # stage 1's launch (tokens per tile, warps) at the split count the engine picks: "block_n x warps" -> us
+    res["paged_decode_by_tile_us"] = {
+        f"{n}x{w}": us(lambda n=n, w=w: paged_decode(q, k_pool, v_pool, tables, lens, None, ctx, block_n=n,
+                                                     num_warps=w)) for n, w in a.tile_sweep}
     res["add_rms_norm"] = pair(lambda: rms_norm(x, w, 1e-6, r), lambda: rms_norm_torch(x, w, 1e-6, r))
     res["silu_mul"] = pair(lambda: silu_mul(gate, up), lambda: silu_mul_torch(gate, up))
     res["rope_write"] = pair(lambda: rope_write(qn, kn, vn, cos, sin, k_pool, v_pool, slots),
@@ -925,6 +929,7 @@ def main() -> None:
     a.context, a.reps, a.engine_pairs = (640, 20, 2) if gpu else (40, 2, 1)
     a.host_batches, a.host_tokens = ([64, 256, 512], 128) if gpu else ([8], 8)
     a.kernel_batches, a.split_sweep = ([8, 128, 512], [1, 2, 4, 8, 16]) if gpu else ([3], [1, 2])
+    a.tile_sweep = list(itertools.product((16, 32, 64, 128), (2, 4, 8))) if gpu else [(16, 4), (32, 4)]
     a.fit_cap = 262144 if gpu else 64  # the largest micro-batch train_fit tries
     a.train_rows, a.train_prompt, a.train_response, a.train_tokens, a.train_steps = \
         (64, 512, 400, 16384, 3) if gpu else (4, 16, 8, 64, 1)

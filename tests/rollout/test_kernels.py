@@ -77,6 +77,16 @@ def test_paged_decode_equals_brute_force(group, kv_heads, bs, D, lens, window, s
                                rtol=0)
 
 
+@pytest.mark.parametrize("block_n, splits", [(16, 1), (64, 2), (128, 3)])
+def test_paged_decode_tiles_of_any_size(block_n, splits):
+    """Stage 1's tile (`block_n` tokens, the probe's sweep) changes the launch, not the result: contexts shorter
+    than a tile, across several, and split at tile boundaries."""
+    q, k, v, tables, ctx = decode_case(7, 2, 16, 64, [5, 130, 47])
+    want = brute_decode(q.cpu(), k.cpu(), v.cpu(), tables.cpu(), ctx.cpu(), None)
+    got = paged_decode(q, k, v, tables, ctx, splits=splits, block_n=block_n, num_warps=2)
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=0)
+
+
 def test_paged_decode_in_bf16():
     """bf16 pools take the tensor-core products (on CPU the interpreter's fp32 ones, and its truncating casts)."""
     q, k, v, tables, ctx = decode_case(7, 2, 16, 64, [33, 1, 48], dtype=torch.bfloat16)

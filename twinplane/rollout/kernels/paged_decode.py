@@ -145,12 +145,13 @@ def _decode_merge(PartOut, PartLse, Out, num_splits, stride_pb, stride_ph, strid
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, window: int | None = None, max_context: int | None = None,
-                 splits: int | None = None, block_n: int = 32) -> torch.Tensor:
+                 splits: int | None = None, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, at position context_lens - 1), one layer's k/v_cache
     [N, block_size, H_kv, D], block_tables [B, M] int32, context_lens [B] int32 -> [B, H, D] in q's dtype.
 
     `max_context`: the most keys a sequence may have (default: the table width), which with the batch size sets
-    the split count (`num_splits`) unless `splits` is given. Softmax scale 1 / sqrt(D), as SDPA's default.
+    the split count (`num_splits`) unless `splits` is given; `block_n` (tokens per tile, >= 16) and `num_warps`
+    tune stage 1's launch. Softmax scale 1 / sqrt(D), as SDPA's default.
     The products run in the inputs' dtype with fp32 accumulation (bf16/fp16 on tensor cores), and in exact fp32
     for fp32 inputs and in Triton's CPU interpreter (whose `tl.dot` multiplies 16-bit floats as raw bits)."""
     B, H, D = q.shape
@@ -173,7 +174,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1), *(part_out.stride()[:3] if S > 1 else (0, 0, 0)),
         *(part_lse.stride()[:2] if S > 1 else (0, 0)),
         G=G, D=D, BS=bs, WINDOW=window or 0, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, ONE_SPLIT=S == 1,
-        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, num_warps=4, num_stages=1 if hip else 2)
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, num_warps=num_warps, num_stages=1 if hip else 2)
     if S > 1:
         _decode_merge[(B, H_kv)](part_out, part_lse, out, S, *part_out.stride()[:3], *part_lse.stride()[:2],
                                  out.stride(0), out.stride(1), G=G, D=D, BLOCK_H=block_h, BLOCK_D=block_d,
