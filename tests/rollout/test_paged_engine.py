@@ -11,9 +11,12 @@ from twinplane.errors import InputError
 from twinplane.model import AttentionMetadata
 from twinplane.platform import platform
 from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.kv_cache import bytes_per_block
 from twinplane.rollout.paged_attention import paged_attention
+from twinplane.rollout.scheduler import Scheduler
+from twinplane.rollout.sequence import Sequence
 
 
 def assert_pool_empty(engine):
@@ -164,6 +167,21 @@ def test_per_request_caps_are_prefixes_and_decode_nothing_past_them():
     for bad in ([13, 1, 1, 1], [0, 1, 1, 1], [1, 1]):
         with pytest.raises(ValueError, match="one cap in 1..12 per request"):
             engine.generate(PROMPTS, sp, max_new_tokens=bad)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_admission_fills_the_running_cap_counting_each_sample(seed):
+    """Waiting sequences are admitted oldest first while their samples (a sequence not yet forked counts its n)
+    fit `max_num_seqs`: the admitted ones are the longest prefix of the queue within the cap, and no more."""
+    rng = random.Random(seed)
+    widths, cap = [rng.choice([1, 1, 2, 3, 8]) for _ in range(40)], rng.choice([5, 8, 17])
+    sched = Scheduler(BlockManager(1000, 4), max_num_seqs=cap, max_num_batched_tokens=10_000)
+    for i, w in enumerate(widths):
+        sched.add(Sequence([1, 2, 3], i, SamplingParams(n=w, max_new_tokens=4), list(range(w))))
+    batch = sched.schedule()
+    fits = next((k for k in range(len(widths)) if sum(widths[:k + 1]) > cap), len(widths))
+    assert [s.request_index for s in batch.seqs] == list(range(max(fits, 1)))
+    assert sched.num_running == sum(widths[:max(fits, 1)])
 
 
 def test_budget_too_small_for_one_sequence_is_a_clear_error():

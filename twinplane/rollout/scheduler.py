@@ -90,15 +90,17 @@ class Scheduler:
             i += 1
         # Admit while the whole remaining prompt fits the free blocks (not only this step's chunk: a prompt that
         # cannot finish prefilling would only be preempted again); none in a step that had to preempt.
+        slots = self.num_running  # (counted once: admitting a whole batch stays linear)
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if self.running and self.num_running + seq.width > self.max_num_seqs:
+            if self.running and slots + seq.width > self.max_num_seqs:
                 break
             if self.blocks.room(seq) < seq.num_pending:
                 break
             want = min(seq.num_pending, budget)
             self.waiting.popleft()
             self.running.append(seq)
+            slots += seq.width
             prefills.copies += self.blocks.allocate(seq, want)
             prefills.seqs.append(seq)
             prefills.num_tokens.append(want)
