@@ -520,10 +520,15 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
                             2 * B * ctx * H_kv * D * dtype.itemsize / (1e-6 * res["paged_decode"]["triton_us"])}
     res["paged_decode_by_splits_us"] = {s: us(lambda s=s: paged_decode(q, k_pool, v_pool, tables, lens, splits=s))
                                         for s in a.split_sweep}
-    # stage 1's launch (tokens per tile, warps) at the split count the engine picks: "block_n x warps" -> us
-    res["paged_decode_by_tile_us"] = {
-        f"{n}x{w}": us(lambda n=n, w=w: paged_decode(q, k_pool, v_pool, tables, lens, None, ctx, block_n=n,
-                                                     num_warps=w)) for n, w in a.tile_sweep}
+    # stage 1's launch (tokens per tile, warps) at the split count the engine picks: "block_n x warps" -> us (or
+    # why that launch failed: a tile too large for this device's shared memory)
+    res["paged_decode_by_tile_us"] = {}
+    for tile, warps in a.tile_sweep:
+        try:
+            res["paged_decode_by_tile_us"][f"{tile}x{warps}"] = us(lambda tile=tile, warps=warps: paged_decode(
+                q, k_pool, v_pool, tables, lens, None, ctx, block_n=tile, num_warps=warps))
+        except Exception as e:
+            res["paged_decode_by_tile_us"][f"{tile}x{warps}"] = f"{type(e).__name__}: {e}"[:300]
     res["add_rms_norm"] = pair(lambda: rms_norm(x, w, 1e-6, r), lambda: rms_norm_torch(x, w, 1e-6, r))
     res["silu_mul"] = pair(lambda: silu_mul(gate, up), lambda: silu_mul_torch(gate, up))
     res["rope_write"] = pair(lambda: rope_write(qn, kn, vn, cos, sin, k_pool, v_pool, slots),
