@@ -36,8 +36,8 @@ this work is known already (a section starts only while the time it needs is lef
 - train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 - kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
   decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
-  the paged decode's KV read rate and its time per split count and per tile (tokens per tile x warps), and one
-  layer's paged attention (pool write included) per backend.
+  the paged decode's KV read rate and its time per split count and per tile (tokens per tile x warps), the
+  sampler's per load width x warps, and one layer's paged attention (pool write included) per backend.
 - attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
   backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
   RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
@@ -500,6 +500,17 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
     def us(fn) -> float:
         return device_us(fn, device, calls, reps)
 
+    def sweep(launch, settings) -> dict:
+        """Microseconds per launch setting (size, warps) as "size x warps", or why the launch failed (a tile
+        too large for this device's shared memory)."""
+        out = {}
+        for n, w in settings:
+            try:
+                out[f"{n}x{w}"] = us(lambda n=n, w=w: launch(n, w))
+            except Exception as e:
+                out[f"{n}x{w}"] = f"{type(e).__name__}: {e}"[:300]
+        return out
+
     def pair(tri, ref) -> dict:
         t, r = us(tri), us(ref)
         return {"triton_us": t, "torch_us": r, "speedup": r / t}
@@ -520,21 +531,17 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
                             2 * B * ctx * H_kv * D * dtype.itemsize / (1e-6 * res["paged_decode"]["triton_us"])}
     res["paged_decode_by_splits_us"] = {s: us(lambda s=s: paged_decode(q, k_pool, v_pool, tables, lens, splits=s))
                                         for s in a.split_sweep}
-    # stage 1's launch (tokens per tile, warps) at the split count the engine picks: "block_n x warps" -> us (or
-    # why that launch failed: a tile too large for this device's shared memory)
-    res["paged_decode_by_tile_us"] = {}
-    for tile, warps in a.tile_sweep:
-        try:
-            res["paged_decode_by_tile_us"][f"{tile}x{warps}"] = us(lambda tile=tile, warps=warps: paged_decode(
-                q, k_pool, v_pool, tables, lens, None, ctx, block_n=tile, num_warps=warps))
-        except Exception as e:
-            res["paged_decode_by_tile_us"][f"{tile}x{warps}"] = f"{type(e).__name__}: {e}"[:300]
+    # stage 1's launch (tokens per tile, warps) at the split count the engine picks: "block_n x warps" -> us
+    res["paged_decode_by_tile_us"] = sweep(lambda n, w: paged_decode(q, k_pool, v_pool, tables, lens, None, ctx,
+                                                                     block_n=n, num_warps=w), a.tile_sweep)
     res["add_rms_norm"] = pair(lambda: rms_norm(x, w, 1e-6, r), lambda: rms_norm_torch(x, w, 1e-6, r))
     res["silu_mul"] = pair(lambda: silu_mul(gate, up), lambda: silu_mul_torch(gate, up))
     res["rope_write"] = pair(lambda: rope_write(qn, kn, vn, cos, sin, k_pool, v_pool, slots),
                              lambda: rope_write_torch(qn, kn, vn, cos, sin, k_pool, v_pool, slots))
     logits, u = rand(B, shape["vocab_size"]), torch.rand(B, generator=g).to(device)
     res["sampler"] = pair(lambda: sample_tokens(logits, 1.0, u), lambda: sample_tokens_torch(logits, 1.0, u))
+    res["sampler_by_launch_us"] = sweep(lambda n, w: sample_tokens(logits, 1.0, u, block=n, num_warps=w),
+                                        a.sampler_sweep)
     # one layer's paged attention as the static decode runs it (its pool write included), per backend
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, kn, vn))
     res["attention_layer_us"] = {}
@@ -935,6 +942,7 @@ def main() -> None:
     a.host_batches, a.host_tokens = ([64, 256, 512], 128) if gpu else ([8], 8)
     a.kernel_batches, a.split_sweep = ([8, 128, 512], [1, 2, 4, 8, 16]) if gpu else ([3], [1, 2])
     a.tile_sweep = list(itertools.product((16, 32, 64, 128), (2, 4, 8))) if gpu else [(16, 4), (32, 4)]
+    a.sampler_sweep = list(itertools.product((1024, 2048, 4096), (4, 8, 16))) if gpu else [(256, 4)]
     a.fit_cap = 262144 if gpu else 64  # the largest micro-batch train_fit tries
     a.train_rows, a.train_prompt, a.train_response, a.train_tokens, a.train_steps = \
         (64, 512, 400, 16384, 3) if gpu else (4, 16, 8, 64, 1)

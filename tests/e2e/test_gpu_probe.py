@@ -37,6 +37,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
         assert set(row["paged_decode_by_splits_us"]) == {"1", "2"}
         assert set(row["paged_decode_by_tile_us"]) == {"16x4", "32x4"}
         assert all(isinstance(us, float) for us in row["paged_decode_by_tile_us"].values())
+        assert list(row["sampler_by_launch_us"]) == ["256x4"] and row["sampler_by_launch_us"]["256x4"] > 0
         assert all(isinstance(row["attention_layer_us"][b], float) for b in ("triton", "flex", "sdpa"))
     # the engine's tokens are the samples' own: 4 prompts x 2 samples, at most 16 new tokens each
     assert 8 <= res["engine"]["tokens"] <= 4 * 2 * 16 and res["engine_hf"]["hf_tokens"] > 0

@@ -235,6 +235,30 @@ def test_sampler_never_chooses_a_token_without_mass():
         assert torch.isfinite(logp).all()
 
 
+def test_sampler_picks_in_any_chunk():
+    """The chosen chunk first, middle or last (the chunks after it are not read): the token whose CDF step holds u."""
+    V, where = 3 * 4096 + 17, [10, 5000, 3 * 4096 + 3]
+    logits = torch.full((3, V), float("-inf"))
+    logits[:, where] = 0.0  # three equal masses
+    u = torch.tensor([1 / 6, 1 / 2, 5 / 6])  # the middle of each one's step
+    tok, logp = sample_tokens(logits.to(DEV), 1.0, u.to(DEV))
+    assert tok.tolist() == where
+    torch.testing.assert_close(logp.cpu(), torch.full((3,), -math.log(3)))
+
+
+@pytest.mark.parametrize("block, warps", [(256, 2), (4096, 8)])
+def test_sampler_launch_settings_change_nothing(block, warps):
+    """Loads of another width (the probe's sweep) sum in another order: the same tokens from mid-step uniforms."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 3 * 4096 + 17, generator=g) * 3
+    want, u = mid_interval_uniforms(logits, torch.tensor([1]), torch.zeros(4, dtype=torch.bool), g)
+    tok, logp = sample_tokens(logits.to(DEV), 1.0, u.to(DEV), block=block, num_warps=warps)
+    assert tok.tolist() == want.tolist()
+    torch.testing.assert_close(logp, sample_tokens(logits.to(DEV), 1.0, u.to(DEV))[1], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="power of two"):
+        sample_tokens(logits.to(DEV), 1.0, u.to(DEV), block=3000)
+
+
 def test_self_check_passes_here_and_catches_a_wrong_kernel(monkeypatch):
     assert kernels.self_check(DEV, torch.float32) is None
     monkeypatch.setattr(paged_decode_module, "paged_decode", lambda *a, **k: paged_decode(*a, **k) + 1e-3)

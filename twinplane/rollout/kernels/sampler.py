@@ -5,7 +5,8 @@ One program per row, three passes over its logits (in their own dtype, computed 
 1. the log-softmax denominator over every token (the chosen token's log-prob is the policy's, untruncated, as
    `sampling.policy_logprobs` scores it) and the mass left after banning stop tokens in the banned rows; greedy
    rows take their argmax here (the first on ties);
-2. above CDF_CHUNK tokens, each chunk's mass until the cumulative mass passes u x total (the chosen chunk);
+2. above CDF_CHUNK tokens, each chunk's mass until the cumulative mass passes u x total (the chosen chunk; the
+   chunks after it are not read);
 3. the cumulative sum within that chunk: the first token whose cumulative mass exceeds the target, or, where
    rounding left the target at the total, the last token with mass.
 That is `sampling.inverse_cdf` (same uniforms, same two levels, zero-mass tokens never chosen), with its sums in
@@ -75,7 +76,7 @@ def _sample_rows(Logits, U, Banned, BannedRows, Tok, LogP, V, stride_l, temperat
                 mass = 0.0
                 for start in range(c0, c0 + CHUNK, BLOCK):
                     idx = start + cols
-                    ok = idx < V
+                    ok = idx < tl.where(found, 0, V)  # (past the chosen chunk nothing is needed: no loads)
                     x = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32) / temperature
                     if BANNED:
                         x = tl.where(ban & (tl.load(Banned + idx, mask=ok, other=0) != 0), float("-inf"), x)
@@ -114,11 +115,15 @@ def _sample_rows(Logits, U, Banned, BannedRows, Tok, LogP, V, stride_l, temperat
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor,
-                  banned: torch.Tensor | None = None, banned_rows: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  banned: torch.Tensor | None = None, banned_rows: torch.Tensor | None = None,
+                  block: int = 2048, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] (int64) and their policy log-probs [B] (fp32) from logits [B, V] (any float dtype):
     greedy at temperature 0, else inverse-CDF with `uniforms` [B]; token ids `banned` [K] are never chosen in
-    the rows where `banned_rows` [B] is true (all rows when it is None). No top-k/top-p."""
+    the rows where `banned_rows` [B] is true (all rows when it is None). No top-k/top-p. `block` (tokens per
+    load, a power of two up to CDF_CHUNK; smaller vocabularies take less) and `num_warps` (default: 8 for loads of
+    2048 tokens or more, else 4) tune the launch."""
+    if block & (block - 1) or not 16 <= block <= CDF_CHUNK:
+        raise ValueError(f"block must be a power of two in [16, {CDF_CHUNK}], got {block}")
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -127,13 +132,13 @@ def sample_tokens(logits: torch.Tensor, temperature: float, uniforms: torch.Tens
     mask = None
     if banned is not None:
         mask = torch.zeros(V, dtype=torch.int8, device=logits.device).index_fill_(0, banned, 1)
-    block = min(2048, triton.next_power_of_2(V))
+    block = min(block, triton.next_power_of_2(V))
     if B:
         _sample_rows[(B,)](logits, uniforms, mask if mask is not None else tok,
                            banned_rows if banned_rows is not None else tok, tok, logp, V, logits.stride(0),
                            float(temperature) if temperature > 0 else 1.0, GREEDY=temperature == 0,
                            BANNED=banned is not None, EVERY_ROW=banned_rows is None, CHUNK=CDF_CHUNK, BLOCK=block,
-                           num_warps=8 if block >= 2048 else 4)
+                           num_warps=num_warps or (8 if block >= 2048 else 4))
     return tok, logp
 
 
