@@ -131,6 +131,18 @@ def test_platform_picks_torch_varlen_on_gpus_after_its_check(monkeypatch, fresh)
     assert check.calls == [("cuda", bf16)] * 2  # (again after the reset)
 
 
+def test_the_first_choice_under_no_grad_still_picks_torch_varlen(monkeypatch, fresh):
+    """A run's first packed pass scores log-probs under no_grad, and the choice it makes is kept for the run: the
+    self-check (here on CPU, its kernel the brute force) must pass there too."""
+    simulate_gpu(monkeypatch, "NVIDIA H200")
+    check = Check()
+    with torch.no_grad():
+        assert platform.varlen_backend(torch.device("cuda"), torch.bfloat16, True, 64, check=lambda device, dtype: (
+            check(device, dtype) and torch_varlen_agrees(torch.device("cpu"), torch.float32))) == "torch_varlen"
+    assert platform.varlen_backend(torch.device("cuda"), torch.bfloat16, True, 64, check=Check(False)) == \
+        "torch_varlen"  # (kept: checked once per device and dtype)
+
+
 @pytest.mark.parametrize("answer", [False, RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")])
 def test_a_failed_check_warns_once_and_keeps_flex(monkeypatch, fresh, answer):
     simulate_gpu(monkeypatch, "AMD Instinct MI300X", hip="6.4", arch="gfx942")
