@@ -26,9 +26,10 @@ this work is known already (a section starts only while the time it needs is lef
   cut after --child-limit seconds, with a fresh Inductor cache: tokens/s, MFU against the device's dense bf16
   peak, peak memory, the caching allocator's device allocations, the profiler's per-category time, device-busy
   time and top operators, and where a step's host waits for the device; train_compiled_warm: the same in a new
-  process that finds the cache filled (a restarted run); train_compiled_warm_no_aot_cache and
-  train_compiled_warm_triton_launcher: the warm run with AOTAutograd's cache, or Inductor's static kernel
-  launcher, off; train: the same eager (`train.compile=off`).
+  process that finds the cache filled (a restarted run); train_compiled_warm_no_aot_cache: that with
+  AOTAutograd's cache off; train_compiled_triton_launcher and train_compiled_warm_triton_launcher: the cold and the
+  warm run with Triton's kernel launcher instead of Inductor's static one; train: the same eager
+  (`train.compile=off`).
 - host: the engine's host work per decode step (reading back, stop checks, scheduling, staging) at batches 64, 256
   and 512 on this machine's CPU (`benchmarks/engine_host.py`), against which running ahead must hide it.
 - profile: the profiler's top kernels and per-category device time of one decode step at batch 128, and the
@@ -884,10 +885,12 @@ def train_fit_section(a, device) -> dict:
 
 
 # The compiled training step, each in a child process with Inductor's caches in --inductor-cache: the first run
-# (a fresh folder: everything compiled), then runs that find what it left (as a restarted run does), one with
-# Inductor's defaults and others with one cache or launcher switched off, to tell which one a difference comes from.
+# (a fresh folder: everything compiled), then runs that find what it left (as a restarted run does), with
+# Inductor's defaults and with AOTAutograd's cache off; then the same pair, compiled and found, with Triton's own
+# kernel launcher instead of Inductor's static one (a setting in the cache key: the first of them compiles).
 COMPILED = {"train_compiled": {}, "train_compiled_warm": {},
             "train_compiled_warm_no_aot_cache": {"TORCHINDUCTOR_AUTOGRAD_CACHE": "0"},
+            "train_compiled_triton_launcher": {"TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER": "0"},
             "train_compiled_warm_triton_launcher": {"TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER": "0"}}
 
 
@@ -898,20 +901,26 @@ def isolated(a, name: str) -> dict:
     out = a.out / name
     cmd = [sys.executable, __file__, str(out), "--sections", name, "--deadline", "1e9", "--in-child",
            *(["--smoke"] if a.smoke else [])]
-    cache = Path(a.inductor_cache)
-    state = {"inductor_cache": "warm" if cache.is_dir() and any(cache.iterdir()) else "cold",
-             "env": COMPILED[name]}
-    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(cache)} | COMPILED[name]
+    state = {"env": COMPILED[name]}
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(a.inductor_cache)} | COMPILED[name]
     try:
         subprocess.run(cmd, timeout=max(min(a.until - time.perf_counter(), a.child_limit), 1.0), check=False,
                        env=env)
     except subprocess.TimeoutExpired:
         done = json.loads((out / "probe.json").read_text()) if (out / "probe.json").exists() else {}
         if name in done:  # the section ended; the child was still exiting (compile workers shutting down)
-            return state | done[name]
+            return state | cache_state(done[name])
         log = (out / "probe.log").read_text()[-2000:] if (out / "probe.log").exists() else ""
         return state | {"error": "cut at its time limit", "log_tail": log}
-    return state | json.loads((out / "probe.json").read_text())[name]
+    return state | cache_state(json.loads((out / "probe.json").read_text())[name])
+
+
+def cache_state(res: dict) -> dict:
+    """`res` with "inductor_cache": what its first step found in Inductor's graph cache, by the counters: "warm"
+    (hits only), "cold" (misses only) or "mixed"."""
+    counts = res.get("compile_counters_first_step", {})
+    hits, misses = counts.get("inductor/fxgraph_cache_hit", 0), counts.get("inductor/fxgraph_cache_miss", 0)
+    return {"inductor_cache": "mixed" if hits and misses else "warm" if hits else "cold" if misses else None} | res
 
 
 def main() -> None:
@@ -926,9 +935,9 @@ def main() -> None:
     p.add_argument("--inductor-cache", default="",
                    help="Inductor's cache folder for the compiled training sections (default: a fresh one, removed "
                    "at the end; name one to keep it for a later call's warm sections)")
-    p.add_argument("--sections", default="env,copy,engine,decode,train_compiled,train_compiled_warm,"
-                   "train_compiled_warm_no_aot_cache,train_compiled_warm_triton_launcher,host,profile,train_fit,train,"
-                   "kernels,attention,sampling,decode_sdpa,decode_torch,decode_triton,engine_hf")
+    p.add_argument("--sections", default=",".join(("env,copy,engine,decode", *COMPILED, "host,profile,train_fit,train,"
+                                                   "kernels,attention,sampling,decode_sdpa,decode_torch,decode_triton,"
+                                                   "engine_hf")))
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
     p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -964,7 +973,7 @@ def main() -> None:
                                                                                     ignore_cleanup_errors=True)
     a.inductor_cache = a.inductor_cache or (fresh.name if fresh else "")
     compiled = [(name, *((train_section, (a, device, True)) if a.in_child else (isolated, (a, name))),
-                 90 if name == "train_compiled" else 45) for name in COMPILED]
+                 45 if "warm" in name else 90) for name in COMPILED]
     for name, fn, args, need in (("engine", engine_section, (a, device, dtype, bw), 40),
                                  ("decode", decode_section, (a, device, dtype, bw), 30),
                                  *compiled,

@@ -121,25 +121,29 @@ def test_kernel_table_counts_device_work_only(monkeypatch):
 
 
 def test_compiled_sections_share_one_inductor_cache(monkeypatch, tmp_path):
-    """Each compiled training section runs in a child process with Inductor's cache in one folder: cold for the
-    first, warm for those after it, each with its own switches in the environment."""
+    """Each compiled training section runs in a child process with Inductor's cache in one folder and its own
+    switches in the environment; what its first step found there (cold, warm) is read from its counters. A stand-in
+    child keys the cache as Inductor does, the launcher setting included."""
     probe = load_probe(monkeypatch)
     seen = []
 
     def run(cmd, timeout, check, env):
-        out = Path(cmd[2])
-        seen.append((cmd[cmd.index("--sections") + 1], env["TORCHINDUCTOR_CACHE_DIR"],
-                     env.get("TORCHINDUCTOR_AUTOGRAD_CACHE")))
-        (Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "fxgraph").mkdir(exist_ok=True)  # what a compile leaves
+        name, out = cmd[cmd.index("--sections") + 1], Path(cmd[2])
+        seen.append((name, env["TORCHINDUCTOR_CACHE_DIR"], env.get("TORCHINDUCTOR_AUTOGRAD_CACHE")))
+        entry = Path(env["TORCHINDUCTOR_CACHE_DIR"]) / f"launcher{env.get('TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER')}"
+        counts = {f"inductor/fxgraph_cache_{'hit' if entry.exists() else 'miss'}": 4}
+        entry.mkdir(exist_ok=True)
         out.mkdir(parents=True)
-        (out / "probe.json").write_text(json.dumps({cmd[cmd.index("--sections") + 1]: {"mfu": 0.5}}))
+        (out / "probe.json").write_text(json.dumps({name: {"mfu": 0.5, "compile_counters_first_step": counts}}))
 
     monkeypatch.setattr(probe.subprocess, "run", run)
     cache = tmp_path / "cache"
     cache.mkdir()
     a = argparse.Namespace(out=tmp_path / "out", smoke=True, inductor_cache=str(cache), until=1e12, child_limit=60)
-    got = [probe.isolated(a, name) for name in ("train_compiled", "train_compiled_warm",
-                                               "train_compiled_warm_no_aot_cache")]
-    assert [g["inductor_cache"] for g in got] == ["cold", "warm", "warm"] and all(g["mfu"] == 0.5 for g in got)
-    assert seen == [("train_compiled", str(cache), None), ("train_compiled_warm", str(cache), None),
-                    ("train_compiled_warm_no_aot_cache", str(cache), "0")]
+    got = {name: probe.isolated(a, name) for name in probe.COMPILED}
+    assert {name: g["inductor_cache"] for name, g in got.items()} == {
+        "train_compiled": "cold", "train_compiled_warm": "warm", "train_compiled_warm_no_aot_cache": "warm",
+        "train_compiled_triton_launcher": "cold", "train_compiled_warm_triton_launcher": "warm"}
+    assert all(g["mfu"] == 0.5 for g in got.values())
+    assert [(name, c) for name, c, _ in seen] == [(name, str(cache)) for name in probe.COMPILED]
+    assert [aot for *_, aot in seen] == [None, None, "0", None, None]
