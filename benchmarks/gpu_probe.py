@@ -10,7 +10,8 @@ memory roofline, the compiled training step's MFU), then what explains them, and
 this work is known already (a section starts only while the time it needs is left before --deadline):
 
 - env: torch / Triton / CUDA or HIP versions, the device, and what `twinplane.platform` chose (rollout kernels,
-  paged attention backend and block size, decode graph mode, training precision, distributed backend).
+  paged attention backend and block size, decode graph mode, training precision, compile, log-prob kernels,
+  distributed backend).
 - copy: device-to-device copy bandwidth (bytes read + written per second) and one tiny kernel's cost, launched
   eagerly and replayed from a graph: the floor under a step of a thousand small kernels.
 - engine: one RL-shaped `generate` (64 prompts x 8 samples, 256-token prompts, up to 1,024 new tokens, 1/256 of
@@ -297,11 +298,15 @@ def env(device: torch.device, dtype: torch.dtype) -> dict:
     kernels, why = platform.rollout_kernels(device, dtype, check=self_check)
     backend, block = platform.paged_attention_backend(device, dtype, SHAPES["qwen2.5-0.5b"]["head_dim"], kernels,
                                                       flex_check=flex_decode_agrees)
+    from twinplane.train.chunked_logprobs import kernel_self_check
+
     prec = platform.train_precision(device, torch.float32)
     return out | {"rollout_kernels": kernels, "rollout_kernels_why": why, "paged_attention_backend": backend,
                   "kv_block_size": block,
                   "decode_graph_backend": platform.decode_graph_backend(device),
                   "train_precision": {"param": str(prec.param), "compute": str(prec.compute)},
+                  "train_compile_auto": platform.compile_layers(device),
+                  "logprob_kernels": platform.logprob_kernels(device, prec.compute, check=kernel_self_check),
                   "attention": {k: str(v) for k, v in vars(info.attention).items()}}
 
 

@@ -25,7 +25,8 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     for name in SECTIONS:
         assert "error" not in res[name], (name, res[name].get("traceback"))
     assert res["env"]["commit"] == "abc" and res["env"]["paged_attention_backend"] == "sdpa"
-    assert res["env"]["rollout_kernels"] == "torch"  # auto on CPU
+    assert res["env"]["rollout_kernels"] == res["env"]["logprob_kernels"] == "torch"  # auto on CPU
+    assert res["env"]["train_compile_auto"] is False
     for n, row in res["decode"]["batches"].items():
         assert row["bucket"] >= int(n) and row["kernels_per_step"] > 0 and row["roofline_ms"] > 0
     assert (res["decode_sdpa"]["backend"], res["decode_sdpa"]["kernels"]) == ("sdpa", "torch")
