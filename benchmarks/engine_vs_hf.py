@@ -134,7 +134,8 @@ class Roofline:
         skip = None if emb is model.output_weight() else emb.data_ptr()
         self.weight_bytes = sum(p.numel() * p.element_size() for k, p in params.items() if k != skip)
         self.kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
-        self.steps: list[tuple[int, int, float]] = []  # decode-only steps: (sequences, context tokens, seconds)
+        # decode-only steps: (sequences, context tokens, seconds, of them blocked reading a step back)
+        self.steps: list[tuple[int, int, float, float]] = []
         self.phases: dict[str, float] = {}
         step = engine.engine_step
 
@@ -142,12 +143,14 @@ class Roofline:
             st = engine.stats
             before = st.steps, st.running_sum, st.prefill_tokens
             context = sum(s.num_computed + 1 for s in sched.running)
+            wait = engine.decoder.wait if engine.decoder is not None else 0.0
             t0 = time.perf_counter()
             out = step(sched, sp, *rest)
             dt = time.perf_counter() - t0
             self.phases["steps"] = self.phases.get("steps", 0.0) + dt
             if st.steps > before[0] and st.prefill_tokens == before[2]:  # a decode-only step ran
-                self.steps.append((st.running_sum - before[1], context, dt))
+                wait = (engine.decoder.wait - wait) if engine.decoder is not None else 0.0
+                self.steps.append((st.running_sum - before[1], context, dt, wait))
             return out
 
         engine.engine_step = timed
@@ -176,15 +179,17 @@ class Roofline:
         self.phases.clear()
 
     def summary(self, bandwidth: float) -> dict:
-        ideal = [(self.weight_bytes + c * self.kv_bytes_per_token) / bandwidth for _, c, _ in self.steps]
-        real = [s for _, _, s in self.steps]
+        ideal = [(self.weight_bytes + c * self.kv_bytes_per_token) / bandwidth for _, c, _, _ in self.steps]
+        real = [s for _, _, s, _ in self.steps]
         out = {"decode_steps": len(real), "decode_seconds": sum(real), "roofline_seconds": sum(ideal),
                "fraction_of_roofline": sum(ideal) / sum(real), "weight_bytes": self.weight_bytes}
         for lo, hi in ((1, 8), (8, 64), (64, 256), (256, 10**9)):  # by batch size: where the time goes
-            sel = [i for i, (n, _, _) in enumerate(self.steps) if lo <= n < hi]
+            sel = [i for i, (n, _, _, _) in enumerate(self.steps) if lo <= n < hi]
             if sel:
                 out[f"batch_{lo}+_steps"] = len(sel)
                 out[f"batch_{lo}+_median_step_ms"] = 1e3 * statistics.median(real[i] for i in sel)
+                # (of a step, the time the host waited for the device: ~0 means the host is the bottleneck)
+                out[f"batch_{lo}+_median_wait_ms"] = 1e3 * statistics.median(self.steps[i][3] for i in sel)
                 out[f"batch_{lo}+_median_roofline_ms"] = 1e3 * statistics.median(ideal[i] for i in sel)
         return out | {f"{k}_seconds": v for k, v in self.phases.items()}
 

@@ -4,6 +4,7 @@ and fallbacks. The capture itself (CUDA/HIP graphs) is tested at the end, on GPU
 
 import contextlib
 import copy
+import time
 
 import pytest
 import torch
@@ -151,10 +152,10 @@ def test_steps_run_ahead_give_the_samples_of_steps_read_back_one_by_one(sp, monk
     read are the sequences' own, and a sequence's wasted row draws nothing it would have used."""
     counts, dropped, current = rows_checked(monkeypatch), [], decode_graphs.Launched.current
 
-    def counted(self, i, seq):
-        ok = current(self, i, seq)
-        dropped.extend([] if ok else [seq])
-        return ok
+    def counted(self, seqs):
+        kept = current(self, seqs)
+        dropped.extend(s for i, s in enumerate(seqs) if i not in kept)
+        return kept
 
     monkeypatch.setattr(decode_graphs.Launched, "current", counted)
     model, caps = tiny_model(), [sp.max_new_tokens, 3, sp.max_new_tokens - 5, 7]  # (caps: lengths differ)
@@ -170,6 +171,34 @@ def test_steps_run_ahead_give_the_samples_of_steps_read_back_one_by_one(sp, monk
         assert dropped  # rows of sequences that had just stopped
     assert all(s.finish_reason == "stop" for s in dropped)  # a last token by length: the step ahead sat it out
     assert ahead.blocks.num_free == ahead.blocks.num_blocks
+
+
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_time_blocked_reading_steps_back_is_counted(run_ahead, monkeypatch):
+    """`rollout/device_wait_s`: the host's time blocked on a step's event (a stand-in that takes 2 ms, as a device
+    still running the step would), counted once per graphed step, over a call's steps only."""
+    class SlowEvent:
+        def record(self):
+            pass
+
+        def synchronize(self):
+            time.sleep(0.002)
+
+    init = DecodeGraphs.__init__
+
+    def with_events(self, *a, **k):
+        init(self, *a, **k)
+        self.events = [SlowEvent(), SlowEvent()]
+
+    monkeypatch.setattr(DecodeGraphs, "__init__", with_events)
+    e = engine(tiny_model(), run_ahead=run_ahead)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=1)
+    for _ in range(2):  # (a second call reuses the first one's static decode: its count starts again)
+        e.generate(PROMPTS, sp)
+        stats = e.pop_stats()
+        assert stats.graph_steps > 5 and (stats.ahead_steps > 0) == run_ahead
+        assert 0.002 * stats.graph_steps <= stats.wait_seconds < stats.seconds
+        assert stats.metrics()["rollout/device_wait_s"] == stats.wait_seconds
 
 
 def test_steps_run_ahead_in_a_stream_of_rounds_and_weight_updates():

@@ -66,6 +66,9 @@ class EngineStats:
     graph_steps: int = 0  # decode steps run from the static buffers (replayed graphs on GPUs)
     ahead_steps: int = 0  # of those, launched before the step before them was read back (`run_ahead`)
     seconds: float = 0.0  # busy time (of the slowest engine, for data-parallel engines)
+    # time blocked on the device reading graphed decode steps back (summed over data-parallel engines): with
+    # steps run ahead, most of the busy time when the device is the bottleneck, little when the host is
+    wait_seconds: float = 0.0
     seconds_min: float | None = None  # data-parallel engines: the least busy one's (their spread is load imbalance)
 
     COUNTERS = ("steps", "running_sum", "preemptions", "prefill_tokens", "decode_tokens", "graph_steps",
@@ -75,14 +78,15 @@ class EngineStats:
         """Two rollouts one after the other (DAPO's extra batches): everything adds up; the peak is the fuller."""
         lo = None if self.seconds_min is None and later.seconds_min is None else (
             (self.seconds_min or 0.0) + (later.seconds_min or 0.0))
-        return EngineStats(**{f: getattr(self, f) + getattr(later, f) for f in (*self.COUNTERS, "seconds")},
+        return EngineStats(**{f: getattr(self, f) + getattr(later, f)
+                              for f in (*self.COUNTERS, "seconds", "wait_seconds")},
                            usage_peak=max(self.usage_peak, later.usage_peak), seconds_min=lo)
 
     @classmethod
     def parallel(cls, parts: Sequence[EngineStats]) -> EngineStats:
         """Data-parallel engines as one: counters add up, the peak is the fullest pool's, and the time is the
         slowest engine's (they run at once), so tokens/s is the rollout plane's throughput."""
-        return cls(**{f: sum(getattr(p, f) for p in parts) for f in cls.COUNTERS},
+        return cls(**{f: sum(getattr(p, f) for p in parts) for f in (*cls.COUNTERS, "wait_seconds")},
                    usage_peak=max(p.usage_peak for p in parts), seconds=max(p.seconds for p in parts),
                    seconds_min=min(p.seconds for p in parts))
 
@@ -95,6 +99,7 @@ class EngineStats:
         return busy | {"rollout/kv_cache_usage_peak": self.usage_peak, "rollout/preemptions": self.preemptions,
                 "rollout/running_seqs_mean": self.running_sum / self.steps, "rollout/engine_steps": self.steps,
                 "rollout/engine_steps_graphed": self.graph_steps, "rollout/engine_steps_ahead": self.ahead_steps,
+                "rollout/device_wait_s": self.wait_seconds,
                 "perf/prefill_tokens_per_s": self.prefill_tokens / max(self.seconds, 1e-9),
                 "perf/decode_tokens_per_s": self.decode_tokens / max(self.seconds, 1e-9)}
 
@@ -285,7 +290,7 @@ class RolloutEngine:
         dropped (they are finished, or their blocks were released)."""
         (step, seqs), self._pending = self._pending, None
         tokens, logprobs = self.decoder.finish(step)
-        keep = [i for i, s in enumerate(seqs) if step.current(i, s)]
+        keep = step.current(seqs)
         if len(keep) < len(seqs):
             self.stats.decode_tokens -= len(seqs) - len(keep)
             seqs, tokens, logprobs = [seqs[i] for i in keep], [tokens[i] for i in keep], [logprobs[i] for i in keep]
@@ -299,7 +304,8 @@ class RolloutEngine:
         self.stats.seconds += time.perf_counter() - t0
         if self.decoder is not None:
             self.stats.graph_steps += self.decoder.steps
-            self.decoder.steps = 0
+            self.stats.wait_seconds += self.decoder.wait
+            self.decoder.steps, self.decoder.wait = 0, 0.0
             if self.decoder.broken:  # a capture failed (warned): stay eager
                 self.graph_backend, self.decoder = "eager", None
 
@@ -354,7 +360,7 @@ class RolloutEngine:
                                                       self.graph_max_batch, limit, self.head, self.warmth,
                                                       fused=self.kernels == "triton")
         else:  # the earlier call's static decode, and its captured graphs, serve this call too
-            self.decoder.steps = 0
+            self.decoder.steps, self.decoder.wait = 0, 0.0
 
     def _step(self, batch: ScheduledBatch, sched: Scheduler, sp: SamplingParams) -> list[Seq]:
         """One forward over `batch`; sample for the sequences whose pending tokens all ran. Returns the finished."""
@@ -456,9 +462,11 @@ class RolloutEngine:
 
     def _take(self, ready: list[Seq], tokens: list[int], logprobs: list[float], sched: Scheduler) -> list[Seq]:
         """Append each sampled token with its log-prob; returns the sequences that finished (out of the batch)."""
+        finished, version = [], self.weight_version
         for seq, t, logprob in zip(ready, tokens, logprobs, strict=True):
-            seq.append(t, logprob, self.weight_version)
-        finished = [s for s in ready if s.finish_reason is not None]
+            seq.append(t, logprob, version)
+            if seq.finish_reason is not None:
+                finished.append(seq)
         sched.finish(finished)
         return finished
 

@@ -40,6 +40,7 @@ Copy-on-write block copies a step needs are made by the engine before the forwar
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -145,6 +146,7 @@ class DecodeGraphs:
         self.pool = None  # the graphs' shared memory pool (cuda_graph mode)
         self.launches = 0  # steps launched (which host buffers a step uses)
         self.steps = 0  # decode steps run here
+        self.wait = 0.0  # seconds the host spent blocked reading steps back (the device still running them)
         self.broken = False  # a capture failed: the engine runs eager from then on
 
     def serves(self, mode: str, max_blocks: int, limit: int) -> bool:
@@ -176,8 +178,8 @@ class DecodeGraphs:
         host, rows, placed = self.host[buf].numpy(), self._rows, {}
         reset, src, retable, uniforms = [0] * n, list(range(n)), [0] * n, [0.0] * n
         for i, seq in enumerate(seqs):
-            p, table = seq.num_computed, seq.block_table
-            e = rows.get(id(seq))
+            p, table, sid = seq.num_computed, seq.block_table, id(seq)
+            e = rows.get(sid)
             # The device holds this row if the last step advanced it here (and the host did not change its token
             # since). The block manager appends to a table, replaces its last block (copy-on-write) or gives the
             # sequence a new list (freed): the same list, length and last block mean the same table.
@@ -191,7 +193,7 @@ class DecodeGraphs:
                 host[i, STATE + TABLE:STATE + TABLE + len(table)] = table
                 host[i, STATE + TABLE + len(table):] = self.pad_block
             uniforms[i] = seq.rngs[0].random()  # (a double: rounded to float32 on the device, as `_sample` does)
-            placed[id(seq)] = [seq, p + 1, table, len(table), table[-1], None, i]
+            placed[sid] = [seq, p + 1, table, len(table), table[-1], None, i]
             seq.num_computed = p + 1
         host[:n, RESET], host[:n, SRC], host[:n, RETABLE], host[:n, LIVE] = reset, src, retable, 1
         host.view(np.float64)[:n, UNIFORM] = uniforms
@@ -214,17 +216,20 @@ class DecodeGraphs:
             self.events[buf].record()
         self.launches += 1
         self.steps += 1
-        return Launched(buf, list(placed.values()))  # (in row order)
+        return Launched(buf, list(placed.values()), self.launches)  # (in row order)
 
     def finish(self, step: Launched) -> tuple[list[int], list[float]]:
         """Wait for a launched step: its tokens and their policy log-probs (one read back for both: float64 holds
         every token id and each fp32 log-prob exactly)."""
         if self.events is not None:
+            t0 = time.perf_counter()
             self.events[step.buffer].synchronize()
-        tokens, logprobs = self.readback[step.buffer][:, :len(step.rows)].tolist()
-        tokens = [int(t) for t in tokens]
-        for e, t in zip(step.rows, tokens, strict=True):
-            e[5] = t
+            self.wait += time.perf_counter() - t0
+        out = self.readback[step.buffer][:, :len(step.rows)]
+        tokens, logprobs = out[0].long().tolist(), out[1].tolist()
+        if step.launch == self.launches:  # no step launched since: the next one checks its rows' tokens
+            for e, t in zip(step.rows, tokens, strict=True):
+                e[5] = t
         return tokens, logprobs
 
     def _sampling_key(self, sp: SamplingParams, stop_ids: frozenset[int]) -> tuple:
@@ -324,14 +329,18 @@ class DecodeGraphs:
 
 @dataclass
 class Launched:
-    """A launched step: its host buffers and, per row, the sequence's entry (`DecodeGraphs._rows`)."""
+    """A launched step: its host buffers, per row the sequence's entry (`DecodeGraphs._rows`), and which launch it
+    was (`DecodeGraphs.launches` after it)."""
 
     buffer: int
     rows: list[list]
+    launch: int
 
-    def current(self, i: int, seq: Sequence) -> bool:
-        """Whether row `i`'s token still belongs to `seq`: it has not stopped, nor changed its tokens, since."""
-        return seq.finish_reason is None and len(seq.tokens) == self.rows[i][1]
+    def current(self, seqs: list[Sequence]) -> list[int]:
+        """The rows whose tokens still belong to their sequences (`seqs`, in row order): those that have not
+        stopped, nor changed their tokens, since."""
+        rows = self.rows
+        return [i for i, s in enumerate(seqs) if s.finish_reason is None and len(s.tokens) == rows[i][1]]
 
 
 def _host(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:

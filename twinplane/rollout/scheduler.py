@@ -39,6 +39,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        self.num_running = 0  # running-set slots taken: the running sequences' widths (kept, not summed per step)
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -46,10 +47,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_running(self) -> int:
-        return sum(s.width for s in self.running)
 
     def schedule(self) -> ScheduledBatch:
         decodes, prefills = ScheduledBatch(), ScheduledBatch()
@@ -90,17 +87,16 @@ class Scheduler:
             i += 1
         # Admit while the whole remaining prompt fits the free blocks (not only this step's chunk: a prompt that
         # cannot finish prefilling would only be preempted again); none in a step that had to preempt.
-        slots = self.num_running  # (counted once: admitting a whole batch stays linear)
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if self.running and slots + seq.width > self.max_num_seqs:
+            if self.running and self.num_running + seq.width > self.max_num_seqs:
                 break
             if self.blocks.room(seq) < seq.num_pending:
                 break
             want = min(seq.num_pending, budget)
             self.waiting.popleft()
             self.running.append(seq)
-            slots += seq.width
+            self.num_running += seq.width
             prefills.copies += self.blocks.allocate(seq, want)
             prefills.seqs.append(seq)
             prefills.num_tokens.append(want)
@@ -117,12 +113,17 @@ class Scheduler:
         sequence not decoding, or blocks short (a preemption) or past `max_blocks` per table."""
         if self.waiting:
             return None
-        seqs = [s for s in self.running if s.num_computed + 1 - s.prompt_len < s.max_new_tokens]
-        if not seqs or any(s.width != 1 or s.num_pending != 0 for s in seqs):
-            return None
-        bs, has_slot = self.blocks.block_size, self.blocks.has_slot
-        grow = [s for s in seqs if not has_slot(s)]  # each takes one block: a new one, or its copy-on-write copy
-        if len(grow) > self.blocks.num_free or \
+        seqs, grow, has_slot = [], [], self.blocks.has_slot
+        for s in self.running:  # (every running sequence, every step: attributes, not properties)
+            if s.num_computed + 1 - s.prompt_len >= s.max_new_tokens:
+                continue
+            if len(s.rngs) != 1 or len(s.tokens) != s.num_computed:  # forked later, or not decoding
+                return None
+            seqs.append(s)
+            if not has_slot(s):  # it takes one block: a new one, or its copy-on-write copy
+                grow.append(s)
+        bs = self.blocks.block_size
+        if not seqs or len(grow) > self.blocks.num_free or \
                 any(len(s.block_table) + (s.num_computed % bs == 0) > max_blocks for s in grow):
             return None
         copies = [c for s in grow for c in self.blocks.allocate(s, 1)]
@@ -131,6 +132,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and queue it first for recomputation (its samples and random state are kept)."""
         self.running.remove(seq)
+        self.num_running -= seq.width
         self.blocks.release(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -141,7 +143,7 @@ class Scheduler:
         for seq in reversed(self.running):
             self.blocks.release(seq)
             self.waiting.appendleft(seq)
-        self.running = []
+        self.running, self.num_running = [], 0
 
     def finish(self, seqs: list[Sequence]) -> None:
         """Retire finished sequences (one pass over the running set, however many finish at once)."""
@@ -150,4 +152,5 @@ class Scheduler:
         done = {id(s) for s in seqs}
         self.running = [s for s in self.running if id(s) not in done]
         for s in seqs:
+            self.num_running -= s.width
             self.blocks.release(s)

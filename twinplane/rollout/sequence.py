@@ -136,22 +136,20 @@ class Sequence:
         return children
 
     def append(self, token: int, logprob: float, version: int = 0) -> None:
-        """Add a token sampled with weights `version`; set `finish_reason` when it ends the sample."""
+        """Add a token sampled with weights `version`; set `finish_reason` when it ends the sample. (Called for
+        every sequence in every decode step: attributes, not properties.)"""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
-        sp, n = self.sampling, self.num_generated
-        if n > sp.min_new_tokens and self._stopped(token):  # a stop counts at index >= min_new_tokens
-            self.finish_reason = "stop"
+        n, sp = len(self.tokens) - self.prompt_len, self.sampling
+        if n > sp.min_new_tokens and (token in self.stop_ids or sp.stop_sequences and self._stop_sequence(n)):
+            self.finish_reason = "stop"  # (a stop counts at index >= min_new_tokens)
         elif n >= self.max_new_tokens:
             self.finish_reason = "length"
 
-    def _stopped(self, token: int) -> bool:
-        if token in self.stop_ids:
-            return True
-        if not self.sampling.stop_sequences:
-            return False
-        n = self.num_generated  # compare the tails only: a copy of all generated tokens per token is O(length^2)
+    def _stop_sequence(self, n: int) -> bool:
+        """The `n` generated tokens end with a stop sequence (the tails only: a copy of all generated tokens per
+        token is O(length^2))."""
         return any(len(s) <= n and self.tokens[-len(s):] == s for s in self.sampling.stop_sequences)
 
     def record_routing(self, start: int, experts: torch.Tensor) -> None:
