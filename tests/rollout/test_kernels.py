@@ -246,6 +246,19 @@ def test_sampler_picks_in_any_chunk():
     torch.testing.assert_close(logp.cpu(), torch.full((3,), -math.log(3)))
 
 
+def test_greedy_takes_the_first_maximum_across_chunks():
+    """Greedy rows: the first of equal maxima, also when they lie in different chunks (each chunk's own argmax,
+    then the row's), and a banned maximum is passed over in the banned row only."""
+    V = 3 * 4096 + 17
+    logits = torch.zeros(3, V)
+    logits[:, [5000, 9000, 3 * 4096 + 1]] = 2.0
+    logits[:, 100] = 3.0  # banned, in the first row only
+    tok, logp = sample_tokens(logits.to(DEV), 0.0, torch.zeros(3, device=DEV), torch.tensor([100], device=DEV),
+                              torch.tensor([True, False, False], device=DEV))
+    assert tok.tolist() == [5000, 100, 100]
+    torch.testing.assert_close(logp.cpu(), torch.log_softmax(logits, -1)[range(3), tok.cpu()])
+
+
 @pytest.mark.parametrize("block, warps", [(256, 2), (4096, 8)])
 def test_sampler_launch_settings_change_nothing(block, warps):
     """Loads of another width (the probe's sweep) sum in another order: the same tokens from mid-step uniforms."""
