@@ -28,7 +28,9 @@ this work is known already (a section starts only while the time it needs is lef
   packed micro-batches of an RL-like length mix, decoder layers compiled (`train.compile=on`), in a child process
   cut after --child-limit seconds, with a fresh Inductor cache: tokens/s, MFU against the device's dense bf16
   peak, peak memory, the caching allocator's device allocations, the profiler's per-category time, device-busy
-  time and top operators, and where a step's host waits for the device; train_compiled_warm: the same in a new
+  time and top operators, where a step's host waits for the device, and the CPU over the timed steps (this
+  process's CPU seconds per second, the machine's busy fraction, child processes alive: compile workers
+  competing with a host-bound launch loop would show); train_compiled_warm: the same in a new
   process that finds the cache filled (a restarted run); train_compiled_warm_no_aot_cache: that with
   AOTAutograd's cache off; train_compiled_triton_launcher and train_compiled_warm_triton_launcher: the cold and the
   warm run with Triton's kernel launcher instead of Inductor's static one; train: the same eager
@@ -823,8 +825,9 @@ def train_section(a, device, compiled: bool) -> dict:
     first = time.perf_counter() - t
     first_counts = dynamo_counts()  # (what the first step compiled, and found in the caches)
     trainer.train_step(batch)
-    allocator, counts = alloc_counts(device), dynamo_counts()
+    allocator, counts, cpu = alloc_counts(device), dynamo_counts(), cpu_snapshot()
     steps = timed(lambda: trainer.train_step(batch), device, a.train_steps, warmup=0)
+    cpu = cpu_use(cpu, sum(steps))  # (host-bound steps: ~1 CPU second per second; contention: the machine busy)
     allocator = {k: v - allocator[k] for k, v in alloc_counts(device).items()}  # over the timed steps
     counts = {k: v - counts.get(k, 0) for k, v in dynamo_counts().items() if v != counts.get(k, 0)}
     step = statistics.median(steps)
@@ -836,7 +839,7 @@ def train_section(a, device, compiled: bool) -> dict:
            "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
            "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak,
            "allocator_timed_steps": allocator, "compile_counters_first_step": first_counts,
-           "compile_counters_timed_steps": counts}
+           "compile_counters_timed_steps": counts, "cpu_timed_steps": cpu}
     gpu = device.type == "cuda"
     if gpu:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -868,6 +871,37 @@ def alloc_counts(device) -> dict:
         return {}
     stats = torch.cuda.memory_stats(device)
     return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
+def cpu_snapshot() -> tuple[float, list[int] | None]:
+    """(this process's CPU seconds, all threads; the machine's CPU jiffies from /proc/stat: [busy, total], None
+    where there is no /proc)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        jiffies = [sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0), sum(ticks)]  # (idle, iowait out)
+    except (OSError, ValueError):
+        jiffies = None
+    return time.process_time(), jiffies
+
+
+def cpu_use(before: tuple[float, list[int] | None], wall: float) -> dict:
+    """Over `wall` seconds since `before` (`cpu_snapshot`): this process's CPU seconds per second (about 1 while its
+    host thread launches without pause; more with busy helper threads), the machine's busy fraction (other work,
+    e.g. compile workers, competing for its cores), and the processes this one started that are still alive."""
+    cpu, jiffies = cpu_snapshot()
+    out = {"process_cpu_per_s": (cpu - before[0]) / wall, "threads": len(os.listdir("/proc/self/task"))
+           if os.path.isdir("/proc/self/task") else None}
+    if jiffies and before[1] and jiffies[1] > before[1][1]:
+        out["machine_busy"] = (jiffies[0] - before[1][0]) / (jiffies[1] - before[1][1])
+    children = 0
+    with contextlib.suppress(OSError):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/stat") as f:
+                    children += int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    out["child_processes"] = children
+    return out
 
 
 def train_fit_section(a, device) -> dict:

@@ -65,6 +65,8 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
         assert all(row["calls"] > 0 and row["total_us"] >= 0 for row in profiled["ops"])
         assert any(row["op"].startswith("aten::") and row["shapes"] != "[]" for row in profiled["ops"])
     assert train["host_syncs"] is None  # (CPU: no census of host waits)
+    cpu = train["cpu_timed_steps"]  # the host's CPU while the timed steps ran
+    assert cpu["process_cpu_per_s"] > 0 and 0 < cpu["machine_busy"] <= 1 and cpu["child_processes"] >= 0
     assert train["profile"]["host"]["Optimizer.step"]["calls"] == 1 and train["profile"]["step_s"] > 0
     for side in ("chunked", "one_chunk"):  # tiny shapes fit whole on CPU: every size up to the cap
         assert res["train_fit"][side]["largest_tokens"] == 64 and len(res["train_fit"][side]["peak_gib_by_tokens"]) == 3
