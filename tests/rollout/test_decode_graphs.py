@@ -201,6 +201,25 @@ def test_time_blocked_reading_steps_back_is_counted(run_ahead, monkeypatch):
         assert stats.metrics()["rollout/device_wait_s"] == stats.wait_seconds
 
 
+def test_host_device_copies_of_a_step_are_contiguous(monkeypatch):
+    """The staging copy and the read back of every bucket, the largest and the smaller ones, copy between
+    contiguous tensors: torch copies a strided one between host and device through a pageable temporary, and a
+    copy into pageable memory returns only once the device has run the step (the step run ahead would not be)."""
+    copies, copy_ = [], torch.Tensor.copy_
+
+    def recorded(self, src, non_blocking=False):
+        if non_blocking:
+            copies.append((tuple(self.shape), self.is_contiguous() and src.is_contiguous()))
+        return copy_(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", recorded)
+    e = engine(tiny_model(), max_num_seqs=24)
+    e.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5), [12, 2, 7, 4])
+    backs = {shape for shape, _ in copies if len(shape) == 2 and shape[0] == 2}  # [2, bucket]: the read backs
+    assert len(backs) > 2 and max(backs)[1] == e.decoder.buckets[-1]  # several buckets, the largest among them
+    assert copies and all(ok for _, ok in copies)
+
+
 def test_steps_run_ahead_in_a_stream_of_rounds_and_weight_updates():
     """An engine stream runs ahead within a round of engine steps and reads the last step back before the round
     ends, so groups, tokens, log-probs and versions equal those of steps read back one by one, across rounds with

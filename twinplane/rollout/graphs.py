@@ -133,7 +133,9 @@ class DecodeGraphs:
         # may still be running (`launch` ... `finish`).
         pinned = dev.type == "cuda"
         self.host = [_host((rows, width), torch.long, pinned) for _ in range(2)]
-        self.readback = [_host((2, rows), torch.float64, pinned) for _ in range(2)]
+        # (flat: a step's [2, size] lands in the first 2 x size, contiguous. A strided destination would make torch
+        # stage the copy through pageable memory, which returns only once the device has run the step.)
+        self.readback = [_host((2 * rows,), torch.float64, pinned) for _ in range(2)]
         self.events = [torch.cuda.Event() for _ in range(2)] if pinned else None
         self.cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one query each
         # Where each sequence of the last launched step is on the device: id -> [sequence (kept alive, so its id
@@ -211,12 +213,13 @@ class DecodeGraphs:
         else:
             graph, out = self.graphs[size, key]
             graph.replay()
-        self.readback[buf][:, :size].copy_(out, non_blocking=True)
+        back = self.readback[buf][:2 * size].view(2, size)
+        back.copy_(out, non_blocking=True)
         if self.events is not None:
             self.events[buf].record()
         self.launches += 1
         self.steps += 1
-        return Launched(buf, list(placed.values()), self.launches)  # (in row order)
+        return Launched(buf, list(placed.values()), self.launches, back)  # (in row order)
 
     def finish(self, step: Launched) -> tuple[list[int], list[float]]:
         """Wait for a launched step: its tokens and their policy log-probs (one read back for both: float64 holds
@@ -225,7 +228,7 @@ class DecodeGraphs:
             t0 = time.perf_counter()
             self.events[step.buffer].synchronize()
             self.wait += time.perf_counter() - t0
-        out = self.readback[step.buffer][:, :len(step.rows)]
+        out = step.back[:, :len(step.rows)]
         tokens, logprobs = out[0].long().tolist(), out[1].tolist()
         if step.launch == self.launches:  # no step launched since: the next one checks its rows' tokens
             for e, t in zip(step.rows, tokens, strict=True):
@@ -329,12 +332,13 @@ class DecodeGraphs:
 
 @dataclass
 class Launched:
-    """A launched step: its host buffers, per row the sequence's entry (`DecodeGraphs._rows`), and which launch it
-    was (`DecodeGraphs.launches` after it)."""
+    """A launched step: its host buffers, per row the sequence's entry (`DecodeGraphs._rows`), which launch it was
+    (`DecodeGraphs.launches` after it), and where its tokens and log-probs land ([2, bucket], host memory)."""
 
     buffer: int
     rows: list[list]
     launch: int
+    back: torch.Tensor
 
     def current(self, seqs: list[Sequence]) -> list[int]:
         """The rows whose tokens still belong to their sequences (`seqs`, in row order): those that have not
