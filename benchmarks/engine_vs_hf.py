@@ -134,26 +134,41 @@ class Roofline:
         skip = None if emb is model.output_weight() else emb.data_ptr()
         self.weight_bytes = sum(p.numel() * p.element_size() for k, p in params.items() if k != skip)
         self.kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
-        # decode-only steps: (sequences, context tokens, seconds, of them blocked reading a step back)
-        self.steps: list[tuple[int, int, float, float]] = []
+        # decode-only steps: (sequences, context tokens, seconds, of them blocked reading a step back, of them
+        # launching a step: staging, the graph's launch, queuing its read back; a launch that waits for the device
+        # would show here)
+        self.steps: list[tuple[int, int, float, float, float]] = []
         self.phases: dict[str, float] = {}
+        self.launching = 0.0  # seconds in `DecodeGraphs.launch` so far
         step = engine.engine_step
 
         def timed(sched, sp, *rest):
             st = engine.stats
             before = st.steps, st.running_sum, st.prefill_tokens
             context = sum(s.num_computed + 1 for s in sched.running)
-            wait = engine.decoder.wait if engine.decoder is not None else 0.0
+            wait, launching = engine.decoder.wait if engine.decoder is not None else 0.0, self.launching
             t0 = time.perf_counter()
             out = step(sched, sp, *rest)
             dt = time.perf_counter() - t0
             self.phases["steps"] = self.phases.get("steps", 0.0) + dt
             if st.steps > before[0] and st.prefill_tokens == before[2]:  # a decode-only step ran
                 wait = (engine.decoder.wait - wait) if engine.decoder is not None else 0.0
-                self.steps.append((st.running_sum - before[1], context, dt, wait))
+                self.steps.append((st.running_sum - before[1], context, dt, wait, self.launching - launching))
             return out
 
         engine.engine_step = timed
+        if not hasattr(graphs.DecodeGraphs.launch, "timed"):  # (no device sync: the launch's own host time)
+            launch = graphs.DecodeGraphs.launch
+
+            def launch_timed(*a, **k):
+                t0 = time.perf_counter()
+                out = launch(*a, **k)
+                for r in Roofline.active:
+                    r.launching += time.perf_counter() - t0
+                return out
+
+            launch_timed.timed = True
+            graphs.DecodeGraphs.launch = launch_timed
         engine._sample = self.phase(engine._sample, "sample", engine.device)
         for obj, name in ((graphs.DecodeGraphs, "_capture"), (Scheduler, "schedule")):
             if not hasattr(getattr(obj, name), "timed"):  # (class methods: wrap once, for every engine)
@@ -179,17 +194,18 @@ class Roofline:
         self.phases.clear()
 
     def summary(self, bandwidth: float) -> dict:
-        ideal = [(self.weight_bytes + c * self.kv_bytes_per_token) / bandwidth for _, c, _, _ in self.steps]
-        real = [s for _, _, s, _ in self.steps]
+        ideal = [(self.weight_bytes + c * self.kv_bytes_per_token) / bandwidth for _, c, *_ in self.steps]
+        real = [s for _, _, s, *_ in self.steps]
         out = {"decode_steps": len(real), "decode_seconds": sum(real), "roofline_seconds": sum(ideal),
                "fraction_of_roofline": sum(ideal) / sum(real), "weight_bytes": self.weight_bytes}
         for lo, hi in ((1, 8), (8, 64), (64, 256), (256, 10**9)):  # by batch size: where the time goes
-            sel = [i for i, (n, _, _, _) in enumerate(self.steps) if lo <= n < hi]
+            sel = [i for i, (n, *_) in enumerate(self.steps) if lo <= n < hi]
             if sel:
                 out[f"batch_{lo}+_steps"] = len(sel)
                 out[f"batch_{lo}+_median_step_ms"] = 1e3 * statistics.median(real[i] for i in sel)
                 # (of a step, the time the host waited for the device: ~0 means the host is the bottleneck)
                 out[f"batch_{lo}+_median_wait_ms"] = 1e3 * statistics.median(self.steps[i][3] for i in sel)
+                out[f"batch_{lo}+_median_launch_ms"] = 1e3 * statistics.median(self.steps[i][4] for i in sel)
                 out[f"batch_{lo}+_median_roofline_ms"] = 1e3 * statistics.median(ideal[i] for i in sel)
         return out | {f"{k}_seconds": v for k, v in self.phases.items()}
 

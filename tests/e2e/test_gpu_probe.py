@@ -49,6 +49,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
         roofline = res["engine"][call]["roofline"]
         waits = [v for k, v in roofline.items() if k.endswith("_median_wait_ms")]
         assert roofline["decode_steps"] > 0 and waits and not any(waits)  # (CPU: nothing to wait for)
+        assert all(v > 0 for k, v in roofline.items() if k.endswith("_median_launch_ms"))  # (static: the step too)
     assert res["host"]["batches"]["8"]["host_ms"] > 0 and len(res["host"]["batches"]["8"]["runs"]) == 3
     steps = res["engine"]["graph_steps"]  # the engine's own largest step, filled rows, back to back
     assert [row["replay_ms_median"] > 0 and row["roofline_ms"] > 0 for row in steps["buckets"].values()] == [True]
