@@ -119,6 +119,34 @@ def test_preemption_and_batching_do_not_change_outputs(temperature):
     assert [s.token_ids for s in one] == [s.token_ids for s in want]
 
 
+def test_running_count_follows_admissions_forks_preemptions_and_finishes(monkeypatch):
+    """The scheduler's kept count of running-set slots equals its running sequences' widths after every step of
+    a run that admits, forks (n samples), preempts, retires early stops and runs ahead (static decode steps)."""
+    checks = []
+
+    def checked(name):
+        fn = getattr(Scheduler, name)
+
+        def wrapper(self, *a, **k):
+            out = fn(self, *a, **k)
+            checks.append(self.num_running == sum(s.width for s in self.running))
+            return out
+
+        monkeypatch.setattr(Scheduler, name, wrapper)
+
+    for name in ("schedule", "schedule_ahead", "finish"):
+        checked(name)
+    model = tiny_model()
+    per_block = bytes_per_block(model.config, RolloutEngine(copy.deepcopy(model), None).block_size, torch.float32)
+    engine = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS, kv_cache_bytes=4 * per_block,
+                           max_num_batched_tokens=8)
+    engine.graph_backend = "static"
+    engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, n=3, seed=2), [20, 3, 11, 20])
+    m = engine.pop_metrics()
+    assert m["rollout/preemptions"] > 0 and m["rollout/engine_steps_ahead"] > 0
+    assert len(checks) > 20 and all(checks)
+
+
 def test_random_budgets_caps_and_chunks_give_the_unconstrained_outputs():
     """Seeded random mixes of prompt lengths (around block edges), n, stops, sampling, KV budgets from one sequence
     up, running-set caps and token budgets (below the number of decodes too): the outputs, log-probs and finish
