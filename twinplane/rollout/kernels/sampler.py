@@ -140,13 +140,13 @@ def sample_tokens(logits: torch.Tensor, temperature: float, uniforms: torch.Tens
         mask = torch.zeros(V, dtype=torch.int8, device=dev).index_fill_(0, banned, 1)
     chunk = min(CDF_CHUNK, triton.next_power_of_2(V))  # (one chunk: the whole row, as `inverse_cdf` takes it)
     block, C = min(block, chunk), -(-V // chunk)
-    stats = torch.empty(4 if greedy else 3, B, C, dtype=torch.float32, device=dev)  # max, all, kept[, best]
-    best_idx = torch.empty(B, C, dtype=torch.int32, device=dev) if greedy else stats[0]
+    stats = torch.empty(3, B, C, dtype=torch.float32, device=dev)  # per chunk: max, mass of all, mass kept
+    best = (torch.empty(B, C, dtype=torch.float32, device=dev), torch.empty(B, C, dtype=torch.int32, device=dev)) \
+        if greedy else (stats[0], stats[0])  # (greedy: per chunk the best kept logit and its index; else unused)
     if B:
         common = dict(GREEDY=greedy, BANNED=banned is not None, EVERY_ROW=banned_rows is None, CHUNK=chunk,
                       BLOCK=block)
-        args = (mask if mask is not None else tok, banned_rows if banned_rows is not None else tok, *stats[:3],
-                stats[3] if greedy else stats[0], best_idx)
+        args = (mask if mask is not None else tok, banned_rows if banned_rows is not None else tok, *stats, *best)
         t = float(temperature) if temperature > 0 else 1.0
         _chunk_stats[(B, C)](logits, *args, V, C, logits.stride(0), t, **common,
                              num_warps=num_warps or (8 if block >= 2048 else 4))
