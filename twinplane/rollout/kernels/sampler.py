@@ -151,7 +151,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, uniforms: torch.Tens
         _chunk_stats[(B, C)](logits, *args, V, C, logits.stride(0), t, **common,
                              num_warps=num_warps or (8 if block >= 2048 else 4))
         _choose[(B,)](logits, uniforms, *args, tok, logp, V, C, logits.stride(0), t, **common,
-                      BLOCK_C=triton.next_power_of_2(C), num_warps=4)
+                      BLOCK_C=max(16, triton.next_power_of_2(C)), num_warps=4)  # (no 1-wide blocks)
     return tok, logp
 
 
