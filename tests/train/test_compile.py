@@ -86,3 +86,57 @@ def test_eval_forwards_and_the_engine_stay_eager(monkeypatch):
     model.train()
     with pytest.raises(AssertionError, match="compiled"):
         model(torch.tensor([[5, 6, 7]]))
+
+
+@torch.library.custom_op("twinplane_test::varlen_attn", mutates_args={})
+def _varlen_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int, is_causal: bool = False) -> torch.Tensor:
+    _varlen_stand_in.calls += 1
+    return q * 1.0  # (any output of q's shape: only what Dynamo guards on matters here)
+
+
+_varlen_stand_in.calls = 0
+_varlen_stand_in.register_fake(lambda q, *rest, **kw: torch.empty_like(q))
+_varlen_stand_in.register_autograd(lambda ctx, grad: (grad,) + (None,) * 7)
+
+
+def test_gpu_packed_path_compiles_once_for_batches_of_any_shape(monkeypatch):
+    """The compiled layers on the GPUs' packed path (`torch_varlen`, here with a stand-in op of `varlen_attn`'s
+    signature) compile for the first micro-batch and serve every later one, of other lengths, sequence counts and
+    shared prompts, without recompiling: a recompile per batch would cost seconds per step and, past Dynamo's
+    recompile limit, leave the layers eager. (Dynamo's guards do not depend on the compiler: aot_eager keeps it
+    quick.)"""
+    import torch.nn.attention.varlen as varlen
+
+    from twinplane.train import Batch
+
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, cq, ck, mq, mk, is_causal=False:
+                        _varlen_stand_in(q, k, v, cq, ck, mq, mk, is_causal))
+    monkeypatch.setattr(platform, "varlen_backend", lambda *a, **k: "torch_varlen")
+    layer = torch.compile(transformer.DecoderLayer.run, dynamic=True, backend="aot_eager")
+    monkeypatch.setattr(transformer, "compiled_layer", lambda: layer)
+    torch._dynamo.reset()
+    counters.clear()
+
+    def grouped(seed, groups):  # GRPO-like: 3 responses per prompt (shared prompts in the packed rows)
+        g = torch.Generator().manual_seed(seed)
+        prompts = [p for _ in range(groups) for p in [torch.randint(4, 50, (int(torch.randint(2, 9, (1,),
+                   generator=g)),), generator=g).tolist()] * 3]
+        responses = [torch.randint(4, 50, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+                     for _ in prompts]
+        batch = Batch.collate(prompts, responses, 0)
+        batch.advantages = torch.randn(len(prompts), 1, generator=g) * batch.response_mask
+        batch.rollout_logprobs = torch.zeros(batch.response_mask.shape)
+        return batch
+
+    model = tiny_model()
+    trainer = Trainer(model, TrainSection(micro_batch_size=3, lr=1e-6, compile="on"), AlgoSection(), 1.0, 100)
+    trainer.train_step(make_batch(model, seed=0, n=6))
+    trainer.train_step(grouped(0, 2))
+    compiled = counters["frames"]["ok"]
+    assert compiled and _varlen_stand_in.calls  # it compiled, and the packed path ran the (stand-in) kernel
+    for seed, n in [(1, 5), (2, 7), (3, 1), (4, 9)]:
+        trainer.train_step(make_batch(model, seed=seed, n=n))
+        trainer.train_step(grouped(seed, n // 2 + 1))
+    assert counters["frames"]["ok"] == compiled and not counters["recompiles"]
+
