@@ -100,9 +100,9 @@ _varlen_stand_in.register_fake(lambda q, *rest, **kw: torch.empty_like(q))
 _varlen_stand_in.register_autograd(lambda ctx, grad: (grad,) + (None,) * 7)
 
 
-def test_gpu_packed_path_compiles_once_for_batches_of_any_shape(monkeypatch):
-    """The compiled layers on the GPUs' packed path (`torch_varlen`, here with a stand-in op of `varlen_attn`'s
-    signature) compile for the first micro-batch and serve every later one, of other lengths, sequence counts and
+def test_gpu_packed_layers_compile_once_for_batches_of_any_shape(monkeypatch):
+    """Compiled layers on the GPUs' packed path (`torch_varlen`, here with a stand-in op of `varlen_attn`'s
+    signature) compile for the first micro-batches and serve every later one, of other lengths, sequence counts and
     shared prompts, without recompiling: a recompile per batch would cost seconds per step and, past Dynamo's
     recompile limit, leave the layers eager. (Dynamo's guards do not depend on the compiler: aot_eager keeps it
     quick.)"""
@@ -113,6 +113,7 @@ def test_gpu_packed_path_compiles_once_for_batches_of_any_shape(monkeypatch):
     monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, cq, ck, mq, mk, is_causal=False:
                         _varlen_stand_in(q, k, v, cq, ck, mq, mk, is_causal))
     monkeypatch.setattr(platform, "varlen_backend", lambda *a, **k: "torch_varlen")
+    monkeypatch.setattr(_varlen_stand_in, "calls", 0)
     layer = torch.compile(transformer.DecoderLayer.run, dynamic=True, backend="aot_eager")
     monkeypatch.setattr(transformer, "compiled_layer", lambda: layer)
     torch._dynamo.reset()
