@@ -139,47 +139,41 @@ class Roofline:
         # would show here)
         self.steps: list[tuple[int, int, float, float, float]] = []
         self.phases: dict[str, float] = {}
-        self.launching = 0.0  # seconds in `DecodeGraphs.launch` so far
         step = engine.engine_step
+
+        def waited() -> float:  # the host's time blocked reading graphed steps back, so far in this call
+            return engine.decoder.wait if engine.decoder is not None else 0.0
 
         def timed(sched, sp, *rest):
             st = engine.stats
             before = st.steps, st.running_sum, st.prefill_tokens
             context = sum(s.num_computed + 1 for s in sched.running)
-            wait, launching = engine.decoder.wait if engine.decoder is not None else 0.0, self.launching
+            wait, launching = waited(), self.phases.get("launch", 0.0)
             t0 = time.perf_counter()
             out = step(sched, sp, *rest)
             dt = time.perf_counter() - t0
             self.phases["steps"] = self.phases.get("steps", 0.0) + dt
             if st.steps > before[0] and st.prefill_tokens == before[2]:  # a decode-only step ran
-                wait = (engine.decoder.wait - wait) if engine.decoder is not None else 0.0
-                self.steps.append((st.running_sum - before[1], context, dt, wait, self.launching - launching))
+                self.steps.append((st.running_sum - before[1], context, dt, waited() - wait,
+                                   self.phases.get("launch", 0.0) - launching))
             return out
 
         engine.engine_step = timed
-        if not hasattr(graphs.DecodeGraphs.launch, "timed"):  # (no device sync: the launch's own host time)
-            launch = graphs.DecodeGraphs.launch
-
-            def launch_timed(*a, **k):
-                t0 = time.perf_counter()
-                out = launch(*a, **k)
-                for r in Roofline.active:
-                    r.launching += time.perf_counter() - t0
-                return out
-
-            launch_timed.timed = True
-            graphs.DecodeGraphs.launch = launch_timed
         engine._sample = self.phase(engine._sample, "sample", engine.device)
-        for obj, name in ((graphs.DecodeGraphs, "_capture"), (Scheduler, "schedule")):
+        # (a launch without device syncs: its own host time)
+        for obj, name, sync in ((graphs.DecodeGraphs, "_capture", True), (Scheduler, "schedule", True),
+                                (graphs.DecodeGraphs, "launch", False)):
             if not hasattr(getattr(obj, name), "timed"):  # (class methods: wrap once, for every engine)
-                setattr(obj, name, self.phase(getattr(obj, name), name.strip("_"), engine.device))
+                setattr(obj, name, self.phase(getattr(obj, name), name.strip("_"), engine.device, sync))
 
-    def phase(self, fn, name: str, device):
+    def phase(self, fn, name: str, device, sync: bool = True):
         def timed(*a, **k):
-            platform.synchronize(device)
+            if sync:
+                platform.synchronize(device)
             t0 = time.perf_counter()
             out = fn(*a, **k)
-            platform.synchronize(device)
+            if sync:
+                platform.synchronize(device)
             for r in Roofline.active:
                 r.phases[name] = r.phases.get(name, 0.0) + time.perf_counter() - t0
             return out

@@ -363,31 +363,30 @@ def fill_rows(dg, n: int, context: int, vocab: int) -> None:
     dg.staged[:n].copy_(rows)
 
 
-def engine_graph_steps(a, engine, device, bw: float, smallest: int = 256) -> dict:
+def engine_graph_steps(a, engine, roof, device, bw: float, smallest: int = 256) -> dict:
     """The engine's own decode steps (its captured graphs of `smallest`+ rows; on CPU its largest static step) replayed
     back to back, without its host loop, over rows filled as the decode section fills them (context `a.context`, blocks
     of their own): ms per step against the roofline. Beside the decode section's steps (a pool and tables sized for
     that context) this tells whether the engine's graphs (its pool, its wider tables) are slower on the device, and
-    beside the engine's calls, what its loop adds. The next step stages every row afresh."""
-    dg, cfg = engine.decoder, engine.model.config
+    beside the engine's calls, what its loop adds. The roofline is `roof`'s (the engine's calls'). The next step
+    stages every row afresh."""
+    dg = engine.decoder
     if dg is None:
         return {}
     keys = sorted(k for k in dg.graphs if k[0] >= min(smallest, dg.buckets[-1])) if dg.mode == "cuda_graph" \
         else [(dg.buckets[-1], dg._sampler[2])]
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
     context = min(a.context, dg.max_blocks * dg.block_size)  # (tables narrower than the decode section's context)
     out = {"context": context, "max_blocks": dg.max_blocks, "pool_blocks": dg.kv.num_blocks, "buckets": {}}
     for size, key in keys:
         if size * dg.max_blocks > dg.pad_block:  # (each row its own blocks; the reserved one is never handed out)
             out["buckets"][str(size)] = {"error": "the pool holds fewer blocks than the filled rows need"}
             continue
-        fill_rows(dg, size, context, cfg.vocab_size)
+        fill_rows(dg, size, context, engine.model.config.vocab_size)
         run = dg.graphs[size, key][0].replay if dg.mode == "cuda_graph" else (lambda s=size, k=key: dg.run(s, k))
         ms = [1e3 * t for t in timed(run, device, a.reps)]
-        roof = 1e3 * (weight_bytes + size * context * kv_per_token) / bw
-        out["buckets"][str(size)] = {"replay_ms_median": statistics.median(ms), "roofline_ms": roof,
-                                     "x_roofline": statistics.median(ms) / roof}
+        ideal = 1e3 * (roof.weight_bytes + size * context * roof.kv_bytes_per_token) / bw
+        out["buckets"][str(size)] = {"replay_ms_median": statistics.median(ms), "roofline_ms": ideal,
+                                     "x_roofline": statistics.median(ms) / ideal}
     dg._rows = {}  # (the device rows are the filled ones now)
     return out
 
@@ -675,7 +674,7 @@ def engine_section(a, device, dtype, bw: float) -> dict:
         out["later_calls"] = {"tokens_per_s": {"run_ahead": rates[True], "step_by_step": rates[False]},
                               "captures": captures["n"] - before, "dynamo_frames": frames_since(frames),
                               "run_ahead_speedup": statistics.median(rates[True]) / statistics.median(rates[False])}
-        out["graph_steps"] = engine_graph_steps(a, engine, device, bw)
+        out["graph_steps"] = engine_graph_steps(a, engine, roof, device, bw)
         # where a smaller call's host waits for the device (run ahead, a decode step should wait once, for the
         # step before it; sites in engine_vs_hf.py are the benchmark's own timing: the call, the scheduler's phase)
         engine.run_ahead = default
