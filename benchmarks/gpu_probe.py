@@ -975,16 +975,17 @@ def isolated(a, name: str) -> dict:
            *(["--smoke"] if a.smoke else [])]
     state = {"env": COMPILED[name]}
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(a.inductor_cache)} | COMPILED[name]
+    cut = False
     try:
         subprocess.run(cmd, timeout=max(min(a.until - time.perf_counter(), a.child_limit), 1.0), check=False,
                        env=env)
-    except subprocess.TimeoutExpired:
-        done = json.loads((out / "probe.json").read_text()) if (out / "probe.json").exists() else {}
-        if name in done:  # the section ended; the child was still exiting (compile workers shutting down)
-            return state | cache_state(done[name])
-        log = (out / "probe.log").read_text()[-2000:] if (out / "probe.log").exists() else ""
-        return state | {"error": "cut at its time limit", "log_tail": log}
-    return state | cache_state(json.loads((out / "probe.json").read_text())[name])
+    except subprocess.TimeoutExpired:  # (the section may have ended, the child still exiting: compile workers)
+        cut = True
+    done = json.loads((out / "probe.json").read_text()) if (out / "probe.json").exists() else {}
+    if name in done:
+        return state | cache_state(done[name])
+    log = (out / "probe.log").read_text()[-2000:] if (out / "probe.log").exists() else ""
+    return state | {"error": "cut at its time limit" if cut else "ended without a result", "log_tail": log}
 
 
 def cache_state(res: dict) -> dict:
