@@ -32,18 +32,20 @@ this work is known already (a section starts only while the time it needs is lef
   process's CPU seconds per second, the machine's busy fraction, child processes alive: compile workers
   competing with a host-bound launch loop would show); train_compiled_warm: the same in a new
   process that finds the cache filled (a restarted run); train_compiled_warm_no_aot_cache: that with
-  AOTAutograd's cache off; train_compiled_triton_launcher and train_compiled_warm_triton_launcher: the cold and the
-  warm run with Triton's kernel launcher instead of Inductor's static one; train: the same eager
-  (`train.compile=off`).
+  AOTAutograd's cache off; train_compiled_warm_no_graph_cache: with Inductor's graph cache off too (graphs compiled
+  anew, their Triton binaries found in the cache); train_compiled_triton_launcher and
+  train_compiled_warm_triton_launcher: the cold and the warm run with Triton's kernel launcher instead of Inductor's
+  static one.
 - host: the engine's host work per decode step (reading back, stop checks, scheduling, staging) at batches 64, 256
   and 512 on this machine's CPU (`benchmarks/engine_host.py`), against which running ahead must hide it.
 - profile: the profiler's top kernels and per-category device time of one decode step at batch 128, and the
   operators (with their input shapes) that launched them.
-- train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 - kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
   decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
   the paged decode's KV read rate and its time per split count and per tile (tokens per tile x warps), the
   sampler's per load width x warps, and one layer's paged attention (pool write included) per backend.
+- train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
+- train: the compiled training section's step eager (`train.compile=off`).
 - attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
   backend (portable SDPA, FlexAttention, torch's varlen_attn, flash-attn where installed), over a micro-batch of
   RL-like rows with and without shared prompts: ms and TFLOP/s, and the backend the platform picks.
@@ -958,10 +960,14 @@ def train_fit_section(a, device) -> dict:
 
 # The compiled training step, each in a child process with Inductor's caches in --inductor-cache: the first run
 # (a fresh folder: everything compiled), then runs that find what it left (as a restarted run does), with
-# Inductor's defaults and with AOTAutograd's cache off; then the same pair, compiled and found, with Triton's own
-# kernel launcher instead of Inductor's static one (a setting in the cache key: the first of them compiles).
+# Inductor's defaults, with AOTAutograd's cache off (graphs from Inductor's cache, AOTAutograd's wrappers built
+# anew), and with both graph caches off (graphs compiled anew, their Triton binaries found in Triton's cache); then
+# the same pair, compiled and found, with Triton's own kernel launcher instead of Inductor's static one (a setting
+# in the cache key: the first of them compiles).
 COMPILED = {"train_compiled": {}, "train_compiled_warm": {},
             "train_compiled_warm_no_aot_cache": {"TORCHINDUCTOR_AUTOGRAD_CACHE": "0"},
+            "train_compiled_warm_no_graph_cache": {"TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+                                                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"},
             "train_compiled_triton_launcher": {"TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER": "0"},
             "train_compiled_warm_triton_launcher": {"TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER": "0"}}
 
@@ -990,10 +996,11 @@ def isolated(a, name: str) -> dict:
 
 def cache_state(res: dict) -> dict:
     """`res` with "inductor_cache": what its first step found in Inductor's graph cache, by the counters: "warm"
-    (hits only), "cold" (misses only) or "mixed"."""
+    (hits only), "cold" (misses only), "mixed", or "unused" (neither: the cache was off)."""
     counts = res.get("compile_counters_first_step", {})
     hits, misses = counts.get("inductor/fxgraph_cache_hit", 0), counts.get("inductor/fxgraph_cache_miss", 0)
-    return {"inductor_cache": "mixed" if hits and misses else "warm" if hits else "cold" if misses else None} | res
+    found = "mixed" if hits and misses else "warm" if hits else "cold" if misses else "unused"
+    return {"inductor_cache": found} | res
 
 
 def main() -> None:
@@ -1008,9 +1015,9 @@ def main() -> None:
     p.add_argument("--inductor-cache", default="",
                    help="Inductor's cache folder for the compiled training sections (default: a fresh one, removed "
                    "at the end; name one to keep it for a later call's warm sections)")
-    p.add_argument("--sections", default=",".join(("env,copy,engine,decode", *COMPILED, "host,profile,train_fit,train,"
-                                                   "kernels,attention,sampling,decode_sdpa,decode_torch,decode_triton,"
-                                                   "engine_hf")))
+    p.add_argument("--sections", default=",".join(("env,copy,engine,decode", *COMPILED, "host,profile,kernels,"
+                                                   "train_fit,train,attention,sampling,decode_sdpa,decode_torch,"
+                                                   "decode_triton,engine_hf")))
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
     p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -1052,9 +1059,9 @@ def main() -> None:
                                  *compiled,
                                  ("host", host_section, (a,), 20),
                                  ("profile", profile_section, (a, device, dtype), 20),
+                                 ("kernels", kernels_section, (a, device, dtype), 30),
                                  ("train_fit", train_fit_section, (a, device), 60),
                                  ("train", train_section, (a, device, False), 40),
-                                 ("kernels", kernels_section, (a, device, dtype), 30),
                                  ("attention", attention_section, (a, device), 30),
                                  ("sampling", sampling_section, (a, device, dtype), 10),
                                  ("decode_sdpa", decode_other_backend, (a, device, dtype, bw, "sdpa", "torch"), 20),
