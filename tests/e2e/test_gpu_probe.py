@@ -77,7 +77,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
 def test_sync_sites_counts_host_waits_by_call_site(monkeypatch):
     """The probe's census of host waits (torch.cuda's sync debug mode warns at each) credits every warning to the
     innermost frame outside torch and the standard library; other warnings are not counted. CPU: no census."""
-    probe = load_probe(monkeypatch)
+    probe = load_probe(monkeypatch, "probe.report")
     assert probe.sync_sites(lambda: None, torch.device("cpu")) is None
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
@@ -93,10 +93,10 @@ def test_sync_sites_counts_host_waits_by_call_site(monkeypatch):
     assert modes == ["warn", "default"]
 
 
-def load_probe(monkeypatch):
+def load_probe(monkeypatch, module: str = "gpu_probe"):
     monkeypatch.setattr(sys, "path", list(sys.path))  # (the probe puts benchmarks/ first on import)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return importlib.import_module("benchmarks.gpu_probe")
+    return importlib.import_module(f"benchmarks.{module}")
 
 
 class Span:
@@ -117,7 +117,7 @@ def test_kernel_table_counts_device_work_only(monkeypatch):
     """On a GPU the profiler draws a compiled graph's annotated call and CUPTI's "Command Buffer Full" on the
     device's timeline: the table counts neither as a kernel, and the device's busy time is the union of its
     kernels' spans (overlapping kernels of two streams count once)."""
-    probe = load_probe(monkeypatch)
+    probe = load_probe(monkeypatch, "probe.report")
     events = [Event("## Call CompiledFxGraph abc ##", 0, 100, annotation=True), Event("Command Buffer Full", 5, 45),
               Event("nvjet_gemm", 0, 30), Event("triton_poi_fused", 20, 40), Event("flash_bwd", 60, 70),
               Event("aten::mm", 0, 500, device="CPU")]
