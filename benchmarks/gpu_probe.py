@@ -36,14 +36,14 @@ this work is known already (a section starts only while the time it needs is lef
   anew, their Triton binaries found in the cache); train_compiled_triton_launcher and
   train_compiled_warm_triton_launcher: the cold and the warm run with Triton's kernel launcher instead of Inductor's
   static one.
-- host: the engine's host work per decode step (reading back, stop checks, scheduling, staging) at batches 64, 256
-  and 512 on this machine's CPU (`benchmarks/engine_host.py`), against which running ahead must hide it.
 - profile: the profiler's top kernels and per-category device time of one decode step at batch 128, and the
   operators (with their input shapes) that launched them.
 - kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
   decode context; the sampler over the vocabulary): device microseconds per call from a CUDA graph of 20 calls,
   the paged decode's KV read rate and its time per split count and per tile (tokens per tile x warps), the
   sampler's per load width x warps, and one layer's paged attention (pool write included) per backend.
+- host: the engine's host work per decode step (reading back, stop checks, scheduling, staging) at batches 64, 256
+  and 512 on this machine's CPU (`benchmarks/engine_host.py`), against which running ahead must hide it.
 - train_fit: the largest packed micro-batch one step fits, with chunked log-probs and with the whole logits.
 - train: the compiled training section's step eager (`train.compile=off`).
 - attention: one layer's packed attention at the training shape, forward and forward + backward, per varlen
@@ -137,7 +137,7 @@ def main() -> None:
     p.add_argument("--inductor-cache", default="",
                    help="Inductor's cache folder for the compiled training sections (default: a fresh one, removed "
                    "at the end; name one to keep it for a later call's warm sections)")
-    p.add_argument("--sections", default=",".join(("env,copy,engine,decode", *COMPILED, "host,profile,kernels,"
+    p.add_argument("--sections", default=",".join(("env,copy,engine,decode", *COMPILED, "profile,kernels,host,"
                                                    "train_fit,train,attention,sampling,decode_sdpa,decode_torch,"
                                                    "decode_triton,engine_hf")))
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
@@ -179,9 +179,9 @@ def main() -> None:
     for name, fn, args, need in (("engine", engine_section, (a, device, dtype, bw), 40),
                                  ("decode", decode_section, (a, device, dtype, bw), 30),
                                  *compiled,
-                                 ("host", host_section, (a,), 20),
                                  ("profile", profile_section, (a, device, dtype), 20),
                                  ("kernels", kernels_section, (a, device, dtype), 30),
+                                 ("host", host_section, (a,), 20),
                                  ("train_fit", train_fit_section, (a, device), 60),
                                  ("train", train_section, (a, device, False), 40),
                                  ("attention", attention_section, (a, device), 30),
