@@ -71,22 +71,22 @@ class EngineStats:
     wait_seconds: float = 0.0
     seconds_min: float | None = None  # data-parallel engines: the least busy one's (their spread is load imbalance)
 
+    # what adds up over rollouts one after the other and over data-parallel engines
     COUNTERS = ("steps", "running_sum", "preemptions", "prefill_tokens", "decode_tokens", "graph_steps",
-                "ahead_steps")
+                "ahead_steps", "wait_seconds")
 
     def __add__(self, later: EngineStats) -> EngineStats:
         """Two rollouts one after the other (DAPO's extra batches): everything adds up; the peak is the fuller."""
         lo = None if self.seconds_min is None and later.seconds_min is None else (
             (self.seconds_min or 0.0) + (later.seconds_min or 0.0))
-        return EngineStats(**{f: getattr(self, f) + getattr(later, f)
-                              for f in (*self.COUNTERS, "seconds", "wait_seconds")},
+        return EngineStats(**{f: getattr(self, f) + getattr(later, f) for f in (*self.COUNTERS, "seconds")},
                            usage_peak=max(self.usage_peak, later.usage_peak), seconds_min=lo)
 
     @classmethod
     def parallel(cls, parts: Sequence[EngineStats]) -> EngineStats:
         """Data-parallel engines as one: counters add up, the peak is the fullest pool's, and the time is the
         slowest engine's (they run at once), so tokens/s is the rollout plane's throughput."""
-        return cls(**{f: sum(getattr(p, f) for p in parts) for f in (*cls.COUNTERS, "wait_seconds")},
+        return cls(**{f: sum(getattr(p, f) for p in parts) for f in cls.COUNTERS},
                    usage_peak=max(p.usage_peak for p in parts), seconds=max(p.seconds for p in parts),
                    seconds_min=min(p.seconds for p in parts))
 
