@@ -75,14 +75,14 @@ def pytest_configure(config):
 
 def interpreter_numpy_check() -> None:
     """Triton's CPU interpreter before 3.7 turns one-element arrays into ints, which numpy 2.4 refuses: every
-    interpreted kernel would fail the same way. (torch's CUDA wheels before 2.12 pin such a Triton.)"""
+    interpreted kernel would fail the same way. (torch 2.9's and 2.11's CUDA wheels pin such a Triton.)"""
+    from packaging.version import Version
     try:
         import numpy
         import triton
     except ImportError:
         return
-    version = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")[:2])  # noqa: E731
-    if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
+    if Version(triton.__version__) < Version("3.7") and Version(numpy.__version__) >= Version("2.4"):
         pytest.exit(f"Triton {triton.__version__}'s CPU interpreter needs numpy < 2.4 (found {numpy.__version__}): "
                     "pip install 'numpy<2.4'", returncode=2)
 
