@@ -137,9 +137,7 @@ def main() -> None:
     p.add_argument("--inductor-cache", default="",
                    help="Inductor's cache folder for the compiled training sections (default: a fresh one, removed "
                    "at the end; name one to keep it for a later call's warm sections)")
-    p.add_argument("--sections", default=",".join(("env,copy,engine,decode", *COMPILED, "profile,kernels,host,"
-                                                   "train_fit,train,attention,sampling,decode_sdpa,decode_torch,"
-                                                   "decode_triton,engine_hf")))
+    p.add_argument("--sections", default="", help="comma-separated section names (default: all, in the order above)")
     p.add_argument("--commit", default="", help="the commit measured (recorded in env)")
     p.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -160,13 +158,18 @@ def main() -> None:
     probe = Probe(a.out, a.deadline)
     a.partial = probe.partial
     a.until = probe.t0 + a.deadline + a.grace
-    probe.say(f"gpu_probe: device {device}, dtype {dtype}, deadline {a.deadline:.0f} s, sections {a.sections}")
-    want = a.sections.split(",")
+    probe.say(f"gpu_probe: device {device}, dtype {dtype}, deadline {a.deadline:.0f} s, "
+              f"sections {a.sections or 'all'}")
+    want = set(a.sections.split(",")) if a.sections else None
+
+    def wanted(name: str) -> bool:
+        return want is None or name in want
+
     bw = 1e12
-    if "env" in want:
+    if wanted("env"):
         probe.section("env", env, device, dtype)
         probe.result["env"]["commit"] = a.commit
-    if "copy" in want or gpu:  # (0.1 s; the rooflines need the measured bandwidth)
+    if wanted("copy") or gpu:  # (0.1 s; the rooflines need the measured bandwidth)
         res = probe.section("copy", copy_section, device)
         bw = (res or {}).get("copy_bandwidth_bytes_per_s", bw)
     # the goals' measurements first (the engine's calls and a full-batch step against the roofline, the compiled
@@ -191,7 +194,7 @@ def main() -> None:
                                  ("decode_triton", decode_other_backend, (a, device, dtype, bw, "triton", "triton"),
                                   20),
                                  ("engine_hf", engine_hf_section, (a, device, dtype), 90)):
-        if name in want:
+        if wanted(name):
             probe.section(name, fn, *args, need=0 if a.smoke else need)
             if gpu:  # what the section held goes back before the next one
                 torch.cuda.empty_cache()
