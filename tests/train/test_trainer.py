@@ -13,6 +13,15 @@ from twinplane.train import trainer as trainer_module
 from twinplane.train.critic import Critic, ValueModel
 from twinplane.train.logprobs import response_logprobs
 
+# keep_grads replaces the optimizer's step, which the LR scheduler notices and warns about
+pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+
+
+def keep_grads(trainer: Trainer) -> None:
+    """A trainer whose steps leave the gradients in place to inspect (no optimizer update, no zeroing)."""
+    trainer.opt.step = lambda: None
+    trainer.opt.zero_grad = lambda set_to_none=True: None
+
 
 def step(micro, algo=None):
     model = tiny_model()
@@ -57,8 +66,7 @@ def test_grad_accumulation_equals_one_batch_for_every_algorithm(name):
     for micro in (6, 2):
         model = tiny_model()
         trainer = Trainer(model, TrainSection(micro_batch_size=micro, grad_clip=0.0), algo, 1.0, 10, horizon=8)
-        trainer.opt.step = lambda: None
-        trainer.opt.zero_grad = lambda set_to_none=True: None
+        keep_grads(trainer)
         metrics.append(trainer.train_step(batch))
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for n in grads[0]:
@@ -68,7 +76,6 @@ def test_grad_accumulation_equals_one_batch_for_every_algorithm(name):
         assert abs(metrics[0][k] - metrics[1][k]) < 1e-5, k
 
 
-@pytest.mark.filterwarnings("ignore:Seems like")
 def test_loss_is_token_mean_of_clipped_objective():
     """Recompute the objective by hand on the whole batch and compare gradients."""
     algo = AlgoSection(kl_coef=0.1, kl_estimator="k2", clip_low=0.1, clip_high=0.1)
@@ -83,8 +90,7 @@ def test_loss_is_token_mean_of_clipped_objective():
 
     model2 = tiny_model()
     trainer = Trainer(model2, TrainSection(micro_batch_size=4, grad_clip=0.0), algo, 1.0, 10)
-    trainer.opt.step = lambda: None  # keep the grads to inspect
-    trainer.opt.zero_grad = lambda set_to_none=True: None
+    keep_grads(trainer)
     trainer.train_step(batch)
     for n, p in model2.named_parameters():
         torch.testing.assert_close(p.grad, want[n], atol=1e-6, rtol=1e-5, msg=n)
@@ -116,8 +122,7 @@ def test_seq_mean_token_sum_norm_loss_by_hand():
     loss.backward()
     model2 = tiny_model()
     trainer = Trainer(model2, TrainSection(micro_batch_size=4, grad_clip=0.0), algo, 1.0, 10, horizon=8)
-    trainer.opt.step = lambda: None
-    trainer.opt.zero_grad = lambda set_to_none=True: None
+    keep_grads(trainer)
     trainer.train_step(batch)
     for n, p in model2.named_parameters():
         torch.testing.assert_close(p.grad, dict(model.named_parameters())[n].grad, atol=1e-6, rtol=1e-5, msg=n)
