@@ -36,6 +36,9 @@ this work is known already (a section starts only while the time it needs is lef
   anew, their Triton binaries found in the cache); train_compiled_triton_launcher and
   train_compiled_warm_triton_launcher: the cold and the warm run with Triton's kernel launcher instead of Inductor's
   static one.
+- train_ranks (right after the first compiled run; 2+ GPUs, or gloo ranks on CPU with --smoke): that step under FSDP2 on 1 and on 2 ranks, one process
+  per GPU, each rank its rows of the same batch: tokens/s, MFU per device, the scaling, and the first step's
+  metrics on 2 ranks against 1.
 - profile: the profiler's top kernels and per-category device time of one decode step at batch 128, and the
   operators (with their input shapes) that launched them.
 - kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the
@@ -77,6 +80,7 @@ from probe.decode import decode_other_backend, decode_section, profile_section, 
 from probe.engine import engine_hf_section, engine_section, host_section  # noqa: E402
 from probe.kernels import kernels_section  # noqa: E402
 from probe.machine import copy_section, env  # noqa: E402
+from probe.ranks import train_ranks_section  # noqa: E402
 from probe.report import Probe  # noqa: E402
 from probe.train import attention_section, train_fit_section, train_section  # noqa: E402
 
@@ -181,7 +185,9 @@ def main() -> None:
                  45 if "warm" in name else 90) for name in COMPILED]
     for name, fn, args, need in (("engine", engine_section, (a, device, dtype, bw), 40),
                                  ("decode", decode_section, (a, device, dtype, bw), 30),
-                                 *compiled,
+                                 *compiled[:1],
+                                 ("train_ranks", train_ranks_section, (a, device), 90),
+                                 *compiled[1:],
                                  ("profile", profile_section, (a, device, dtype), 20),
                                  ("kernels", kernels_section, (a, device, dtype), 30),
                                  ("host", host_section, (a,), 20),

@@ -23,8 +23,7 @@ def train_section(a, device, compiled: bool) -> dict:
     from twinplane.config import AlgoSection, TrainSection
     from twinplane.model import ModelConfig, Transformer
     from twinplane.model.attention import torch_varlen_agrees
-    from twinplane.model.flops import train_flops
-    from twinplane.train import Batch, Trainer
+    from twinplane.train import Trainer
 
     torch.manual_seed(0)
     cfg = ModelConfig(**SHAPES[a.train_shape])
@@ -34,14 +33,8 @@ def train_section(a, device, compiled: bool) -> dict:
     train = TrainSection(micro_batch_size=a.train_rows, max_tokens_per_micro_batch=a.train_tokens, lr=1e-6,
                          compile="on" if compiled else "off")
     trainer = Trainer(model, train, AlgoSection(), 1.0, 100)
-    ps, rs = rl_lengths(a.train_rows, (a.train_prompt // 2, a.train_prompt), a.train_response, 4 * a.train_response)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(cfg.vocab_size, (p,), generator=g).tolist() for p in ps]
-    responses = [torch.randint(cfg.vocab_size, (r,), generator=g).tolist() for r in rs]
-    batch = Batch.collate(prompts, responses, 0, [[-1.0] * r for r in rs])
-    batch.advantages = torch.randn(len(ps), 1, generator=g) * batch.response_mask
-    tokens = sum(ps) + sum(rs)
-    flops = sum(train_flops(cfg, p + r, p + r, r) for p, r in zip(ps, rs, strict=True))  # (logits: responses)
+    batch, flops = rl_batch(a, cfg)
+    tokens = int(batch.attention_mask.sum())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
@@ -60,7 +53,8 @@ def train_section(a, device, compiled: bool) -> dict:
     out = {"shape": a.train_shape, "params_M": round(cfg.num_params / 1e6, 1), "compiled": compiled,
            "attention": platform.varlen_backend(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                                 True, cfg.head_dim, check=torch_varlen_agrees),
-           "rows": len(ps), "tokens": tokens, "response_tokens": sum(rs), "max_tokens_per_micro_batch": a.train_tokens,
+           "rows": len(batch), "tokens": tokens, "response_tokens": batch.num_response_tokens,
+           "max_tokens_per_micro_batch": a.train_tokens,
            "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
            "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak,
            "allocator_timed_steps": allocator, "compile_counters_first_step": first_counts,
@@ -78,6 +72,21 @@ def train_section(a, device, compiled: bool) -> dict:
                                                         "host": host_table(prof)}
     out["host_syncs"] = sync_sites(lambda: trainer.train_step(batch), device)
     return out
+
+
+def rl_batch(a, cfg):
+    """The probe's training batch (a.train_rows RL-like rows, random tokens of `cfg`'s vocabulary) and its FLOPs
+    (the LM head counted for the response tokens, where the trainer forms logits)."""
+    from twinplane.model.flops import train_flops
+    from twinplane.train import Batch
+
+    ps, rs = rl_lengths(a.train_rows, (a.train_prompt // 2, a.train_prompt), a.train_response, 4 * a.train_response)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(cfg.vocab_size, (p,), generator=g).tolist() for p in ps]
+    responses = [torch.randint(cfg.vocab_size, (r,), generator=g).tolist() for r in rs]
+    batch = Batch.collate(prompts, responses, 0, [[-1.0] * r for r in rs])
+    batch.advantages = torch.randn(len(ps), 1, generator=g) * batch.response_mask
+    return batch, sum(train_flops(cfg, p + r, p + r, r) for p, r in zip(ps, rs, strict=True))
 
 
 def dynamo_counts() -> dict:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("env", "copy", "engine", "train_fit", "train", "decode", "profile", "kernels", "attention", "sampling",
-            "host", "decode_sdpa", "decode_torch", "decode_triton", "engine_hf")
+SECTIONS = ("env", "copy", "engine", "train_fit", "train", "train_ranks", "decode", "profile", "kernels", "attention",
+            "sampling", "host", "decode_sdpa", "decode_torch", "decode_triton", "engine_hf")
 
 
 @pytest.mark.slow
@@ -69,6 +69,10 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     cpu = train["cpu_timed_steps"]  # the host's CPU while the timed steps ran
     assert cpu["process_cpu_per_s"] > 0 and 0 < cpu["machine_busy"] <= 1 and cpu["child_processes"] >= 0
     assert train["profile"]["host"]["Optimizer.step"]["calls"] == 1 and train["profile"]["step_s"] > 0
+    ranks = res["train_ranks"]  # the same step on 1 and on 2 gloo ranks (FSDP2), each rank half the rows
+    assert [ranks["runs"][n]["rows_per_rank"] for n in ("1", "2")] == [train["rows"], train["rows"] // 2]
+    assert ranks["scaling"] > 0 and ranks["runs"]["2"]["first_metrics"]["actor/grad_norm"] > 0
+    assert max(ranks["first_step_rel_diff"].values()) < 1e-5  # (fp32: the two layouts differ by rounding only)
     for side in ("chunked", "one_chunk"):  # tiny shapes fit whole on CPU: every size up to the cap
         assert res["train_fit"][side]["largest_tokens"] == 64 and len(res["train_fit"][side]["peak_gib_by_tokens"]) == 3
     assert (tmp_path / "probe.log").read_text().count(": start") == len(SECTIONS)
