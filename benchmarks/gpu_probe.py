@@ -36,9 +36,9 @@ this work is known already (a section starts only while the time it needs is lef
   anew, their Triton binaries found in the cache); train_compiled_triton_launcher and
   train_compiled_warm_triton_launcher: the cold and the warm run with Triton's kernel launcher instead of Inductor's
   static one.
-- train_ranks (right after the first compiled run; 2+ GPUs, or gloo ranks on CPU with --smoke): that step under FSDP2 on 1 and on 2 ranks, one process
-  per GPU, each rank its rows of the same batch: tokens/s, MFU per device, the scaling, and the first step's
-  metrics on 2 ranks against 1.
+- train_ranks (right after the first compiled run; 2+ GPUs, or gloo ranks on CPU with --smoke): that step under
+  FSDP2 on 1 and on 2 ranks, one process per GPU, each rank its rows of the same batch: tokens/s, MFU per device,
+  the scaling, and the first step's metrics on 2 ranks against 1.
 - profile: the profiler's top kernels and per-category device time of one decode step at batch 128, and the
   operators (with their input shapes) that launched them.
 - kernels: each Triton kernel against its torch reference at the decode shapes (batches 8, 128 and 512 at the

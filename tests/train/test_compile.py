@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_batch, simulate_gpu, tiny_model
+from conftest import make_batch, simulate_gpu, spawn, tiny_model
 from torch._dynamo.utils import counters
 
 from twinplane.config import AlgoSection, TrainSection
@@ -53,6 +53,46 @@ def test_compiled_step_equals_eager(packing, checkpointing):
         torch.testing.assert_close(got_grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
     for (name, p), q in zip(eager_model.named_parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5, msg=name)
+
+def _sharded_worker(rank, world, tmp):
+    import torch.distributed as dist
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from twinplane.train.fsdp import shard_over
+
+    symbols = []  # where each symbol Dynamo makes comes from (a tensor's size, a module's int attribute, ...)
+    create = ShapeEnv.create_symbol
+
+    def spy(self, val, source, *args, **kwargs):
+        name = source.name
+        symbols.append(name() if callable(name) else name)  # (a method before torch 2.11)
+        return create(self, val, source, *args, **kwargs)
+
+    ShapeEnv.create_symbol = spy
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
+    want, _ = step(tiny_model(), "on")
+    plain, frames = set(symbols), counters["frames"]["total"]
+    torch._dynamo.reset()
+    counters.clear()
+    symbols.clear()
+    got, _ = step(shard_over(tiny_model(), dist.group.WORLD), "on")
+    assert not counters["graph_break"], list(counters["graph_break"])
+    extra = {n for n in set(symbols) - plain if not any(t in n for t in ("size()", "stride()", "storage_offset()"))}
+    assert counters["frames"]["total"] == frames and not extra, sorted(extra)  # (tensor sizes are inputs' own)
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@needs_compiler
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "AVX2", reason="as test_compiled_step_equals_eager")
+def test_fsdp2_sharded_layers_compile_like_unsharded_ones(tmp_path):
+    """Under FSDP2 Dynamo would make the layers' int attributes (head counts, head size) symbolic, which breaks the
+    graph at SDPA's enable_gqa and leaves kernels generic over sizes that never change: the sharded layers' step
+    compiles as many frames as the unsharded one's, and makes no symbol but tensor sizes that that one lacks."""
+    spawn(_sharded_worker, (1, str(tmp_path)), nprocs=1, timeout=300)
+
 
 def test_auto_resolves_by_device(monkeypatch):
     assert not platform.compile_layers("cpu", "auto")
