@@ -54,6 +54,7 @@ def test_compiled_step_equals_eager(packing, checkpointing):
     for (name, p), q in zip(eager_model.named_parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5, msg=name)
 
+
 def _sharded_worker(rank, world, tmp):
     import torch.distributed as dist
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
