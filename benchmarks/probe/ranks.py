@@ -94,11 +94,14 @@ def _rank(rank: int, n: int, opts: dict, tmp: str) -> None:
     first = time.perf_counter() - t
     counts = dynamo_counts()
     trainer.train_step(mine)
+    before = dynamo_counts()
     steps = timed(lambda: trainer.train_step(mine), device, a.train_steps, warmup=0)
+    later = {k: v - before.get(k, 0) for k, v in dynamo_counts().items() if v != before.get(k, 0)}  # (recompiles)
     step = statistics.median(steps)
     peak = platform.detect().peak_flops
     res = {"ranks": n, "rows_per_rank": len(mine), "tokens": tokens, "compiled": model.compile_layers,
-           "first_step_s": round(first, 2), "compile_counters_first_step": counts, "step_s": steps,
+           "first_step_s": round(first, 2), "compile_counters_first_step": counts,
+           "compile_counters_timed_steps": later, "step_s": steps,
            "step_s_median": step, "tokens_per_s": tokens / step, "tflops_per_device": flops / step / n / 1e12,
            "mfu": None if not peak else flops / step / n / peak, "first_metrics": first_metrics,
            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if a.gpu else None}

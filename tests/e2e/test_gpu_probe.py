@@ -73,6 +73,7 @@ def test_gpu_probe_smoke_writes_every_section(tmp_path):
     assert [ranks["runs"][n]["rows_per_rank"] for n in ("1", "2")] == [train["rows"], train["rows"] // 2]
     assert ranks["scaling"] > 0 and ranks["runs"]["2"]["first_metrics"]["actor/grad_norm"] > 0
     assert max(ranks["first_step_rel_diff"].values()) < 1e-5  # (fp32: the two layouts differ by rounding only)
+    assert ranks["runs"]["2"]["compile_counters_timed_steps"] == {}  # (compile off on CPU: nothing traced)
     for side in ("chunked", "one_chunk"):  # tiny shapes fit whole on CPU: every size up to the cap
         assert res["train_fit"][side]["largest_tokens"] == 64 and len(res["train_fit"][side]["peak_gib_by_tokens"]) == 3
     assert (tmp_path / "probe.log").read_text().count(": start") == len(SECTIONS)
