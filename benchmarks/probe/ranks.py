@@ -82,8 +82,7 @@ def _rank(rank: int, n: int, opts: dict, tmp: str) -> None:
         model = shard_over(Transformer(cfg), group)  # (one rank: the plain model, as a one-rank run keeps it)
     train = TrainSection(micro_batch_size=a.train_rows, max_tokens_per_micro_batch=a.train_tokens, lr=1e-6)
     trainer = Trainer(model, train, AlgoSection(), 1.0, 100, group)
-    batch, flops = rl_batch(a, cfg)
-    tokens = int(batch.attention_mask.sum())
+    batch, tokens, flops = rl_batch(a, cfg)
     batch.old_is_current = True  # on-policy: ratio 1, a real gradient whose norm the two layouts can compare
     mine = split_for_rank(batch, rank, n) if n > 1 else batch
     if a.gpu:
@@ -96,7 +95,7 @@ def _rank(rank: int, n: int, opts: dict, tmp: str) -> None:
     trainer.train_step(mine)
     before = dynamo_counts()
     steps = timed(lambda: trainer.train_step(mine), device, a.train_steps, warmup=0)
-    later = {k: v - before.get(k, 0) for k, v in dynamo_counts().items() if v != before.get(k, 0)}  # (recompiles)
+    later = dynamo_counts(since=before)  # (recompiles)
     step = statistics.median(steps)
     peak = platform.detect().peak_flops
     res = {"ranks": n, "rows_per_rank": len(mine), "tokens": tokens, "compiled": model.compile_layers,

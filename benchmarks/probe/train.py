@@ -33,8 +33,7 @@ def train_section(a, device, compiled: bool) -> dict:
     train = TrainSection(micro_batch_size=a.train_rows, max_tokens_per_micro_batch=a.train_tokens, lr=1e-6,
                          compile="on" if compiled else "off")
     trainer = Trainer(model, train, AlgoSection(), 1.0, 100)
-    batch, flops = rl_batch(a, cfg)
-    tokens = int(batch.attention_mask.sum())
+    batch, tokens, flops = rl_batch(a, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
@@ -47,7 +46,7 @@ def train_section(a, device, compiled: bool) -> dict:
     steps = timed(lambda: trainer.train_step(batch), device, a.train_steps, warmup=0)
     cpu = cpu_use(cpu, sum(steps))  # (host-bound steps: ~1 CPU second per second; contention: the machine busy)
     allocator = {k: v - allocator[k] for k, v in alloc_counts(device).items()}  # over the timed steps
-    counts = {k: v - counts.get(k, 0) for k, v in dynamo_counts().items() if v != counts.get(k, 0)}
+    counts = dynamo_counts(since=counts)
     step = statistics.median(steps)
     peak = platform.detect().peak_flops
     out = {"shape": a.train_shape, "params_M": round(cfg.num_params / 1e6, 1), "compiled": compiled,
@@ -75,8 +74,8 @@ def train_section(a, device, compiled: bool) -> dict:
 
 
 def rl_batch(a, cfg):
-    """The probe's training batch (a.train_rows RL-like rows, random tokens of `cfg`'s vocabulary) and its FLOPs
-    (the LM head counted for the response tokens, where the trainer forms logits)."""
+    """The probe's training batch (a.train_rows RL-like rows, random tokens of `cfg`'s vocabulary), its tokens and its
+    FLOPs (the LM head counted for the response tokens, where the trainer forms logits)."""
     from twinplane.model.flops import train_flops
     from twinplane.train import Batch
 
@@ -86,16 +85,18 @@ def rl_batch(a, cfg):
     responses = [torch.randint(cfg.vocab_size, (r,), generator=g).tolist() for r in rs]
     batch = Batch.collate(prompts, responses, 0, [[-1.0] * r for r in rs])
     batch.advantages = torch.randn(len(ps), 1, generator=g) * batch.response_mask
-    return batch, sum(train_flops(cfg, p + r, p + r, r) for p, r in zip(ps, rs, strict=True))
+    return batch, sum(ps) + sum(rs), sum(train_flops(cfg, p + r, p + r, r) for p, r in zip(ps, rs, strict=True))
 
 
-def dynamo_counts() -> dict:
-    """torch.compile's counters so far (Dynamo frames and graphs, Inductor's and AOTAutograd's cache hits and misses,
-    recompiles), flattened: "group/name" -> count."""
+def dynamo_counts(since: dict | None = None) -> dict:
+    """torch.compile's counters (Dynamo frames and graphs, Inductor's and AOTAutograd's cache hits and misses,
+    recompiles), flattened: "group/name" -> count; so far, or those that grew since an earlier `since`, by how much."""
     from torch._dynamo.utils import counters
 
-    return {f"{group}/{name}": n for group, names in counters.items() if group != "aten_mm_info"  # (per GEMM shape)
-            for name, n in names.items() if isinstance(n, int)}
+    now = {f"{group}/{name}": n for group, names in counters.items() if group != "aten_mm_info"  # (per GEMM shape)
+           for name, n in names.items() if isinstance(n, int)}
+    since = since or {}
+    return {k: v - since.get(k, 0) for k, v in now.items() if v != since.get(k, 0)}
 
 
 def alloc_counts(device) -> dict:

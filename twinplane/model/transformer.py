@@ -153,18 +153,14 @@ def compiled_layer() -> Callable:
     """`DecoderLayer.run` compiled once for every layer (they share the code and its graphs). Dynamic shapes:
     packed micro-batches change length every call, and a graph per length would recompile all the time.
 
-    Traced with Dynamo's guards on FSDP-managed modules kept (`skip_fsdp_guards=False`): skipping them, as Dynamo
-    does by default, also stops it from holding those modules' int attributes static, so under FSDP2 and dynamic
+    Dynamo's guards on FSDP-managed modules are kept (`skip_fsdp_guards=False`, set for the process when compiling
+    is first asked for; these layers are the only FSDP modules twinplane compiles): skipping them, as Dynamo does
+    by default, also stops it from holding those modules' int attributes static, so under FSDP2 and dynamic
     shapes the head counts and head size became symbols, which broke the graph at SDPA's `enable_gqa` and left
     the kernels generic over sizes that never change. With the guards the sharded layers compile to the graphs
     of unsharded ones."""
-    compiled = torch.compile(DecoderLayer.run, dynamic=True)
-
-    def run(*args):
-        with torch._dynamo.config.patch(skip_fsdp_guards=False):  # (read while tracing: the first calls)
-            return compiled(*args)
-
-    return run
+    torch._dynamo.config.skip_fsdp_guards = False  # (read while tracing; set once, not on every layer call)
+    return torch.compile(DecoderLayer.run, dynamic=True)
 
 
 class Backbone(nn.Module):
