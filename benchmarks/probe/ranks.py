@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .report import sync, timed
+from .report import timed
 from .shapes import SHAPES
-from .train import dynamo_counts, rl_batch
+from .train import dynamo_counts, first_step, rl_batch
 
 KEYS = ("train_shape", "train_rows", "train_prompt", "train_response", "train_tokens", "train_steps")
 
@@ -85,24 +85,17 @@ def _rank(rank: int, n: int, opts: dict, tmp: str) -> None:
     batch, tokens, flops = rl_batch(a, cfg)
     batch.old_is_current = True  # on-policy: ratio 1, a real gradient whose norm the two layouts can compare
     mine = split_for_rank(batch, rank, n) if n > 1 else batch
-    if a.gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-    t = time.perf_counter()
-    first_metrics = trainer.train_step(mine)
-    sync(device)
-    first = time.perf_counter() - t
-    counts = dynamo_counts()
+    first_metrics, first, counts = first_step(trainer, mine, device)
     trainer.train_step(mine)
     before = dynamo_counts()
     steps = timed(lambda: trainer.train_step(mine), device, a.train_steps, warmup=0)
     later = dynamo_counts(since=before)  # (recompiles)
     step = statistics.median(steps)
-    peak = platform.detect().peak_flops
     res = {"ranks": n, "rows_per_rank": len(mine), "tokens": tokens, "compiled": model.compile_layers,
            "first_step_s": round(first, 2), "compile_counters_first_step": counts,
            "compile_counters_timed_steps": later, "step_s": steps,
            "step_s_median": step, "tokens_per_s": tokens / step, "tflops_per_device": flops / step / n / 1e12,
-           "mfu": None if not peak else flops / step / n / peak, "first_metrics": first_metrics,
+           "mfu": platform.mfu(flops / step / n), "first_metrics": first_metrics,
            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if a.gpu else None}
     if rank == 0:
         (Path(tmp) / "rank0.json").write_text(json.dumps(res))

@@ -34,13 +34,7 @@ def train_section(a, device, compiled: bool) -> dict:
                          compile="on" if compiled else "off")
     trainer = Trainer(model, train, AlgoSection(), 1.0, 100)
     batch, tokens, flops = rl_batch(a, cfg)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t = time.perf_counter()
-    trainer.train_step(batch)  # first step: compiles, allocator, cuBLAS
-    sync(device)
-    first = time.perf_counter() - t
-    first_counts = dynamo_counts()  # (what the first step compiled, and found in the caches)
+    _, first, first_counts = first_step(trainer, batch, device)
     trainer.train_step(batch)
     allocator, counts, cpu = alloc_counts(device), dynamo_counts(), cpu_snapshot()
     steps = timed(lambda: trainer.train_step(batch), device, a.train_steps, warmup=0)
@@ -48,14 +42,13 @@ def train_section(a, device, compiled: bool) -> dict:
     allocator = {k: v - allocator[k] for k, v in alloc_counts(device).items()}  # over the timed steps
     counts = dynamo_counts(since=counts)
     step = statistics.median(steps)
-    peak = platform.detect().peak_flops
     out = {"shape": a.train_shape, "params_M": round(cfg.num_params / 1e6, 1), "compiled": compiled,
            "attention": platform.varlen_backend(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                                 True, cfg.head_dim, check=torch_varlen_agrees),
            "rows": len(batch), "tokens": tokens, "response_tokens": batch.num_response_tokens,
            "max_tokens_per_micro_batch": a.train_tokens,
            "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
-           "tflops": flops / step / 1e12, "mfu": None if not peak else flops / step / peak,
+           "tflops": flops / step / 1e12, "mfu": platform.mfu(flops / step),
            "allocator_timed_steps": allocator, "compile_counters_first_step": first_counts,
            "compile_counters_timed_steps": counts, "cpu_timed_steps": cpu}
     gpu = device.type == "cuda"
@@ -71,6 +64,17 @@ def train_section(a, device, compiled: bool) -> dict:
                                                         "host": host_table(prof)}
     out["host_syncs"] = sync_sites(lambda: trainer.train_step(batch), device)
     return out
+
+
+def first_step(trainer, batch, device) -> tuple[dict, float, dict]:
+    """The first training step (compiles, allocator, cuBLAS), peak memory counted from its start: its metrics, its
+    seconds, and what torch.compile did in it (compiled, and found in the caches)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    metrics = trainer.train_step(batch)
+    sync(device)
+    return metrics, time.perf_counter() - t, dynamo_counts()
 
 
 def rl_batch(a, cfg):
