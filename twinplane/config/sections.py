@@ -141,7 +141,11 @@ class TaskSection(Section):
 class WarmStartSection(Section):
     steps: int = opt(600, "supervised steps on teacher answers before RL (0 = skip)", bounds=">= 0")
     batch_size: int = opt(128, "sequences per supervised step", bounds=">= 1")
-    lr: float = opt(2e-3, "peak learning rate (cosine to 10%)", bounds="> 0")
+    lr: float = opt(2e-3, "peak learning rate; the last 30% of the steps decay to 10% of it", bounds="> 0")
+    target: float = opt(
+        0.9, "the decay waits until greedy answers to this share of 256 carry-free training problems (where the "
+        "teacher is exact) are right; 0 = no check", bounds="[0, 1]")
+    max_steps: int = opt(2400, "the most steps a waiting decay may stretch the warm start to", bounds=">= 1")
 
 
 @dataclass

@@ -33,7 +33,7 @@ from twinplane.run.loggers import build_loggers
 from twinplane.run.metrics import LiveLine, MetricsLog, progress_line, summary_table
 from twinplane.run.prepare import Setup, save_hf_folder
 from twinplane.run.signals import Faults, StopRequests
-from twinplane.train.sft import warm_start
+from twinplane.train.sft import greedy_match, warm_start
 
 
 def run_eval(s: Setup, rollout, n: int = 1, temperature: float = 0.0) -> dict[str, float]:
@@ -160,28 +160,39 @@ class Run:
                                      producer=producer)
 
     def warm_start(self) -> None:
-        """Supervised steps on the built-in task's imperfect-teacher answers, with live progress; a stop request
+        """Supervised steps on the built-in task's imperfect-teacher answers, with live progress; the decay of its
+        rate waits for greedy answers to carry-free training problems to be right (`train.sft`). A stop request
         leaves at once (a resume reruns it)."""
-        s, ws, live = self.s, self.cfg.warmstart, self.live
+        s, ws, live, tok = self.s, self.cfg.warmstart, self.live, self.s.tokenizer
         pairs = s.task.teacher_data(ws.steps * ws.batch_size, self.cfg.task.teacher_carry_error, self.cfg.seed + 1)
-        prompts = [s.tokenizer.encode(p) for p, _ in pairs]
-        answers = [s.tokenizer.encode(a) + [s.tokenizer.eos_token_id] for _, a in pairs]
+        prompts = [tok.encode(p) for p, _ in pairs]
+        answers = [tok.encode(a) + [tok.eos_token_id] for _, a in pairs]
+        probe = s.task.carry_free(256, self.cfg.seed + 2)
+        probe_ids = [tok.encode(p.prompt) for p in probe], [tok.encode(p.answer) + [tok.eos_token_id] for p in probe]
         t0 = time.perf_counter()
 
         def on_step(i: int, loss: float) -> bool:  # live progress with an ETA; True stops (a signal arrived)
             elapsed = time.perf_counter() - t0
             live.update(i, ws.steps, f"warm start {i}/{ws.steps}  loss={loss:.3f}  "
-                        f"{elapsed:.0f}s, eta {elapsed / i * (ws.steps - i):.0f}s")
+                        f"{elapsed:.0f}s, eta {elapsed / i * max(ws.steps - i, 0):.0f}s")
             self.faults("warmstart", i)
             return self.stop.requested
 
-        losses = warm_start(s.model, prompts, answers, ws.steps, ws.batch_size, ws.lr, s.tokenizer.pad_token_id,
-                            self.cfg.seed, on_step=on_step)
+        out = warm_start(s.model, prompts, answers, ws.steps, ws.batch_size, ws.lr, tok.pad_token_id, self.cfg.seed,
+                         on_step=on_step, check=lambda: greedy_match(s.model, *probe_ids, tok.pad_token_id),
+                         target=ws.target, max_steps=ws.max_steps)
         live.done()
-        self.stop.check(f"the warm start (step {len(losses)}/{ws.steps}, {time.perf_counter() - t0:.0f}s: a resume "
-                        "reruns it)")
-        self.console.print(f"warm start: {ws.steps} steps on imperfect-teacher answers, loss "
-                           f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s)")
+        self.stop.check(f"the warm start (step {out.steps}, {time.perf_counter() - t0:.0f}s: a resume reruns it)")
+        self.summary.update(warmstart_steps=out.steps, warmstart_carry_free=out.progress)
+        held = f" (its decay waited {out.held} steps for them)" if out.held else ""
+        self.console.print(f"warm start: {out.steps} steps on imperfect-teacher answers, loss {out.losses[0]:.3f} -> "
+                           f"{out.losses[-1]:.3f} ({time.perf_counter() - t0:.1f}s); {out.progress:.0%} of "
+                           f"{len(probe)} carry-free training problems right{held}")
+        if not out.learned:
+            self.console.print(f"[yellow]warning:[/] the warm start ended below warmstart.target={ws.target} after "
+                               f"{out.steps} steps (warmstart.max_steps): RL starts from a model that has barely "
+                               "learned the task's answers; a higher warmstart.max_steps or another warmstart.lr "
+                               "may help")
 
     def read_checkpoint(self) -> None:
         """The checkpoint's weights (policy, reference), data position and counters; the rest waits for `restore`."""

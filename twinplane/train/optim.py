@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -24,10 +25,11 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_ratio: flo
 
 
 def build_optimizer(params, lr: float, betas, weight_decay: float, warmup_steps: int, total_steps: int,
-                    schedule: str = "constant", min_ratio: float = 0.1, fused: bool | None = None):
-    """AdamW and its schedule. `fused` (None = on GPUs): the whole update in one kernel (CUDA and ROCm), instead of
-    torch's per-tensor loop, which on a GPU is a few kernels per parameter; off on CPU, where the loop is the
-    reference the bitwise resume tests were written against."""
+                    schedule: str | Callable[[int], float] = "constant", min_ratio: float = 0.1,
+                    fused: bool | None = None):
+    """AdamW and its schedule: a name for `lr_lambda`, or the factor per step itself. `fused` (None = on GPUs): the
+    whole update in one kernel (CUDA and ROCm), instead of torch's per-tensor loop, which on a GPU is a few kernels
+    per parameter; off on CPU, where the loop is the reference the bitwise resume tests were written against."""
     params = [p for p in params if p.requires_grad]
     if fused is None:
         fused = bool(params) and params[0].device.type == "cuda"
@@ -37,8 +39,9 @@ def build_optimizer(params, lr: float, betas, weight_decay: float, warmup_steps:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=tuple(betas),
                             fused=fused or None)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, total_steps, schedule, min_ratio))
-    return opt, sched
+    if isinstance(schedule, str):
+        schedule = lr_lambda(warmup_steps, total_steps, schedule, min_ratio)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
 
 def named_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:

@@ -57,6 +57,14 @@ class ArithmeticTask:
     def train_problems(self) -> list[Problem]:
         return [self.problem(a, b) for a, b in self.train_pairs]
 
+    def carry_free(self, size: int, seed: int) -> list[Problem]:
+        """Up to `size` training problems whose sum has no carry: the teacher answers them exactly, so a model that
+        has learned to imitate it gets them right (the warm start's progress check)."""
+        def no_carry(a: int, b: int) -> bool:
+            return all(a // 10**i % 10 + b // 10**i % 10 < 10 for i in range(self.digits))
+        pairs = [p for p in self.train_pairs if no_carry(*p)]
+        return [self.problem(a, b) for a, b in random.Random(seed).sample(pairs, min(size, len(pairs)))]
+
     def teacher_data(self, size: int, carry_error: float, seed: int) -> list[tuple[str, str]]:
         """`size` (prompt, teacher answer) pairs drawn from the training split."""
         rng = random.Random(seed)
