@@ -145,7 +145,8 @@ class WarmStartSection(Section):
     target: float = opt(
         0.9, "the decay waits until greedy answers to this share of 256 carry-free training problems (where the "
         "teacher is exact) are right; 0 = no check", bounds="[0, 1]")
-    max_steps: int = opt(2400, "the most steps a waiting decay may stretch the warm start to", bounds=">= 1")
+    max_steps: int = opt(0, "the most steps a waiting decay may stretch the warm start to (0 = 4 x warmstart.steps)",
+        bounds=">= 0 (0 = 4 x warmstart.steps)")
 
 
 @dataclass

@@ -180,7 +180,7 @@ class Run:
 
         out = warm_start(s.model, prompts, answers, ws.steps, ws.batch_size, ws.lr, tok.pad_token_id, self.cfg.seed,
                          on_step=on_step, check=lambda: greedy_match(s.model, *probe_ids, tok.pad_token_id),
-                         target=ws.target, max_steps=ws.max_steps)
+                         target=ws.target, max_steps=ws.max_steps or 4 * ws.steps)
         live.done()
         self.stop.check(f"the warm start (step {out.steps}, {time.perf_counter() - t0:.0f}s: a resume reruns it)")
         self.summary.update(warmstart_steps=out.steps, warmstart_carry_free=out.progress)
