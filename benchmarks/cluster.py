@@ -27,7 +27,7 @@ LAYOUTS = {
     "ray 1 trainer + 1 engine": ["cluster.backend=ray"],
     "ray colocated, 1 rank": ["cluster.backend=ray", "cluster.colocate=true"],
     "ray colocated, 1 rank, 2 CPUs": ["cluster.backend=ray", "cluster.colocate=true", "cluster.cpus_per_worker=2"],
-    "ray 1 + 1, async": ["cluster.backend=ray", "cluster.async=true"],
+    "ray 1 + 1, async": ["cluster.backend=ray", "cluster.max_staleness=1"],
     "local, ppo": ["algo.name=ppo"],
     "ray 1 + 1, ppo, critic on the trainer": ["cluster.backend=ray", "algo.name=ppo"],
     # 2 workers, as the others (a local Ray instance has as many CPUs as the machine)

@@ -64,8 +64,7 @@ def main() -> int:
     ap.add_argument("--exactly-once", action="store_true", help="require only exactly-once accounting")
     ap.add_argument("extra", nargs="*")
     ns = ap.parse_args()
-    asynchronous = any(e.startswith(("cluster.max_staleness=", "cluster.async=true")) and not e.endswith("=0")
-                       for e in ns.extra)
+    asynchronous = any(e.startswith("cluster.max_staleness=") and not e.endswith("=0") for e in ns.extra)
     points = ["load@0", *(f"warmstart@{i}" for i in range(1, 7)), "eval@0", "eval@3", "eval@6", "final@6",
               *(f"{p}@{s}" for s in range(1, 7) for p in ("rollout", "reward", "train", "weight_sync")
                 if not (asynchronous and p == "reward")),  # (asynchronous: rewards are part of the rollout phase)

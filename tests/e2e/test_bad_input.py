@@ -137,6 +137,16 @@ def _json_edit(rel: str, **changes) -> Callable[[Path], None]:
     return edit
 
 
+def _yaml_edit(rel: str, section: str, **changes) -> Callable[[Path], None]:
+    def edit(d: Path) -> None:
+        import yaml
+
+        cfg = yaml.safe_load((d / rel).read_text())
+        cfg.setdefault(section, {}).update(changes)
+        (d / rel).write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return edit
+
+
 def _truncate(rel: str) -> Callable[[Path], None]:
     return lambda d: (d / rel).write_bytes((d / rel).read_bytes()[:200])
 
@@ -189,6 +199,8 @@ CASES = [
     Case("config/unknown key, another trainer's name", T("train.learning_rate=1e-5"),
          "unknown key train.learning_rate (did you mean train.lr?)"),
     Case("config/unknown section", T("trian.steps=3"), "unknown key trian.steps (did you mean train.steps?)"),
+    Case("config/removed key", T("cluster.async=true"),
+         "unknown key cluster.async (did you mean cluster.max_staleness=1?)"),
     Case("config/wrong type", T("train.steps=abc"), "train.steps: expected an integer"),
     Case("config/not key=value", T("=5"), "is not key=value"),
     Case("config/missing file", lambda fx: ["train", "no_such.yaml"], "config file no_such.yaml not found"),
@@ -363,6 +375,9 @@ CASES = [
     Case("checkpoint/optimizer legacy .tar file", TC(_write("optimizer.pt", bytes(1024))),
          "optimizer.pt: a legacy .tar torch.save file, which cannot be loaded as weights only"),
     Case("checkpoint/config changed on resume", TC(None, "algo.kl_coef=0.5"), "algo.kl_coef cannot change"),
+    Case("checkpoint/config.yaml with a removed key that changed the run",
+         TC(_yaml_edit("config.yaml", "cluster", **{"async": True})),
+         "config.yaml: unknown key cluster.async (did you mean cluster.max_staleness=1?)"),
     # ---- command line ----
     Case("cli/run dir holds a run", lambda fx: ["train", "--run-dir", str(fx.run), *TINY],
          "already holds a run (config.yaml, metrics.jsonl"),

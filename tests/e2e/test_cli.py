@@ -116,6 +116,7 @@ def test_yaml_config_file(tmp_path):
     ("num_train_epochs=1", "train.steps"),
     ("gradient_accumulation_steps=4", "train.micro_batch_size"),
     ("data.max_prompt_length=512", "data.max_prompt_tokens"),
+    ("cluster.async=true", "cluster.max_staleness=1"),  # a removed key: what replaced it
 ])
 def test_did_you_mean(override, hint):
     from twinplane.config import ConfigError, load_config

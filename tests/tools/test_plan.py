@@ -175,14 +175,17 @@ def test_cpu_estimate_within_25_percent_of_measured_peak():
 
 
 def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
-    """The demo's own run dir: its built-in model and step shape, units that fit, the layout count equal to the
-    ranked rows listed, and on one CPU no Ray overrides (they would only slow the run down)."""
+    """The demo's own run dir (saved before cluster.async was removed: at false it changed nothing): its built-in
+    model and step shape, units that fit, the layout count equal to the ranked rows listed, and on one CPU no Ray
+    overrides (they would only slow the run down); overlapping planes are cluster.max_staleness=1."""
     import yaml
 
     from twinplane.config import load_config
     from twinplane.tools.plan import main as plan_main
 
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(load_config().to_dict(), sort_keys=False))
+    saved = load_config().to_dict()
+    saved["cluster"]["async"] = False
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     assert plan_main(["--run-dir", str(tmp_path), "--gpu", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "M params" in out and "(MB, FSDP=1)" in out and "prompt 6 + response 8 tokens" in out
@@ -190,6 +193,8 @@ def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
     rows = [ln.split()[0] for ln in out.splitlines() if ln.split()[1:2] in (["colocated"], ["split"])]
     assert rows == [str(i) for i in range(1, count + 1)]  # all ranked: one CPU takes no rollout.tp > 1
     assert "cluster.backend=local" in out and "cluster.backend=ray" not in out
+    assert plan_main(["--run-dir", str(tmp_path), "--gpu", "cpu", "--overlap"]) == 0
+    assert " cluster.max_staleness=1 " in capsys.readouterr().out
 
 
 def test_moe_planner_counts_total_for_memory_and_active_for_flops():

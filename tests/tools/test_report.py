@@ -139,6 +139,22 @@ def test_async_run(tmp_path):
     assert not report.plot_async(load_metrics(sync / "metrics.jsonl"), fig, {"cluster": {"max_staleness": 2}})
 
 
+def test_the_bound_is_cluster_max_staleness_alone(tmp_path, capsys):
+    """The staleness bound comes from cluster.max_staleness alone. A config.yaml saved before cluster.async was
+    removed: `async: false` changed nothing and is dropped; `async: true` (max_staleness=1 then) would be charted
+    against the wrong bound, so it is the one-line error an unknown key gets, exit 2."""
+    run = tmp_path / "run"
+    write_run(run, steps=6, asynchronous=True)
+    (run / "config.yaml").write_text("cluster:\n  max_staleness: 2\n  async: false\n")
+    assert report.load_config(run) == {"cluster": {"max_staleness": 2}}
+    make_report(run)
+    assert "(bound: cluster.max_staleness=2)" in (run / "report" / "report.md").read_text()
+    (run / "config.yaml").write_text("cluster:\n  max_staleness: 0\n  async: true\n")
+    assert main([str(run)]) == 2
+    assert capsys.readouterr().err == (f"twinplane: error: {run / 'config.yaml'}: unknown key cluster.async (did you "
+                                       "mean cluster.max_staleness=1?)\n")
+
+
 def test_async_flat_histogram_is_notes():
     """Every group fresh at every step: the histogram is notes, not a stack filling the panel; without a bound in
     the config the staleness panel says so."""

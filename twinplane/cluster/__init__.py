@@ -23,7 +23,8 @@ def build_planes(cfg: Config, model: Transformer, reference: Transformer | None,
     total_steps = cfg.train.steps * cfg.train.mini_batches
     # the off-policy correction (algo.is_*) for an off-policy rollout: stale (asynchronous RL), or another engine's
     # numerics (vLLM, or algo.is_sync) once the trainer recomputes the old log-probs
-    tis_cap = cfg.algo.tis_cap if cfg.cluster.staleness or cfg.algo.is_sync or cfg.rollout.backend == "vllm" else None
+    off_policy = cfg.cluster.max_staleness or cfg.algo.is_sync or cfg.rollout.backend == "vllm"
+    tis_cap = cfg.algo.tis_cap if off_policy else None
     if cfg.cluster.backend == "local":
         return LocalPlanes.build(cfg, model, reference, tokenizer, total_steps, tis_cap)
     from twinplane.cluster.ray_planes import RayPlanes  # Ray's presence is checked by `prepare.prepare`

@@ -7,7 +7,7 @@ section's rules. `load` reads YAML files and overrides into a validated `Config`
 """
 
 from twinplane.config.keys import _all_keys
-from twinplane.config.load import ALIASES, PATH_KEYS, config_help, load_config
+from twinplane.config.load import ALIASES, PATH_KEYS, REMOVED, config_help, load_config, without_removed
 from twinplane.config.sections import (
     AlgoSection,
     CheckpointSection,
@@ -28,7 +28,7 @@ from twinplane.config.sections import (
     plain_template_problem,
 )
 
-__all__ = ["ALIASES", "PATH_KEYS", "AlgoSection", "CheckpointSection", "ClusterSection", "Config", "ConfigError",
-           "CriticSection", "DataSection", "EvalSection", "LogSection", "LoraSection", "ModelSection", "RewardSection",
-           "RolloutSection", "TaskSection", "TrainSection", "WarmStartSection", "_all_keys", "config_help",
-           "load_config", "plain_template_problem"]
+__all__ = ["ALIASES", "PATH_KEYS", "REMOVED", "AlgoSection", "CheckpointSection", "ClusterSection", "Config",
+           "ConfigError", "CriticSection", "DataSection", "EvalSection", "LogSection", "LoraSection", "ModelSection",
+           "RewardSection", "RolloutSection", "TaskSection", "TrainSection", "WarmStartSection", "_all_keys",
+           "config_help", "load_config", "plain_template_problem", "without_removed"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import keyword
 import math
 import re
 import types
@@ -97,18 +96,9 @@ class Section:
         return []
 
 
-def _attr(key: str) -> str:
-    """The dataclass field behind a config key: Python keywords (`async`) get a trailing underscore."""
-    return key + "_" if keyword.iskeyword(key) else key
-
-
-def _key(name: str) -> str:
-    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
-
-
 def _get(cfg, dotted: str):
     for part in dotted.split("."):
-        cfg = getattr(cfg, _attr(part))
+        cfg = getattr(cfg, part)
     return cfg
 
 
@@ -131,7 +121,7 @@ def _fields(cls, prefix: str = "") -> tuple[tuple[str, str, typing.Any, typing.M
         if dataclasses.is_dataclass(t):
             out += [(k, f"{f.name}.{a}", tt, m) for k, a, tt, m in _fields(t, f"{prefix}{f.name}.")]
         else:
-            out.append((prefix + _key(f.name), f.name, t, f.metadata))
+            out.append((prefix + f.name, f.name, t, f.metadata))
     return tuple(out)
 
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 import yaml
 
-from twinplane.config.keys import _all_keys, _attr, _fields, _settings, choices
+from twinplane.config.keys import _all_keys, _fields, _settings, choices
 from twinplane.config.sections import Config, ConfigError
 
 
@@ -109,9 +109,33 @@ ALIASES = {
 }
 
 
+# Keys twinplane no longer has -> (the hint an unknown key gets: what to write instead, the value that changed
+# nothing). A run's saved config.yaml lists every key it was run with: see `without_removed`.
+REMOVED = {
+    "cluster.async": ("did you mean cluster.max_staleness=1?", False),
+}
+
+
+def without_removed(saved: dict, where: str) -> dict:
+    """A run's saved config (`where`: its file) without the keys twinplane has removed since, each where it holds
+    the value that changed nothing; one that changed the run is the error an unknown key gets."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for key, (hint, inert) in REMOVED.items():
+        section, leaf = key.split(".")
+        node = out.get(section)
+        if isinstance(node, dict) and leaf in node:
+            if node[leaf] != inert:
+                raise ConfigError(f"{where}: unknown key {key} ({hint})")
+            del node[leaf]
+    return out
+
+
 def _did_you_mean(full: str) -> str:
-    """The hint for an unknown key, first found of: twinplane's key with the same last part in a similar section; a
-    near-typo in the same section; what a bare or another trainer's name means here; a close key anywhere."""
+    """The hint for an unknown key, first found of: what replaced a removed key; twinplane's key with the same last
+    part in a similar section; a near-typo in the same section; what a bare or another trainer's name means here; a
+    close key anywhere."""
+    if full in REMOVED:
+        return f" ({REMOVED[full][0]})"
     keys = _all_keys(Config)
     section, _, leaf = full.rpartition(".")
 
@@ -140,7 +164,7 @@ def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
-        full, key = prefix + str(key), _attr(str(key))
+        full, key = prefix + str(key), str(key)
         if key not in hints:
             while isinstance(value, dict) and value:  # an unknown section: name the key as written (trian.steps)
                 sub, value = next(iter(value.items()))
@@ -204,7 +228,8 @@ def _is_text(key: str) -> bool:
     return t is str or optional_str or isinstance((choices(t) or [None])[0], str)
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), *, saved: bool = False) -> Config:
+    """`saved`: `path` is a run's own config.yaml (`without_removed`)."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -218,6 +243,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        if saved:
+            data = without_removed(data, str(path))
     overridden = set()
     for item in overrides:
         key, sep, raw = item.partition("=")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from twinplane.algos import AGG_MODES, ESTIMATORS, IS_MASKS, IS_WEIGHTS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
-from twinplane.config.keys import Rule, Section, _get, _key, _sections, _settings, opt, value_problem
+from twinplane.config.keys import Rule, Section, _get, _sections, _settings, opt, value_problem
 from twinplane.errors import InputError
 from twinplane.model.lora import TARGETS as LORA_TARGETS
 
@@ -194,7 +194,7 @@ class RolloutSection(Section):
             (self.max_num_batched_tokens >= self.max_num_seqs, "rollout.max_num_batched_tokens",
              "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
             (self.tp == 1, "rollout.tp", "must be 1 (tensor-parallel engines are not in this version)"),
-            (self.backend == "twinplane" or not cfg.cluster.staleness, "rollout.backend",
+            (self.backend == "twinplane" or not cfg.cluster.max_staleness, "rollout.backend",
              "vllm rolls out synchronously in this version: cluster.max_staleness must be 0 (the asynchronous "
              "producer drives the own engine step by step)"),
             (not (self.record_routing and self.tools), "rollout.record_routing", "does not support rollout.tools yet"),
@@ -421,7 +421,6 @@ class ClusterSection(Section):
     max_staleness: int = opt(
         0, "asynchronous RL: policy versions a trained sample may lag (0 synchronous, 1 one-step off-policy, "
         "k >= 2 fully asynchronous; docs/async.md)", bounds=">= 0")
-    async_: bool = opt(False, "(key cluster.async) the same as cluster.max_staleness=1")
     async_schedule: int = opt(
         0, "asynchronous RL: engine steps each engine runs while a step trains, so that runs are reproducible "
         "(0: on Ray as long as training lasts, in one process none)", bounds=">= 0")
@@ -429,16 +428,9 @@ class ClusterSection(Section):
     sync_bucket_mb: int = opt(256, "weight-sync bucket size (MB of engine-dtype weights per broadcast)", bounds=">= 1")
     cpus_per_worker: int = opt(1, "Ray CPUs per worker (and its torch threads)", bounds=">= 1")
 
-    @property
-    def staleness(self) -> int:
-        """The staleness bound (`cluster.async` is `max_staleness=1`)."""
-        return max(self.max_staleness, int(self.async_))
-
     def rules(self, cfg: Config) -> list[Rule]:
         per_mini_batch = cfg.samples_per_mini_batch
         return [
-            (not self.async_ or self.max_staleness <= 1, "cluster.async",
-             f"is cluster.max_staleness=1; it contradicts cluster.max_staleness={self.max_staleness} (set one)"),
             (self.critic_devices == 0 or cfg.algo.adv_estimator == "gae", "cluster.critic_devices",
              "must be 0 without a critic (algo.adv_estimator=gae)"),
             (self.critic_devices == 0 or self.backend == "ray", "cluster.critic_devices",
@@ -502,7 +494,7 @@ class Config(Section):
                     raise ConfigError(f"{key}: {msg}" + ("" if dataclasses.is_dataclass(value) else f", got {value!r}"))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self, dict_factory=lambda kv: {_key(k): v for k, v in kv})
+        return dataclasses.asdict(self)
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")

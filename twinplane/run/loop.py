@@ -148,10 +148,10 @@ class Run:
                                   max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)
         recompute_old = cfg.algo.recompute_old_logprobs
         if recompute_old is None:
-            recompute_old = self.planes.rollout_dtype != dtype or cfg.cluster.staleness > 0
+            recompute_old = self.planes.rollout_dtype != dtype or cfg.cluster.max_staleness > 0
         c = cfg.cluster
-        producer = None if not c.staleness else Producer(
-            self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.staleness,
+        producer = None if not c.max_staleness else Producer(
+            self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.max_staleness,
             c.async_schedule, r.partial, cfg.seed)
         self.controller = Controller(self.planes, s.scorer, s.tokenizer, sampling, cfg.train.mini_batches,
                                      recompute_old, algo=algo, critic_warmup=cfg.critic.warmup_steps,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from twinplane.config import Config, ConfigError, DataSection
+from twinplane.config import Config, ConfigError, DataSection, without_removed
 from twinplane.data import DataError, PromptFormatter, Record, load_code_records, load_records
 from twinplane.data.prompts import Prompt, encode_prompts
 from twinplane.data.tasks import ALPHABET, ArithmeticTask
@@ -157,6 +157,7 @@ def claim_run_dir(cfg: Config, run_dir: Path, resume: str | None, overwrite: boo
         saved, what = None, ""
     changes: list[str] = []
     if saved is not None:
+        saved = without_removed(saved, str((ckpt or run_dir) / "config.yaml"))
         bad, changes = run_state.config_changes(saved, cfg.to_dict())
         if bad:
             raise ConfigError(f"{what}: {bad[0].split(':')[0]} cannot change on resume ({bad[0]})")

@@ -90,7 +90,7 @@ class Cluster:
     gpus: int  # per node
     nodes: int = 1
     price_per_gpu_hour: float = 0.0
-    overlap: bool = False  # disaggregated planes overlap one step off-policy (else they alternate: cluster.async=false)
+    overlap: bool = False  # disaggregated planes overlap one step off-policy (cluster.max_staleness=1), or alternate
 
     @property
     def total(self) -> int:
@@ -142,12 +142,13 @@ class TrainCheck:
 
     config: str | None = None
     overrides: tuple[str, ...] = ()
+    saved: bool = False  # `config` is a run's own config.yaml
 
     def refusal(self, layout: Layout) -> str:
         """`train`'s one-line error for this layout, or "" when it accepts it."""
         from twinplane.config import ConfigError
 
-        base = _base_config(self.config, self.overrides)
+        base = _base_config(self.config, self.overrides, self.saved)
         if isinstance(base, str):
             return base
         cfg = copy.deepcopy(base)
@@ -161,20 +162,21 @@ class TrainCheck:
         return ""
 
     @classmethod
-    def for_workload(cls, w: Workload, config: str | None = None, extra: tuple[str, ...] = ()) -> TrainCheck:
+    def for_workload(cls, w: Workload, config: str | None = None, extra: tuple[str, ...] = (),
+                     saved: bool = False) -> TrainCheck:
         shape = (f"rollout.prompts_per_step={w.prompts_per_step}", f"rollout.n={w.n}",
                  f"rollout.max_new_tokens={w.response_len}", f"train.micro_batch_size={w.micro_batch_size}",
                  f"train.logprob_chunk_tokens={w.logprob_chunk_tokens}", f"train.lora.rank={w.lora_rank}")
-        return cls(config, (*extra, *shape))
+        return cls(config, (*extra, *shape), saved)
 
 
 @functools.lru_cache(maxsize=64)  # (parsing overrides is slow; every layout of a plan starts from the same base)
-def _base_config(config: str | None, overrides: tuple[str, ...]):
+def _base_config(config: str | None, overrides: tuple[str, ...], saved: bool = False):
     """The run's config with the step's shape, or `train`'s error for it (then every layout is refused with it)."""
     from twinplane.config import ConfigError, load_config
 
     try:
-        return load_config(config, overrides)
+        return load_config(config, overrides, saved=saved)
     except ConfigError as e:
         return str(e)
 
@@ -491,7 +493,7 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
                   f"resharding {best['resharding_bytes'] / div:.1f} {unit}/step",
                   f"  cost: ${best['cost_per_m_tokens']:.3f} per 1M trained tokens at "
                   f"${cluster.price_per_gpu_hour:g}/GPU-hour",
-                  f"  overrides: {best['overrides']}{' cluster.async=true' if cluster.overlap else ''} "
+                  f"  overrides: {best['overrides']}{' cluster.max_staleness=1' if cluster.overlap else ''} "
                   f"rollout.prompts_per_step={w.prompts_per_step} "
                   f"rollout.n={w.n} rollout.max_new_tokens={w.response_len} "
                   f"train.micro_batch_size={w.micro_batch_size}"
@@ -509,14 +511,15 @@ def load_model_config(path: str) -> ModelConfig:
                             f"(presets: {', '.join(PRESETS)})")
 
 
-def from_run_config(path: Path, model: str | None = None, device: DeviceSpec = CPU) -> tuple[ModelConfig, Workload]:
-    """The model and the step's shape of a twinplane run on `device`, from its config (the demo's built-in model
-    included)."""
+def from_run_config(path: Path, model: str | None = None, device: DeviceSpec = CPU,
+                    saved: bool = False) -> tuple[ModelConfig, Workload]:
+    """The model and the step's shape of a twinplane run on `device`, from its config (`saved`: the run's own
+    config.yaml; the demo's built-in model included)."""
     from twinplane.config import load_config
 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such config file")
-    cfg = load_config(path, [f"model.path={model}"] if model else [])
+    cfg = load_config(path, [f"model.path={model}"] if model else [], saved=saved)
     if cfg.model.path:
         mc = load_model_config(cfg.model.path)
     else:
@@ -575,11 +578,12 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(bad[0])
     w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
                  chunk_tokens(device, ns.logprob_chunk_tokens), ns.lora)
-    run_config, extra = None, ["cluster.async=true"] if ns.overlap else []
+    run_config, extra = None, ["cluster.max_staleness=1"] if ns.overlap else []
+    saved = bool(ns.run_dir) and not ns.config
     try:
         if ns.run_dir or ns.config:
             run_config = str(Path(ns.config) if ns.config else Path(ns.run_dir) / "config.yaml")
-            cfg, w = from_run_config(Path(run_config), ns.model, device)
+            cfg, w = from_run_config(Path(run_config), ns.model, device, saved)
             w = replace(w, lora_rank=ns.lora or w.lora_rank)
             extra += [f"model.path={ns.model}"] if ns.model else []
         elif ns.model:
@@ -589,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         raise InputError(str(e)) from None
     cluster = Cluster(device, ns.gpus, ns.nodes, ns.price_per_gpu_hour, ns.overlap)
-    check = TrainCheck.for_workload(w, run_config, tuple(extra))
+    check = TrainCheck.for_workload(w, run_config, tuple(extra), saved)
     name = (preset_name(ns.model) if ns.model and not Path(ns.model).exists() else None) or ""
     print(json.dumps(plan(cfg, cluster, w, check, name), indent=2) if ns.json
           else format_plan(cfg, cluster, w, check=check, name=name))

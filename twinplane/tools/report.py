@@ -54,14 +54,24 @@ def load_metrics(path: Path) -> list[dict]:
 
 
 def load_config(run_dir: Path) -> dict:
-    """The run's config.yaml as nested dicts ({} when absent or unreadable): only to explain flat panels."""
+    """The run's config.yaml as nested dicts ({} when absent or unreadable): only to explain flat panels and to
+    draw the staleness bound. A key twinplane has removed since the run, where it changed the run, is the
+    ReportError an unknown key gets (the panels would read the wrong setting)."""
     import yaml
 
+    from twinplane.config import ConfigError, without_removed
+
+    path = run_dir / "config.yaml"
     try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        cfg = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return {}
-    return cfg if isinstance(cfg, dict) else {}
+    if not isinstance(cfg, dict):
+        return {}
+    try:
+        return without_removed(cfg, str(path))
+    except ConfigError as e:
+        raise ReportError(str(e)) from None
 
 
 def unit(key: str) -> tuple[str, float]:
@@ -371,7 +381,7 @@ def plot_kl_entropy(rows: list[dict], fig, config: dict) -> bool:
             ("actor/entropy", "entropy", "entropy (nats / token)", " nats"),
             ("actor/clip_frac", "clip fraction", "clipped (% of tokens)", "%"),
             ("actor/logprob_gap", "log-prob gap (rollout vs train)", "mean |Δ log p| / token", ""),
-            ("actor/tis_weight_mean", "TIS weight (mean)", "π_old / π_rollout", ""),  # cluster.async's correction
+            ("actor/tis_weight_mean", "TIS weight (mean)", "π_old / π_rollout", ""),  # asynchronous RL's correction
             ("actor/tis_clip_frac", "TIS weights capped", "capped (% of tokens)", "%"))):
         s = shown(rows, k)
         if s:
