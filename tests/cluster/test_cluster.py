@@ -192,7 +192,6 @@ def test_sync_report_names_mismatched_engines():
     (["cluster.backend=slurm"], "cluster.backend"),
     (["cluster.backend=ray", "cluster.colocate=true", "cluster.train_devices=2", "cluster.rollout_devices=3"],
      "cluster.rollout_devices"),
-    (["rollout.tp=2"], "rollout.tp"),
     (["rollout.tools=[calculator]"], "rollout.tools"),
 ])
 def test_bad_cluster_config_names_the_key(override, key):

@@ -91,7 +91,7 @@ def test_qwen7b_mi300x_vs_h100(qwen, capsys):
     assert "TP=1" in why_mi
     assert main(["--model", str(qwen), "--gpu", "mi300x", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
-    assert "recommendation: colocated" in out and "rollout.tp=1" in out and "cluster.colocate=true" in out
+    assert "recommendation: colocated" in out and "(TP=1 x DP=8)" in out and "cluster.colocate=true" in out
 
 
 def test_cli_errors_and_json(qwen, capsys):
@@ -175,23 +175,24 @@ def test_cpu_estimate_within_25_percent_of_measured_peak():
 
 
 def test_plan_reads_the_demo_run_dir(tmp_path, capsys):
-    """The demo's own run dir (saved before cluster.async was removed: at false it changed nothing): its built-in
-    model and step shape, units that fit, the layout count equal to the ranked rows listed, and on one CPU no Ray
-    overrides (they would only slow the run down); overlapping planes are cluster.max_staleness=1."""
+    """The demo's own run dir (saved before cluster.async and rollout.tp were removed: at false and 1 they changed
+    nothing): its built-in model and step shape, units that fit, the layout count equal to the ranked rows listed,
+    and on one CPU no Ray overrides (they would only slow the run down); overlapping planes are
+    cluster.max_staleness=1."""
     import yaml
 
     from twinplane.config import load_config
     from twinplane.tools.plan import main as plan_main
 
     saved = load_config().to_dict()
-    saved["cluster"]["async"] = False
+    saved["cluster"]["async"], saved["rollout"]["tp"] = False, 1
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     assert plan_main(["--run-dir", str(tmp_path), "--gpu", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "M params" in out and "(MB, FSDP=1)" in out and "prompt 6 + response 8 tokens" in out
     count = int(out.split("feasible layouts: ")[1].split(" ")[0])
     rows = [ln.split()[0] for ln in out.splitlines() if ln.split()[1:2] in (["colocated"], ["split"])]
-    assert rows == [str(i) for i in range(1, count + 1)]  # all ranked: one CPU takes no rollout.tp > 1
+    assert rows == [str(i) for i in range(1, count + 1)]  # all ranked: one CPU takes no TP > 1
     assert "cluster.backend=local" in out and "cluster.backend=ray" not in out
     assert plan_main(["--run-dir", str(tmp_path), "--gpu", "cpu", "--overlap"]) == 0
     assert " cluster.max_staleness=1 " in capsys.readouterr().out
@@ -212,9 +213,9 @@ def test_moe_planner_counts_total_for_memory_and_active_for_flops():
 
 
 def test_only_layouts_train_accepts_are_ranked(tmp_path, capsys):
-    """Qwen2.5-7B (a preset) on 8 x MI300X: the model prices TP=4 fastest, but `train` refuses rollout.tp > 1, so
-    TP=4 is listed unranked as not yet supported, every ranked layout is one `train` accepts, and the refused
-    overrides make `twinplane train` itself exit 2 with the reason the planner printed."""
+    """Qwen2.5-7B (a preset) on 8 x MI300X: the model prices TP=4 fastest, but `train` has no tensor-parallel
+    engines (no key to ask for one: rollout.tp is an unknown key), so TP=4 is listed unranked as not yet supported,
+    and every ranked layout is one `train` accepts as printed."""
     from twinplane.cli import main as cli
     from twinplane.config import load_config
     from twinplane.model.presets import preset
@@ -229,11 +230,14 @@ def test_only_layouts_train_accepts_are_ranked(tmp_path, capsys):
     for x in ranked:
         load_config(None, [*shape, *x.overrides().split()])  # accepted as it is printed
     best, why = recommend(cfg, cluster, W, options)
-    assert best == ranked[0] and "TP=4" in why and "not yet supported: rollout.tp: must be 1" in why
+    assert best == ranked[0] and "TP=4" in why and "not yet supported: TP>1: tensor-parallel engines are not" in why
     tp4 = refused[0]
-    assert tp4.refused == "rollout.tp: must be 1 (tensor-parallel engines are not in this version), got 4"
-    assert cli(["train", "--run-dir", str(tmp_path / "r"), *shape, *tp4.overrides().split()]) == 2
-    assert capsys.readouterr().err.strip() == f"twinplane: error: {tp4.refused}"
+    assert tp4.refused == ("TP>1: tensor-parallel engines are not in this version (each engine holds the whole "
+                           "model), got TP=4")
+    assert "rollout.tp" not in tp4.overrides()  # (no key asks for TP)
+    assert cli(["train", "--run-dir", str(tmp_path / "r"), *shape, *tp4.overrides().split(), "rollout.tp=4"]) == 2
+    assert capsys.readouterr().err.strip() == ("twinplane: error: unknown key rollout.tp (tensor-parallel engines "
+                                               "are not in this version: each engine holds the whole model)")
     assert not (tmp_path / "r").exists()  # refused before any work
 
     assert main(["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "mi300x", "--gpus", "8"]) == 0
@@ -244,13 +248,13 @@ def test_only_layouts_train_accepts_are_ranked(tmp_path, capsys):
                                f"shown), and {len(refused)} it refuses")
     rows = [ln.split() for ln in table[2:] if ln.split()[:1] and (ln.split()[0].isdigit() or ln.split()[0] == "-")]
     assert [r[0] for r in rows] == [*map(str, range(1, 13)), "-", "-", "-", "-"]
-    assert all(r[4] == "1" for r in rows[:12]) and all(r[4] != "1" and r[-1] == "(rollout.tp)" for r in rows[12:])
-    assert table[-2] == ("  not yet supported: `train` refuses rollout.tp: must be 1 (tensor-parallel engines are "
-                         "not in this version)")
+    assert all(r[4] == "1" for r in rows[:12]) and all(r[4] != "1" and r[-1] == "(TP>1)" for r in rows[12:])
+    assert table[-2] == ("  not yet supported: `train` refuses TP>1: tensor-parallel engines are not in this version "
+                         "(each engine holds the whole model)")
     assert main(["--model", "qwen2.5-7b", "--gpu", "mi300x", "--gpus", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["layouts"]) == len(ranked) and {x["tp"] for x in data["layouts"]} == {1}
-    assert all(x["refused"].startswith("rollout.tp: must be 1") for x in data["refused_layouts"])
+    assert all(x["refused"].startswith("TP>1: ") for x in data["refused_layouts"])
     assert data["model"]["name"] == "Qwen2.5-7B" and data["recommended"]["overrides"] == best.overrides()
 
 
@@ -259,7 +263,7 @@ def test_nothing_train_accepts_fits(capsys):
     from twinplane.model.presets import preset
 
     best, why = recommend(preset("Qwen2.5-72B"), Cluster(BY_KEY["h100"], 8, 2, 2.0), W)
-    assert best is None and why.startswith("only layouts that `train` refuses fit (the fastest: rollout.tp")
+    assert best is None and why.startswith("only layouts that `train` refuses fit (the fastest: TP>1: ")
 
 
 def test_unknown_model_name_is_one_line(capsys):

@@ -96,7 +96,7 @@ ALIASES = {
     "save_total_limit": ("checkpoint.keep", ""), "logging_steps": ("log.every", ""), "eval_steps": ("eval.every", ""),
     "test_freq": ("eval.every", ""), "val_before_train": ("eval.before", ""), "report_to": ("log.backends", ""),
     "vllm_gpu_memory_utilization": ("rollout.gpu_memory_utilization", ""),
-    "tensor_model_parallel_size": ("rollout.tp", ""), "n_gpus_per_node": ("cluster.train_devices", ""),
+    "n_gpus_per_node": ("cluster.train_devices", ""),
     "lora_r": ("train.lora.rank", ""), "lora_rank": ("train.lora.rank", ""), "lora_alpha": ("train.lora.alpha", ""),
     "lora_dropout": ("train.lora.dropout", ""), "lora_target_modules": ("train.lora.targets", ""),
     "target_modules": ("train.lora.targets", ""),
@@ -113,6 +113,7 @@ ALIASES = {
 # nothing). A run's saved config.yaml lists every key it was run with: see `without_removed`.
 REMOVED = {
     "cluster.async": ("did you mean cluster.max_staleness=1?", False),
+    "rollout.tp": ("tensor-parallel engines are not in this version: each engine holds the whole model", 1),
 }
 
 

@@ -178,7 +178,6 @@ class RolloutSection(Section):
         "auto", "decode-path kernels: auto (Triton on GPUs where its self-check passes) | triton | torch")
     tools: list[Literal["calculator", "python"]] = opt(help="calculator | python: multi-turn tool calls", factory=list)
     max_turns: int = opt(1, "model turns per sample when tools are on", bounds=">= 1")
-    tp: int = opt(1, "tensor-parallel size of one engine (1 in this version: engines are data parallel)")
     record_routing: bool = opt(False, "MoE: record each token's experts per sparse layer (for algo.routing_replay)")
     lora_merge: bool = opt(False, "with train.lora: engines hold merged weights (base-speed decode, full sync)")
     partial: bool = opt(True, "asynchronous RL: samples in flight at a weight update continue under the new weights "
@@ -193,7 +192,6 @@ class RolloutSection(Section):
         return [
             (self.max_num_batched_tokens >= self.max_num_seqs, "rollout.max_num_batched_tokens",
              "must be >= rollout.max_num_seqs (every running sequence decodes one token per step)"),
-            (self.tp == 1, "rollout.tp", "must be 1 (tensor-parallel engines are not in this version)"),
             (self.backend == "twinplane" or not cfg.cluster.max_staleness, "rollout.backend",
              "vllm rolls out synchronously in this version: cluster.max_staleness must be 0 (the asynchronous "
              "producer drives the own engine step by step)"),

@@ -114,7 +114,7 @@ class Layout:
     step_s: float
     resharding_bytes: float
     cost_per_m_tokens: float
-    refused: str = ""  # why `train` refuses these overrides ("" = accepted)
+    refused: str = ""  # why `train` cannot run this layout ("" = it can)
 
     @property
     def dp(self) -> int:
@@ -127,8 +127,7 @@ class Layout:
         if self.colocated and self.train_gpus == 1:
             return {"cluster.backend": "local", **memory}
         return {"cluster.backend": "ray", "cluster.train_devices": self.train_gpus,
-                "cluster.rollout_devices": self.rollout_gpus, "cluster.colocate": self.colocated,
-                "rollout.tp": self.tp, **memory}
+                "cluster.rollout_devices": self.rollout_gpus, "cluster.colocate": self.colocated, **memory}
 
     def overrides(self) -> str:
         """`settings` as `twinplane train` overrides."""
@@ -145,12 +144,15 @@ class TrainCheck:
     saved: bool = False  # `config` is a run's own config.yaml
 
     def refusal(self, layout: Layout) -> str:
-        """`train`'s one-line error for this layout, or "" when it accepts it."""
+        """`train`'s one-line error for this layout, or "" when it accepts it (TP > 1: no engine of `train`'s
+        splits the model, so no setting of it runs one)."""
         from twinplane.config import ConfigError
 
         base = _base_config(self.config, self.overrides, self.saved)
         if isinstance(base, str):
             return base
+        if layout.tp > 1:
+            return f"{NO_TP}, got TP={layout.tp}"
         cfg = copy.deepcopy(base)
         for key, value in layout.settings().items():
             section, name = key.split(".")
@@ -168,6 +170,9 @@ class TrainCheck:
                  f"rollout.max_new_tokens={w.response_len}", f"train.micro_batch_size={w.micro_batch_size}",
                  f"train.logprob_chunk_tokens={w.logprob_chunk_tokens}", f"train.lora.rank={w.lora_rank}")
         return cls(config, (*extra, *shape), saved)
+
+
+NO_TP = "TP>1: tensor-parallel engines are not in this version (each engine holds the whole model)"
 
 
 @functools.lru_cache(maxsize=64)  # (parsing overrides is slow; every layout of a plan starts from the same base)
@@ -420,8 +425,8 @@ def _row(rank: str, x: dict, div: float) -> str:
 
 
 def _why(refusal: str) -> str:
-    """`train`'s error without the value it got (`rollout.tp: must be 1 (...), got 4` -> `rollout.tp: must be 1
-    (...)`), to say once for every layout it applies to."""
+    """`train`'s error without the value it got (`TP>1: ... (...), got TP=4` -> `TP>1: ... (...)`), to say once
+    for every layout it applies to."""
     return refusal.rsplit(", got ", 1)[0]
 
 
