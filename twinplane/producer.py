@@ -39,7 +39,7 @@ from twinplane.rewards import Scorer
 from twinplane.rollout import Sample, SamplingParams
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.sequence import sample_from_state, sample_seed, sample_state
-from twinplane.rollout.stream import GroupRequest, StreamResult
+from twinplane.rollout.stream import GroupRequest, StreamRequest, StreamResult
 from twinplane.tokenizer import Tokenizer
 
 CHUNK_STEPS = 8  # engine steps per call of a remote engine while free-running (how soon a weight update lands)
@@ -85,7 +85,7 @@ class Producer:
         self.local = planes.in_process or planes.colocated  # engines share the trainer's devices: no overlap
         self.capacity = (max_staleness + 1) * per_step
         longest = max(len(p.ids) for p in prompts.items)
-        self.engines = planes.open_streams(sampling, self.capacity, longest, partial, max_staleness)
+        self.engines = planes.open_streams(StreamRequest(sampling, self.capacity, longest, partial, max_staleness))
         self.next_uid = 0
         self.in_flight: dict[int, Group] = {}  # by uid
         self.load = [0] * len(self.engines)  # groups in flight per engine

@@ -225,13 +225,13 @@ def test_steps_run_ahead_in_a_stream_of_rounds_and_weight_updates():
     ends, so groups, tokens, log-probs and versions equal those of steps read back one by one, across rounds with
     partial rollouts under new weights."""
     from twinplane.rollout.sequence import sample_seed
-    from twinplane.rollout.stream import EngineStream, GroupRequest
+    from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest
 
     sp, new = SamplingParams(temperature=1.0, max_new_tokens=16, n=2), tiny_model(seed=4)
     runs = []
     for run_ahead in (True, False):
         e = engine(tiny_model(), run_ahead=run_ahead)
-        stream = EngineStream(e, sp, max_groups=8, max_prompt_len=16)
+        stream = EngineStream(e, StreamRequest(sp, max_groups=8, max_prompt_len=16))
         stream.add([GroupRequest(i, p, [sample_seed(5, i, j) for j in range(sp.n)]) for i, p in enumerate(PROMPTS)])
         done = stream.advance(steps=4) + stream.advance(steps=3)
         e.load_weights(new.named_parameters(), version=1)  # (the stream requeues what is in flight)
@@ -250,7 +250,7 @@ def test_nothing_runs_ahead_of_a_tool_call():
 
     from twinplane.rollout import MultiTurnRollout
     from twinplane.rollout.sequence import sample_seed
-    from twinplane.rollout.stream import EngineStream, GroupRequest
+    from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest
     from twinplane.rollout.tools import build_tools
     from twinplane.tokenizer import build_char_tokenizer
 
@@ -264,7 +264,7 @@ def test_nothing_runs_ahead_of_a_tool_call():
     for run_ahead in (True, False):
         e = engine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, run_ahead=run_ahead)
         turns = MultiTurnRollout(e, tok, build_tools(["calculator"]), max_turns=3, call_start="#", call_end=call_end)
-        stream = EngineStream(e, sp, max_groups=4, max_prompt_len=8, turns=turns)
+        stream = EngineStream(e, StreamRequest(sp, max_groups=4, max_prompt_len=8), turns)
         stream.add([GroupRequest(i, tok.encode(p), [sample_seed(1, i, j) for j in range(3)])
                     for i, p in enumerate(["2+3=", "hello", "x"])])
         samples = [s for g in stream.advance() for s in g]

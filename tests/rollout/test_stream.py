@@ -12,7 +12,7 @@ from conftest import EOS, PROMPTS, assert_multi_turn_logprobs_match_trainer, tin
 from twinplane.model import load_weights
 from twinplane.rollout import MultiTurnRollout, RolloutEngine, SamplingParams
 from twinplane.rollout.sequence import sample_seed
-from twinplane.rollout.stream import EngineStream, GroupRequest
+from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest
 from twinplane.rollout.tools import build_tools
 from twinplane.tokenizer import build_char_tokenizer
 
@@ -37,7 +37,7 @@ def tokens(samples):
 
 def stream_of(model, **kw):
     engine = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS)
-    return engine, EngineStream(engine, SP, max_groups=8, max_prompt_len=16, **kw)
+    return engine, EngineStream(engine, StreamRequest(SP, max_groups=8, max_prompt_len=16, **kw))
 
 
 def test_stream_samples_equal_a_plain_call_however_groups_join():
@@ -133,7 +133,7 @@ def test_a_saved_stream_continues_bitwise(partial):
     want = stream.advance()
     engine2 = RolloutEngine(copy.deepcopy(engine.model), eos_token_id=EOS)
     engine2.weight_version = 1
-    stream2 = EngineStream(engine2, SP, max_groups=8, max_prompt_len=16, partial=partial)
+    stream2 = EngineStream(engine2, StreamRequest(SP, max_groups=8, max_prompt_len=16, partial=partial))
     stream2.load_state(state)
     got = stream2.advance()
     assert first and [[(s.token_ids, s.logprobs, s.versions) for s in g] for g in got] == \
@@ -154,7 +154,7 @@ def test_multi_turn_tool_rollouts_in_a_stream():
     counts[tok.eos_token_id] = 0
     call_end = tok.decode([int(counts.argmax())], skip_special_tokens=False)
     turns = MultiTurnRollout(engine, tok, build_tools(["calculator"]), max_turns=3, call_start="#", call_end=call_end)
-    stream = EngineStream(engine, sp, max_groups=4, max_prompt_len=8, turns=turns)
+    stream = EngineStream(engine, StreamRequest(sp, max_groups=4, max_prompt_len=8), turns)
     prompts = [tok.encode(p) for p in ["2+3=", "hello", "x"]]
     stream.add([GroupRequest(i, p, [sample_seed(1, i, j) for j in range(3)]) for i, p in enumerate(prompts)])
     stream.advance(steps=30)
@@ -174,7 +174,7 @@ def test_multi_turn_tool_rollouts_in_a_stream():
     assert_multi_turn_logprobs_match_trainer(model, samples, tok.pad_token_id, 0.8)
     # a restored stream continues to the same samples
     engine2 = RolloutEngine(copy.deepcopy(model), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    stream2 = EngineStream(engine2, sp, max_groups=4, max_prompt_len=8,
+    stream2 = EngineStream(engine2, StreamRequest(sp, max_groups=4, max_prompt_len=8),
                            turns=MultiTurnRollout(engine2, tok, build_tools(["calculator"]), max_turns=3,
                                                   call_start="#", call_end=call_end))
     stream2.load_state(state)

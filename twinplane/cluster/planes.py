@@ -28,7 +28,7 @@ from twinplane.model.lora import cast_base, merge_lora
 from twinplane.platform import platform
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
 from twinplane.rollout.engine import EngineStats
-from twinplane.rollout.stream import EngineStream, GroupRequest
+from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer, sharded
 from twinplane.train.critic import Critic, build_value_model
@@ -108,8 +108,7 @@ class Planes(Protocol):
         """Push the trainer's weights to every engine as `version`; the report says what each one holds."""
         ...
 
-    def open_streams(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
-                     max_staleness: int) -> list[StreamClient]:
+    def open_streams(self, request: StreamRequest) -> list[StreamClient]:
         """Each engine as a stream (`twinplane.rollout.stream`), following its weight syncs from now on."""
         ...
 
@@ -231,11 +230,9 @@ class LocalPlanes:
     def sync(self, version: int) -> SyncReport:
         return sync_in_process(self.engine, self.trainer, version)
 
-    def open_streams(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
-                     max_staleness: int) -> list[_LocalStream]:
+    def open_streams(self, request: StreamRequest) -> list[_LocalStream]:
         turns = self.rollout if isinstance(self.rollout, MultiTurnRollout) else None
-        return [_LocalStream(EngineStream(self.engine, sampling, max_groups, max_prompt_len, partial, max_staleness,
-                                          turns))]
+        return [_LocalStream(EngineStream(self.engine, request, turns))]
 
     def state(self, shards: Path | None = None) -> dict:
         """Policy weights are the trainer's model itself here (None: nothing to copy)."""

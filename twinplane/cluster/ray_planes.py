@@ -30,6 +30,7 @@ from twinplane.model import ModelConfig
 from twinplane.platform import platform
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
+from twinplane.rollout.stream import StreamRequest
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch
 from twinplane.train.balance import assign_rows
@@ -192,10 +193,8 @@ class RayPlanes:
         calls = [(e, e.generate.remote([list(requests[i]) for i in share], sampling)) for e, share in busy]
         return _Pending(self, calls, [share for _, share in busy])
 
-    def open_streams(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
-                     max_staleness: int) -> list[_RemoteStream]:
-        self._wait([(e, e.stream_open.remote(sampling, max_groups, max_prompt_len, partial, max_staleness))
-                    for e in self.engines], "rollout")
+    def open_streams(self, request: StreamRequest) -> list[_RemoteStream]:
+        self._wait([(e, e.stream_open.remote(request)) for e in self.engines], "rollout")
         return [_RemoteStream(self, e) for e in self.engines]
 
     def sync(self, version: int) -> SyncReport:

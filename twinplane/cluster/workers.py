@@ -32,7 +32,7 @@ from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.platform import platform
 from twinplane.rollout import MultiTurnRollout, SamplingParams
 from twinplane.rollout.engine import EngineStats
-from twinplane.rollout.stream import EngineStream, GroupRequest, StreamResult
+from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest, StreamResult
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer, sharded
 from twinplane.train.critic import Critic
@@ -127,10 +127,9 @@ class _Worker:
             platform.empty_cache(self.device)  # hand the KV cache's memory (released by the engine) to training
         return samples, self.engine.pop_stats()
 
-    def stream_open(self, sampling: SamplingParams, max_groups: int, max_prompt_len: int, partial: bool,
-                    max_staleness: int) -> None:
+    def stream_open(self, request: StreamRequest) -> None:
         turns = self.rollout if isinstance(self.rollout, MultiTurnRollout) else None
-        self.stream = EngineStream(self.engine, sampling, max_groups, max_prompt_len, partial, max_staleness, turns)
+        self.stream = EngineStream(self.engine, request, turns)
 
     def stream_call(self, add: list[GroupRequest], steps: int | None, until: int | None) -> StreamResult:
         return self.stream.call(add, steps, until)

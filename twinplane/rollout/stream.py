@@ -38,6 +38,20 @@ class GroupRequest:
     seeds: list[int]  # one per sample
 
 
+@dataclass(frozen=True)
+class StreamRequest:
+    """What an engine's stream is opened with, passed as it is through every layer between the producer and the
+    stream (the planes, a Ray worker). `max_groups`: groups in flight at most (sizes the KV pool with
+    `max_prompt_len`); `partial`: samples in flight at a weight change continue under the new weights (false: they
+    start again); `max_staleness`: a group whose oldest token is more versions old than this after a weight change
+    starts again (None: never)."""
+    sampling: SamplingParams
+    max_groups: int
+    max_prompt_len: int
+    partial: bool = True
+    max_staleness: int | None = None
+
+
 @dataclass
 class StreamResult:
     """What one `EngineStream.call` did."""
@@ -51,20 +65,16 @@ class StreamResult:
 class EngineStream:
     """Groups in, completed groups out, over one `RolloutEngine` (all with one `SamplingParams`)."""
 
-    def __init__(self, engine: RolloutEngine, sampling: SamplingParams, max_groups: int, max_prompt_len: int,
-                 partial: bool = True, max_staleness: int | None = None, turns: MultiTurnRollout | None = None):
-        """`max_groups`: groups in flight at most (sizes the KV pool with `max_prompt_len`); `max_staleness`: a
-        group whose oldest token is more versions old than this after a weight change starts again (None: never);
-        `turns`: multi-turn tool rollouts, by its tools and rules (a sample that stops at a tool call gets the
-        tool's output and generates on, its prefix recomputed). The stream follows the engine's weight changes from
-        now on (`weights_changed`)."""
+    def __init__(self, engine: RolloutEngine, request: StreamRequest, turns: MultiTurnRollout | None = None):
+        """`request`: the sampling, sizes and rules of the stream (`StreamRequest`); `turns`: multi-turn tool
+        rollouts, by its tools and rules (a sample that stops at a tool call gets the tool's output and generates on,
+        its prefix recomputed). The stream follows the engine's weight changes from now on (`weights_changed`)."""
+        sampling = request.sampling  # (as the stream samples: a tool call's end stops a turn)
         if turns is not None:
             sampling = replace(sampling, stop_sequences=[*sampling.stop_sequences, turns.call_end_ids])
-        self.engine, self.sampling, self.partial, self.max_staleness = engine, sampling, partial, max_staleness
-        self.turns = turns
+        self.engine, self.request, self.sampling, self.turns = engine, request, sampling, turns
         self.restarted = 0  # too-stale restarts since the last `call`
         engine.on_weights = self.weights_changed
-        self.max_groups, self.max_prompt_len = max_groups, max_prompt_len
         self.stop_ids = frozenset(t for t in [engine.eos_token_id, *sampling.stop_token_ids] if t is not None)
         self.sched: Scheduler | None = None
         self.pool = None  # the engine's pool this stream's blocks live in (validation between steps may replace it)
@@ -82,8 +92,8 @@ class EngineStream:
             raise RuntimeError("the engine's pool was replaced while stream sequences held blocks")
         waiting = [] if self.sched is None else list(self.sched.waiting)
         n, bs = self.sampling.n, e.block_size
-        longest = self.max_prompt_len + self.sampling.max_new_tokens
-        e.allocate(longest, self.max_groups * n * (-(-longest // bs) + 1), self.max_groups * n)
+        groups, longest = self.request.max_groups, self.request.max_prompt_len + self.sampling.max_new_tokens
+        e.allocate(longest, groups * n * (-(-longest // bs) + 1), groups * n)
         self.sched = Scheduler(e.blocks, e.max_num_seqs, e.max_num_batched_tokens)
         self.sched.waiting.extend(waiting)
         self.pool = e.kv
@@ -94,8 +104,9 @@ class EngineStream:
         for g in groups:
             if len(g.seeds) != self.sampling.n:
                 raise ValueError(f"group {g.uid}: {len(g.seeds)} seeds for n={self.sampling.n}")
-            if not 0 < len(g.prompt_ids) <= self.max_prompt_len:
-                raise ValueError(f"group {g.uid}: a prompt of {len(g.prompt_ids)} tokens (1..{self.max_prompt_len})")
+            if not 0 < len(g.prompt_ids) <= self.request.max_prompt_len:
+                raise ValueError(f"group {g.uid}: a prompt of {len(g.prompt_ids)} tokens "
+                                 f"(1..{self.request.max_prompt_len})")
             self.sched.add(Seq(list(g.prompt_ids), g.uid, self.sampling, g.seeds, self.stop_ids))
             self.groups[g.uid], self.finished[g.uid] = g, {}
 
@@ -179,12 +190,12 @@ class EngineStream:
         if self.sched is None:
             return
         self.pause()
-        if not self.partial:
+        if not self.request.partial:
             self.restart(set(self.groups))
             return
-        if self.max_staleness is None:
+        if self.request.max_staleness is None:
             return
-        oldest = self.engine.weight_version - self.max_staleness  # the oldest version still trainable
+        oldest = self.engine.weight_version - self.request.max_staleness  # the oldest version still trainable
         stale = {s.request_index for s in self.sched.waiting if s.versions and s.versions[0] < oldest}
         stale |= {uid for uid, done in self.finished.items() if any(x.oldest_version < oldest for x in done.values())}
         self.restarted += len(stale)
