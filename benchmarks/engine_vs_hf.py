@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import twinplane  # noqa: E402
-from twinplane.platform import platform  # noqa: E402
+from twinplane.platform import hardware, runtime  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from twinplane.rollout.scheduler import Scheduler  # noqa: E402
 
@@ -90,12 +90,12 @@ def run_hf(model, prompts, args, seed: int, new_tokens: int | None = None) -> tu
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     torch.manual_seed(seed)
-    platform.synchronize(dev)
+    hardware.synchronize(dev)
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True, temperature=1.0,
                          top_k=0, top_p=1.0, max_new_tokens=new_tokens or args.new_tokens,
                          num_return_sequences=args.samples, eos_token_id=stop_ids(args), pad_token_id=0)
-    platform.synchronize(dev)
+    hardware.synchronize(dev)
     seconds = time.perf_counter() - t0
     stops, seqs = set(stop_ids(args)), []
     for row in out[:, width:].tolist():
@@ -108,10 +108,10 @@ def run_twinplane(engine, prompts, args, seed: int, temperature: float = 1.0, ne
     sp = SamplingParams(temperature=temperature, max_new_tokens=new_tokens or args.new_tokens, n=args.samples,
                         stop_token_ids=stop_ids(args), seed=seed)
     engine.pop_metrics()
-    platform.synchronize(engine.device)
+    hardware.synchronize(engine.device)
     t0 = time.perf_counter()
     samples = engine.generate(prompts, sp)
-    platform.synchronize(engine.device)
+    hardware.synchronize(engine.device)
     seconds = time.perf_counter() - t0
     return sum(len(s.token_ids) for s in samples), seconds, samples, engine.pop_metrics()
 
@@ -169,11 +169,11 @@ class Roofline:
     def phase(self, fn, name: str, device, sync: bool = True):
         def timed(*a, **k):
             if sync:
-                platform.synchronize(device)
+                hardware.synchronize(device)
             t0 = time.perf_counter()
             out = fn(*a, **k)
             if sync:
-                platform.synchronize(device)
+                hardware.synchronize(device)
             for r in Roofline.active:
                 r.phases[name] = r.phases.get(name, 0.0) + time.perf_counter() - t0
             return out
@@ -211,10 +211,10 @@ def copy_bandwidth(device) -> float:
     y = torch.empty_like(x)
     times = []
     for _ in range(12):
-        platform.synchronize(device)
+        hardware.synchronize(device)
         t0 = time.perf_counter()
         y.copy_(x)
-        platform.synchronize(device)
+        hardware.synchronize(device)
         times.append(time.perf_counter() - t0)
     return 2 * x.numel() * x.element_size() / statistics.median(times[2:])
 
@@ -237,14 +237,14 @@ def kernel_cost(device, n: int = 1000) -> dict:
                     x.add_(1)
         times = []
         for _ in range(5):
-            platform.synchronize(device)
+            hardware.synchronize(device)
             t0 = time.perf_counter()
             if mode == "graph":
                 graph.replay()
             else:
                 for _ in range(n):
                     x.add_(1)
-            platform.synchronize(device)
+            hardware.synchronize(device)
             times.append(time.perf_counter() - t0)
         out[f"{mode}_us_per_kernel"] = 1e6 * statistics.median(times) / n
     return out
@@ -272,7 +272,7 @@ def kernel_profile(engine, prompts, args, steps: int) -> str:
         if record:
             seen["profiled"] += 1
             if seen["profiled"] == steps:
-                platform.synchronize(engine.device)
+                hardware.synchronize(engine.device)
                 prof.stop()
         return out
 
@@ -308,7 +308,7 @@ def main() -> None:
     dtype, gpu = getattr(torch, args.dtype), torch.device(args.device).type == "cuda"
     torch.set_num_threads(args.threads)
     if not gpu:
-        platform.tune_host_allocator()  # what `twinplane train` does on CPU; process-wide, so HF runs with it too
+        runtime.tune_host_allocator()  # what `twinplane train` does on CPU; process-wide, so HF runs with it too
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = build(args, tmp)

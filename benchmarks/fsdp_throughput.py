@@ -35,14 +35,14 @@ def worker(rank: int, a: argparse.Namespace, rdzv: str) -> None:
     from twinplane.config import AlgoSection, TrainSection
     from twinplane.model import ModelConfig, Transformer
     from twinplane.model.flops import train_flops
-    from twinplane.platform import platform
+    from twinplane.platform import hardware, runtime
     from twinplane.train import Batch, Trainer
     from twinplane.train.fsdp import shard_model
 
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(platform.dist_backend(device), init_method=f"file://{rdzv}", rank=rank,
+    dist.init_process_group(runtime.dist_backend(device), init_method=f"file://{rdzv}", rank=rank,
                             world_size=a.ranks, timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
     cfg = ModelConfig(**SHAPES[a.shape])
@@ -59,15 +59,15 @@ def worker(rank: int, a: argparse.Namespace, rdzv: str) -> None:
     batch.advantages = torch.randn(n, 1, generator=g) * batch.response_mask
     times = []
     for i in range(a.warmup + a.steps):
-        platform.synchronize(device)
+        hardware.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
         trainer.train_step(batch)
-        platform.synchronize(device)
+        hardware.synchronize(device)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     if rank == 0:
-        info = platform.detect()
+        info = hardware.detect()
         tokens = a.ranks * n * (a.prompt + a.response)
         step = statistics.median(times)
         flops = train_flops(cfg, tokens, a.prompt + a.response, a.ranks * n * a.response) / step

@@ -44,8 +44,7 @@ from twinplane.config import AlgoSection, TrainSection  # noqa: E402
 from twinplane.controller import Controller  # noqa: E402
 from twinplane.data.prompts import Prompt  # noqa: E402
 from twinplane.data.tasks import ALPHABET, ArithmeticTask, PromptStream  # noqa: E402
-from twinplane.platform import platform  # noqa: E402
-from twinplane.platform.platform import measure_cpu_flops  # noqa: E402
+from twinplane.platform import hardware, runtime  # noqa: E402
 from twinplane.rewards import exact_int  # noqa: E402
 from twinplane.rewards.runner import RewardRunner  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
@@ -189,7 +188,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     # What `twinplane train` does on CPU (glibc keeps freed memory); process-wide, so TRL runs with it too.
-    platform.tune_host_allocator()
+    runtime.tune_host_allocator()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
@@ -243,7 +242,7 @@ def main() -> None:
               + (f" (medians of {len(rounds)} rounds: step ratios {' '.join(f'{x:.2f}' for x in step)}, rollout "
                  f"{' '.join(f'{x:.2f}x' for x in rollout)})" if len(rounds) > 1 else ""))
     if "twinplane" in results:  # the rollout phase against this machine's GEMM rate (what `twinplane doctor` shows)
-        gemm = measure_cpu_flops() / 1e9 if not torch.cuda.is_available() else None
+        gemm = hardware.measure_cpu_flops() / 1e9 if not torch.cuda.is_available() else None
         info["gemm_gflops"], rate = gemm, results["twinplane"]["rollout_gflops"]
         if gemm:
             print(f"twinplane rollout phase: {rate:.1f} GFLOP/s = {rate / gemm:.0%} of the fp32 GEMM rate "

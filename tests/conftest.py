@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 from twinplane.cli import main
 from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_model, save_pretrained
-from twinplane.platform import platform
+from twinplane.platform import hardware
 from twinplane.rollout.paged_attention import PagedKV, paged_attention
 from twinplane.train import Batch
 from twinplane.train.logprobs import response_logprobs
@@ -325,7 +325,7 @@ def simulate_gpu(monkeypatch, name, *, hip=None, count=2, memory=80 * 2**30, cc=
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.version, "cuda", None if hip else "12.4")
-    monkeypatch.setattr(platform, "_has_module", lambda m: m in installed)
+    monkeypatch.setattr(hardware, "has_module", lambda m: m in installed)
 
 
 # --- `twinplane train` on tiny settings ------------------------------------------------------------------------------

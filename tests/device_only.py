@@ -2,7 +2,7 @@
 
 gloo reduces host tensors, so on CPU a collective handed a host tensor works where NCCL or RCCL raises. `install()`
 makes every process group of the process device-only as far as twinplane's own calls go: each tensor they hand to a
-collective must be one that `platform.collective_tensor` returned (placed on the group's device), not one made on
+collective must be one that `runtime.collective_tensor` returned (placed on the group's device), not one made on
 the host or computed from a placed one; an object collective that takes a device must be given the group's. Here
 `collective_tensor` returns a copy even of a tensor already in place, so a caller that drops its result is caught
 too. (A placed tensor's `.cpu()` is itself on CPU, so moving one back to the host goes unseen.) torch's own
@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from twinplane.platform import platform
+from twinplane.platform import runtime
 
 TENSOR_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
                       "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
@@ -45,12 +45,12 @@ def _checked(name, fn):
             where = f"{name} called from {caller}"
             if takes_device:  # the objects travel pickled into a tensor on `device`
                 call = signature.bind(*args, **kwargs).arguments
-                if call.get("device") != platform.collective_device(call.get("group")):
+                if call.get("device") != runtime.collective_device(call.get("group")):
                     raise RuntimeError(f"device-only backend: {where} without device=collective_device(group)")
             for t in () if objects else _tensors([*args, *kwargs.values()]):
                 if not hasattr(t, _PLACED):
                     raise RuntimeError(f"device-only backend: {where} got a {t.device.type} tensor "
-                                       f"{tuple(t.shape)} {t.dtype} not placed by platform.collective_tensor")
+                                       f"{tuple(t.shape)} {t.dtype} not placed by runtime.collective_tensor")
         return fn(*args, **kwargs)
 
     collective.__wrapped__ = fn
@@ -70,8 +70,8 @@ def _placing(fn):
 
 def install() -> None:
     """Make this process's collectives device-only (idempotent)."""
-    if hasattr(platform.collective_tensor, "__wrapped__"):
+    if hasattr(runtime.collective_tensor, "__wrapped__"):
         return
     for name in TENSOR_COLLECTIVES + OBJECT_COLLECTIVES:
         setattr(dist, name, _checked(name, getattr(dist, name)))
-    platform.collective_tensor = _placing(platform.collective_tensor)
+    runtime.collective_tensor = _placing(runtime.collective_tensor)

@@ -29,7 +29,7 @@ from twinplane.cluster.sync import SyncReport
 from twinplane.config import AlgoSection
 from twinplane.data.prompts import Prompt
 from twinplane.model.flops import forward_flops_per_token, train_flops
-from twinplane.platform.platform import peak_memory_bytes, reset_peak_memory, synchronize
+from twinplane.platform import hardware
 from twinplane.producer import Producer
 from twinplane.rewards import Scorer
 from twinplane.rollout import Sample, SamplingParams, multi_turn_metrics
@@ -55,14 +55,14 @@ class PhaseTimer:
     def __call__(self, phase: str):
         if self.on_enter is not None:
             self.on_enter(phase)
-        synchronize(self.device)
-        reset_peak_memory(self.device)
+        hardware.synchronize(self.device)
+        hardware.reset_peak_memory(self.device)
         t0 = time.perf_counter()
         yield
-        synchronize(self.device)
+        hardware.synchronize(self.device)
         self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
         if phase != "step":  # the step's peak is the max of its phases
-            self.memory[f"mem/peak_gb_{phase}"] = peak_memory_bytes(self.device) / 1e9
+            self.memory[f"mem/peak_gb_{phase}"] = hardware.peak_memory_bytes(self.device) / 1e9
 
 
 class Controller:

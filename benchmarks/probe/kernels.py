@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from twinplane.platform import platform
+from twinplane.platform import backends
 
 from .report import device_us
 from .shapes import SHAPES
@@ -12,7 +12,7 @@ from .shapes import SHAPES
 
 def kernels_section(a, device, dtype) -> dict:
     """Each Triton kernel against its torch reference at the decode shapes, per batch size."""
-    out = {"shape": a.decode_shape, "context": a.context, "dtype": str(dtype), "block_size": platform.TRITON_PAGE_SIZE,
+    out = {"shape": a.decode_shape, "context": a.context, "dtype": str(dtype), "block_size": backends.TRITON_PAGE_SIZE,
            "batches": {}}
     for B in a.kernel_batches:
         out["batches"][B] = kernel_batch(a, device, dtype, B)
@@ -30,7 +30,7 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
     from twinplane.rollout.kernels.sampler import sample_tokens, sample_tokens_torch
     from twinplane.rollout.paged_attention import PagedKV, paged_attention
 
-    shape, bs, ctx = SHAPES[a.decode_shape], platform.TRITON_PAGE_SIZE, a.context
+    shape, bs, ctx = SHAPES[a.decode_shape], backends.TRITON_PAGE_SIZE, a.context
     H, H_kv, D, hidden, inter = (shape[k] for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size",
                                                      "intermediate_size"))
     calls, reps = (20, a.reps) if device.type == "cuda" else (1, 1)
@@ -88,7 +88,7 @@ def kernel_batch(a, device, dtype, B: int) -> dict:
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, kn, vn))
     res["attention_layer_us"] = {}
     for backend in ("triton", "flex", "sdpa"):
-        kb, vb, tb, sb = pool(platform.PAGED_BLOCK_SIZES[backend])  # (flex reads 128-token blocks)
+        kb, vb, tb, sb = pool(backends.PAGED_BLOCK_SIZES[backend])  # (flex reads 128-token blocks)
         paged = PagedKV(kb[None], vb[None], sb, tb, lens, torch.arange(B + 1, device=device, dtype=torch.int32),
                         [1] * B, B, tb.shape[1] * kb.shape[1], static=True)
         meta = AttentionMetadata(torch.zeros(1, B, dtype=torch.long, device=device), backend=backend, paged=paged)

@@ -7,13 +7,13 @@ import platform as host
 
 import torch
 
-from twinplane.platform import platform
+from twinplane.platform import backends, hardware, runtime
 
 from .shapes import SHAPES
 
 
 def env(device: torch.device, dtype: torch.dtype) -> dict:
-    info = platform.detect()
+    info = hardware.detect()
     out = {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
            "python": host.python_version(), "device": info.device_name, "device_count": info.device_count,
            "compute_capability": info.compute_capability, "arch": info.arch, "peak_flops": info.peak_flops,
@@ -33,18 +33,18 @@ def env(device: torch.device, dtype: torch.dtype) -> dict:
     from twinplane.rollout.kernels import self_check
     from twinplane.rollout.paged_attention import flex_decode_agrees
 
-    kernels, why = platform.rollout_kernels(device, dtype, check=self_check)
-    backend, block = platform.paged_attention_backend(device, dtype, SHAPES["qwen2.5-0.5b"]["head_dim"], kernels,
+    kernels, why = backends.rollout_kernels(device, dtype, check=self_check)
+    backend, block = backends.paged_attention_backend(device, dtype, SHAPES["qwen2.5-0.5b"]["head_dim"], kernels,
                                                       flex_check=flex_decode_agrees)
     from twinplane.train.chunked_logprobs import kernel_self_check
 
-    prec = platform.train_precision(device, torch.float32)
+    prec = runtime.train_precision(device, torch.float32)
     return out | {"rollout_kernels": kernels, "rollout_kernels_why": why, "paged_attention_backend": backend,
                   "kv_block_size": block,
-                  "decode_graph_backend": platform.decode_graph_backend(device),
+                  "decode_graph_backend": backends.decode_graph_backend(device),
                   "train_precision": {"param": str(prec.param), "compute": str(prec.compute)},
-                  "train_compile_auto": platform.compile_layers(device),
-                  "logprob_kernels": platform.logprob_kernels(device, prec.compute, check=kernel_self_check),
+                  "train_compile_auto": backends.compile_layers(device),
+                  "logprob_kernels": backends.logprob_kernels(device, prec.compute, check=kernel_self_check),
                   "attention": {k: str(v) for k, v in vars(info.attention).items()}}
 
 

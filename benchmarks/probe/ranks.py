@@ -61,7 +61,7 @@ def _rank(rank: int, n: int, opts: dict, tmp: str) -> None:
 
     from twinplane.config import AlgoSection, TrainSection
     from twinplane.model import ModelConfig, Transformer
-    from twinplane.platform import platform
+    from twinplane.platform import hardware, runtime
     from twinplane.train import Trainer
     from twinplane.train.fsdp import shard_over, split_for_rank
 
@@ -73,7 +73,7 @@ def _rank(rank: int, n: int, opts: dict, tmp: str) -> None:
         torch.set_num_threads(1)
     group = None
     if n > 1:
-        dist.init_process_group(platform.dist_backend(device), init_method=f"file://{tmp}/rendezvous", rank=rank,
+        dist.init_process_group(runtime.dist_backend(device), init_method=f"file://{tmp}/rendezvous", rank=rank,
                                 world_size=n)
         group = dist.group.WORLD
     torch.manual_seed(0)
@@ -95,7 +95,7 @@ def _rank(rank: int, n: int, opts: dict, tmp: str) -> None:
            "first_step_s": round(first, 2), "compile_counters_first_step": counts,
            "compile_counters_timed_steps": later, "step_s": steps,
            "step_s_median": step, "tokens_per_s": tokens / step, "tflops_per_device": flops / step / n / 1e12,
-           "mfu": platform.mfu(flops / step / n), "first_metrics": first_metrics,
+           "mfu": hardware.mfu(flops / step / n), "first_metrics": first_metrics,
            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if a.gpu else None}
     if rank == 0:
         (Path(tmp) / "rank0.json").write_text(json.dumps(res))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from twinplane.platform import platform
+from twinplane.platform import hardware
 
 
 class Probe:
@@ -69,7 +69,7 @@ def _short(res: dict) -> dict:
 
 
 def sync(device) -> None:
-    platform.synchronize(torch.device(device))
+    hardware.synchronize(torch.device(device))
 
 
 def timed(fn, device, reps: int, warmup: int = 2) -> list[float]:

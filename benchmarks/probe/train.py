@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from twinplane.platform import platform
+from twinplane.platform import backends, hardware
 
 from .report import host_table, kernel_table, op_table, sync, sync_sites, timed
 from .shapes import SHAPES, rl_lengths
@@ -28,7 +28,7 @@ def train_section(a, device, compiled: bool) -> dict:
     torch.manual_seed(0)
     cfg = ModelConfig(**SHAPES[a.train_shape])
     with torch.device(device):
-        model = Transformer(cfg)  # fp32 master weights; bf16 compute on GPUs (platform.train_precision)
+        model = Transformer(cfg)  # fp32 master weights; bf16 compute on GPUs (runtime.train_precision)
     # (train.compile, as a run sets it: "auto" would compile on a GPU in both sections)
     train = TrainSection(micro_batch_size=a.train_rows, max_tokens_per_micro_batch=a.train_tokens, lr=1e-6,
                          compile="on" if compiled else "off")
@@ -43,12 +43,12 @@ def train_section(a, device, compiled: bool) -> dict:
     counts = dynamo_counts(since=counts)
     step = statistics.median(steps)
     out = {"shape": a.train_shape, "params_M": round(cfg.num_params / 1e6, 1), "compiled": compiled,
-           "attention": platform.varlen_backend(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+           "attention": backends.varlen_backend(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                                 True, cfg.head_dim, check=torch_varlen_agrees),
            "rows": len(batch), "tokens": tokens, "response_tokens": batch.num_response_tokens,
            "max_tokens_per_micro_batch": a.train_tokens,
            "first_step_s": round(first, 2), "step_s": steps, "step_s_median": step, "tokens_per_s": tokens / step,
-           "tflops": flops / step / 1e12, "mfu": platform.mfu(flops / step),
+           "tflops": flops / step / 1e12, "mfu": hardware.mfu(flops / step),
            "allocator_timed_steps": allocator, "compile_counters_first_step": first_counts,
            "compile_counters_timed_steps": counts, "cpu_timed_steps": cpu}
     gpu = device.type == "cuda"
@@ -175,7 +175,7 @@ def train_fit_section(a, device) -> dict:
                                   [[-1.0] * rs[i] for i in keep])
             batch.advantages = torch.randn(len(keep), 1, generator=g) * batch.response_mask
             trainer.cfg = dataclasses.replace(train, max_tokens_per_micro_batch=tokens)
-            trainer.chunk_tokens = platform.logprob_chunk_tokens(device) if chunked else tokens
+            trainer.chunk_tokens = backends.logprob_chunk_tokens(device) if chunked else tokens
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             try:
@@ -216,9 +216,9 @@ def attention_section(a, device) -> dict:
         prefix += [-1] + [parent] * len(rs[g:g + 8])
         plain += [ps[g] + r for r in rs[g:g + 8]]
     layouts = {"shared": (shared, prefix), "unshared": (plain, None)}
-    backends = ["sdpa"] + (["flex", "torch_varlen"] if gpu else [])
-    if gpu and platform.detect().attention.flash_attn_eligible:
-        backends.append("flash_attn")
+    timed_backends = ["sdpa"] + (["flex", "torch_varlen"] if gpu else [])
+    if gpu and hardware.detect().attention.flash_attn_eligible:
+        timed_backends.append("flash_attn")
     out = {"shape": a.train_shape, "heads": [H, H_kv, D], "layouts": {}}
     for name, (lens, pre) in layouts.items():
         T = sum(lens)
@@ -229,9 +229,9 @@ def attention_section(a, device) -> dict:
                    for h in (H, H_kv, H_kv))
         grad = torch.randn(1, H, T, D, generator=g, device=device, dtype=dtype)
         row = {"tokens": T, "sequences": len(lens), "pairs": pairs,
-               "chosen": platform.varlen_backend(device, dtype, pre is not None, D, check=torch_varlen_agrees)}
+               "chosen": backends.varlen_backend(device, dtype, pre is not None, D, check=torch_varlen_agrees)}
         fwd_flops = 4 * H * D * pairs
-        for b in backends:
+        for b in timed_backends:
             if b == "flash_attn" and pre is not None:
                 continue
             try:

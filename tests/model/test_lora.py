@@ -26,6 +26,7 @@ from twinplane.model.lora import (
     merge_lora,
 )
 from twinplane.model.lora_io import apply_adapter, save_adapter
+from twinplane.platform import devices
 from twinplane.rollout import RolloutEngine
 from twinplane.run import checkpoint
 from twinplane.train import Reference, Trainer
@@ -290,7 +291,6 @@ def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
 
     from twinplane.model import ModelConfig
     from twinplane.model.memory import Dtypes, Workload, lora_params, training_memory
-    from twinplane.platform.devices import BY_KEY
     from twinplane.tools.plan import Cluster, layouts, recommend
 
     small = tiny_model()
@@ -299,11 +299,11 @@ def test_planner_counts_adapters_and_fits_qwen7b_on_one_gpu():
     w, full = Workload(32, 8, 512, 1024, 4, lora_rank=16), Workload(32, 8, 512, 1024, 4)
     lp, p = lora_params(cfg, 16), cfg.num_params
     assert 0.004 < lp / p < 0.006
-    tm = training_memory(cfg, Dtypes.for_device(BY_KEY["h100"]), w)
+    tm = training_memory(cfg, Dtypes.for_device(devices.BY_KEY["h100"]), w)
     assert tm.resident == pytest.approx(2 * p + 16 * lp)  # bf16 base; fp32 adapters, grads and AdamW moments
-    assert not layouts(cfg, Cluster(BY_KEY["h100"], 1, 1, 2.0), full)  # full fine-tuning: not on one H100
+    assert not layouts(cfg, Cluster(devices.BY_KEY["h100"], 1, 1, 2.0), full)  # full fine-tuning: not on one H100
     for gpu in ("h100", "mi300x"):
-        one = Cluster(BY_KEY[gpu], 1, 1, 2.0)
+        one = Cluster(devices.BY_KEY[gpu], 1, 1, 2.0)
         best, _ = recommend(cfg, one, w)
         assert best is not None and best.colocated and best.resharding_bytes == lp * 4
     assert main(["plan", "--model", "x", "--gpu", "h100", "--lora", "-1"]) == 2  # (twinplane.cli's main)

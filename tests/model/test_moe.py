@@ -8,7 +8,7 @@ from conftest import saved_and_reloaded, tiny_moe
 import twinplane
 from twinplane.model import Transformer
 from twinplane.model.moe import RoutingState, load_balancing_loss, routing_agreement
-from twinplane.platform import platform
+from twinplane.platform import backends
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,7 +78,7 @@ def test_saved_weights_load_in_transformers(case, tmp_path):
 def test_grouped_path_equals_loop(dtype):
     experts = tiny_moe().model.layers[0].mlp.experts.to(dtype)
     E, F_, D = experts.gate_proj.shape
-    if not platform.grouped_mm_ok(torch.device("cpu"), dtype, (F_, D), grad=False):
+    if not backends.grouped_mm_ok(torch.device("cpu"), dtype, (F_, D), grad=False):
         pytest.skip("torch._grouped_mm not available here")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, D, generator=g).to(dtype)

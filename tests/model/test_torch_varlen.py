@@ -11,7 +11,7 @@ from conftest import grouped_batch, simulate_gpu, tiny_model
 
 from twinplane.model import AttentionMetadata
 from twinplane.model.attention import sdpa_varlen, torch_varlen, torch_varlen_agrees
-from twinplane.platform import platform
+from twinplane.platform import backends, hardware
 
 # (torch < 2.10 has no varlen_attn, and its platform never picks `torch_varlen`)
 varlen_module = pytest.importorskip("torch.nn.attention.varlen", reason="this torch has no varlen_attn (torch < 2.10)")
@@ -107,29 +107,29 @@ class Check:
 
 @pytest.fixture
 def fresh(monkeypatch):
-    platform.reset()
+    hardware.reset()
     monkeypatch.setattr(varlen_module, "varlen_attn", new_signature)
     yield
-    platform.reset()
+    hardware.reset()
 
 
 def test_platform_picks_torch_varlen_on_gpus_after_its_check(monkeypatch, fresh):
     gpu, bf16 = torch.device("cuda"), torch.bfloat16
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
     check = Check()
-    assert platform.varlen_backend(gpu, bf16, True, 128, check=check) == "torch_varlen"
-    assert platform.varlen_backend(gpu, bf16, False, 128, True, check=check) == "torch_varlen"
+    assert backends.varlen_backend(gpu, bf16, True, 128, check=check) == "torch_varlen"
+    assert backends.varlen_backend(gpu, bf16, False, 128, True, check=check) == "torch_varlen"
     assert check.calls == [("cuda", bf16)]  # once per device and dtype
-    assert platform.varlen_backend(gpu, torch.float32, True, 128, check=check) == "flex"  # a 16-bit kernel
-    assert platform.varlen_backend(gpu, bf16, True, 20, check=check) == "flex"  # head dims: multiples of 8
-    assert platform.varlen_backend(torch.device("cpu"), bf16, True, 128, check=check) == "sdpa"
+    assert backends.varlen_backend(gpu, torch.float32, True, 128, check=check) == "flex"  # a 16-bit kernel
+    assert backends.varlen_backend(gpu, bf16, True, 20, check=check) == "flex"  # head dims: multiples of 8
+    assert backends.varlen_backend(torch.device("cpu"), bf16, True, 128, check=check) == "sdpa"
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
-    platform.reset()
-    assert platform.varlen_backend(gpu, bf16, False, 128, check=check) == "flash_attn"
-    assert platform.varlen_backend(gpu, bf16, True, 128, check=check) == "torch_varlen"  # flash_attn: no prefixes
-    platform.reset()
+    hardware.reset()
+    assert backends.varlen_backend(gpu, bf16, False, 128, check=check) == "flash_attn"
+    assert backends.varlen_backend(gpu, bf16, True, 128, check=check) == "torch_varlen"  # flash_attn: no prefixes
+    hardware.reset()
     monkeypatch.setattr(varlen_module, "varlen_attn", old_signature)
-    assert platform.varlen_backend(gpu, bf16, True, 128, window=True, check=check) == "flex"  # 2.10: no window
+    assert backends.varlen_backend(gpu, bf16, True, 128, window=True, check=check) == "flex"  # 2.10: no window
     assert check.calls == [("cuda", bf16)] * 2  # (again after the reset)
 
 
@@ -139,9 +139,9 @@ def test_the_first_choice_under_no_grad_still_picks_torch_varlen(monkeypatch, fr
     simulate_gpu(monkeypatch, "NVIDIA H200")
     check = Check()
     with torch.no_grad():
-        assert platform.varlen_backend(torch.device("cuda"), torch.bfloat16, True, 64, check=lambda device, dtype: (
+        assert backends.varlen_backend(torch.device("cuda"), torch.bfloat16, True, 64, check=lambda device, dtype: (
             check(device, dtype) and torch_varlen_agrees(torch.device("cpu"), torch.float32))) == "torch_varlen"
-    assert platform.varlen_backend(torch.device("cuda"), torch.bfloat16, True, 64, check=Check(False)) == \
+    assert backends.varlen_backend(torch.device("cuda"), torch.bfloat16, True, 64, check=Check(False)) == \
         "torch_varlen"  # (kept: checked once per device and dtype)
 
 
@@ -150,8 +150,8 @@ def test_a_failed_check_warns_once_and_keeps_flex(monkeypatch, fresh, answer):
     simulate_gpu(monkeypatch, "AMD Instinct MI300X", hip="6.4", arch="gfx942")
     why = "it disagreed" if answer is False else "FlashAttention only supports Ampere GPUs or newer"
     with pytest.warns(UserWarning, match=f"varlen_attn failed its self-check on cuda \\({why}"):
-        assert platform.varlen_backend(torch.device("cuda"), torch.float16, True, 64, check=Check(answer)) == "flex"
-    assert platform.varlen_backend(torch.device("cuda"), torch.float16, True, 64, check=Check()) == "flex"
+        assert backends.varlen_backend(torch.device("cuda"), torch.float16, True, 64, check=Check(answer)) == "flex"
+    assert backends.varlen_backend(torch.device("cuda"), torch.float16, True, 64, check=Check()) == "flex"
 
 
 def test_the_trainers_packed_logprobs_through_torch_varlen(monkeypatch):
@@ -162,7 +162,7 @@ def test_the_trainers_packed_logprobs_through_torch_varlen(monkeypatch):
     monkeypatch.setattr(varlen_module, "varlen_attn", new_signature)
     model, batch, out = tiny_model(sliding_window=6).train(), grouped_batch(tiny_model()), []
     for backend in ("torch_varlen", "sdpa"):
-        monkeypatch.setattr(platform, "varlen_backend", lambda *a, b=backend, **k: b)
+        monkeypatch.setattr(backends, "varlen_backend", lambda *a, b=backend, **k: b)
         lp, _ = response_logprobs(model, batch, 1.0, share_prompts=True)
         out.append((lp, torch.autograd.grad((lp * batch.advantages).sum(), list(model.parameters()))))
     (lp, grads), (want, want_grads) = out

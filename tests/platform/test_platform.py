@@ -11,53 +11,53 @@ from conftest import simulate_gpu, tiny_model
 from twinplane.config import ConfigError, load_config
 from twinplane.errors import InputError
 from twinplane.model.transformer import DecoderLayer
-from twinplane.platform import platform
+from twinplane.platform import backends, hardware, runtime
 from twinplane.rollout import RolloutEngine, engine_options
 from twinplane.tools import doctor
 
 
 @pytest.fixture(autouse=True)
 def fresh():
-    platform.reset()
+    hardware.reset()
     yield
-    platform.reset()
+    hardware.reset()
 
 
 def test_rocm_build_mi300x(monkeypatch):
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1")
     simulate_gpu(monkeypatch, "AMD Instinct MI300X", hip="6.2.41133", count=2, memory=192 * 2**30, cc=(9, 4),
                  arch="gfx942:sramecc+:xnack-", installed=("flash_attn", "flash_attn_interface"))
-    info = platform.detect()
-    assert info.vendor == "amd" == platform.vendor()
+    info = hardware.detect()
+    assert info.vendor == "amd" == hardware.vendor()
     assert (info.hip_version, info.cuda_version, info.device_type) == ("6.2.41133", None, "cuda")
     assert info.device_names == ("AMD Instinct MI300X",) * 2 and info.device_memory == (192 * 2**30,) * 2
-    assert info.dist_backend == "nccl" == platform.dist_backend(info.device)  # RCCL behind the "nccl" name
+    assert info.dist_backend == "nccl" == runtime.dist_backend(info.device)  # RCCL behind the "nccl" name
     assert info.visible_devices_env == ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-    assert platform.visible_devices_env([2, 3], info) == {
+    assert runtime.visible_devices_env([2, 3], info) == {
         "HIP_VISIBLE_DEVICES": "2,3", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
         "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1"}
-    assert "CUDA_VISIBLE_DEVICES" not in platform.visible_devices_env([0], info)
+    assert "CUDA_VISIBLE_DEVICES" not in runtime.visible_devices_env([0], info)
     a = info.attention
     assert a.backend == "sdpa" and "cudnn" not in a.sdpa_kernels
     assert a.flash_attn_eligible and a.fa3_installed and not a.fa3_eligible  # FA3 is Hopper-only, never ROCm
     assert info.peak_flops == pytest.approx(1307.4e12) and info.peak_source == "spec:mi300x"
-    assert platform.mfu(653.7e12, info) == pytest.approx(0.5)
+    assert hardware.mfu(653.7e12, info) == pytest.approx(0.5)
 
 
 def test_rocm_fa2_not_eligible_on_unsupported_arch(monkeypatch):
     simulate_gpu(monkeypatch, "AMD Instinct MI250X", hip="6.2", arch="gfx1100", installed=("flash_attn",))
-    info = platform.detect()
+    info = hardware.detect()
     assert not info.attention.flash_attn_eligible
     assert info.peak_flops == pytest.approx(383.0e12)
 
 
 def test_cuda_build_h100(monkeypatch):
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", cc=(9, 0), installed=("flash_attn", "flash_attn_interface"))
-    info = platform.detect()
+    info = hardware.detect()
     assert info.vendor == "nvidia" and info.cuda_version == "12.4" and info.hip_version is None
     assert info.compute_capability == (9, 0) and info.bf16 and info.device_count == 2
     assert info.dist_backend == "nccl"
-    assert platform.visible_devices_env([0, 1], info) == {
+    assert runtime.visible_devices_env([0, 1], info) == {
         "CUDA_VISIBLE_DEVICES": "0,1", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     assert info.attention.backend == "sdpa"
     assert info.attention.flash_attn_eligible and info.attention.fa3_eligible
@@ -73,7 +73,7 @@ def test_cuda_devices(monkeypatch, name, cc, fa2, tflops):
     simulate_gpu(monkeypatch, name, cc=cc, installed=("flash_attn", "flash_attn_interface"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        info = platform.detect()
+        info = hardware.detect()
     assert info.attention.flash_attn_eligible == fa2
     assert info.attention.fa3_eligible == (cc == (9, 0))
     assert info.peak_flops == (pytest.approx(tflops * 1e12) if tflops else None)
@@ -82,24 +82,24 @@ def test_cuda_devices(monkeypatch, name, cc, fa2, tflops):
 def test_unknown_gpu_has_no_peak_and_null_mfu(monkeypatch):
     simulate_gpu(monkeypatch, "AMD Radeon Graphics", hip="6.2")
     with pytest.warns(UserWarning, match="unknown amd device"):
-        info = platform.detect()
+        info = hardware.detect()
     assert info.vendor == "amd" and info.peak_flops is None and info.peak_source == "unknown"
-    assert platform.mfu(1e12, info) is None
+    assert hardware.mfu(1e12, info) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert platform.detect() is info  # cached: warned once
+        assert hardware.detect() is info  # cached: warned once
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_cpu_machine():
-    info = platform.detect()
+    info = hardware.detect()
     assert info.vendor == "cpu" and info.device_type == "cpu" and info.device == torch.device("cpu")
-    assert info.dist_backend == "gloo" == platform.dist_backend(info.device)
-    assert info.visible_devices_env == () and platform.visible_devices_env([0], info) == {}
+    assert info.dist_backend == "gloo" == runtime.dist_backend(info.device)
+    assert info.visible_devices_env == () and runtime.visible_devices_env([0], info) == {}
     assert info.attention.backend == "sdpa" and not info.attention.flash_attn_eligible
     assert info.peak_flops > 0 and info.peak_source == "measured:fp32-gemm"
-    assert 0 < platform.mfu(info.peak_flops / 2, info) < 1
-    assert platform.detect() is info
+    assert 0 < hardware.mfu(info.peak_flops / 2, info) < 1
+    assert hardware.detect() is info
 
 
 def test_automatic_kv_budget_is_the_same_for_every_call(monkeypatch):
@@ -110,20 +110,20 @@ def test_automatic_kv_budget_is_the_same_for_every_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: mem["allocated"])
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: mem["reserved"])
     gpu = torch.device("cuda", 0)
-    first = platform.kv_cache_budget(gpu, 0, 0.9)
+    first = runtime.kv_cache_budget(gpu, 0, 0.9)
     assert first == int(70 * GB * 0.9)
     mem["reserved"] += first  # the first call's pool, freed into the caching allocator
-    assert platform.kv_cache_budget(gpu, 0, 0.9) == first
+    assert runtime.kv_cache_budget(gpu, 0, 0.9) == first
     mem["allocated"] += first  # or kept by the engine, which counts it as its own
-    assert platform.kv_cache_budget(gpu, 0, 0.9, held=first) == first
-    assert platform.kv_cache_budget(gpu, 5 * GB, 0.9) == 5 * GB  # an explicit budget is taken as given
+    assert runtime.kv_cache_budget(gpu, 0, 0.9, held=first) == first
+    assert runtime.kv_cache_budget(gpu, 5 * GB, 0.9) == 5 * GB  # an explicit budget is taken as given
 
 
 def test_other_accelerator_degrades_to_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
     with pytest.warns(UserWarning, match="xpu"):
-        info = platform.detect()
+        info = hardware.detect()
     assert info.vendor == "unknown" and info.device_type == "cpu" and info.dist_backend == "gloo"
 
 
@@ -158,7 +158,7 @@ def test_doctor_on_this_machine(capsys):
         assert d["checkpoint"] == {"bytes_per_param": 12, "ranks": 1, "gb_per_billion_params_per_rank": 12.0}
         assert "checkpoint 12 bytes/param (weights + AdamW moments): 12.0 GB per 1B params per rank" in text
     assert doctor.main(["--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["device_type"] == platform.detect().device_type
+    assert json.loads(capsys.readouterr().out)["device_type"] == hardware.detect().device_type
 
 
 @pytest.mark.parametrize(("hip", "noset", "want"), [
@@ -177,9 +177,9 @@ def test_ray_worker_device_both_vendors(monkeypatch, hip, noset, want):
         monkeypatch.setenv(k, v)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    dev = platform.worker_device("auto", [5])
+    dev = runtime.worker_device("auto", [5])
     assert dev == torch.device("cuda", want) and chosen == [dev]
-    assert platform.worker_device("cpu", [5]) == torch.device("cpu")
+    assert runtime.worker_device("cpu", [5]) == torch.device("cpu")
 
 
 @pytest.mark.parametrize("hip", [None, "6.2.41133"])
@@ -187,16 +187,16 @@ def test_decode_graphs_on_cuda_and_rocm_builds(monkeypatch, hip):
     """HIP graphs answer to the same torch.cuda.CUDAGraph API, so both vendors capture; off when not requested."""
     simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H100 80GB HBM3", hip=hip,
                  arch="gfx942:sramecc+:xnack-" if hip else None)
-    assert platform.decode_graph_backend(torch.device("cuda")) == "cuda_graph"
-    assert platform.decode_graph_backend(torch.device("cuda", 1), requested=True) == "cuda_graph"
-    assert platform.decode_graph_backend(torch.device("cuda"), requested=False) == "eager"
-    assert platform.decode_graph_backend(torch.device("cpu")) == "eager"  # an engine placed on the host
+    assert backends.decode_graph_backend(torch.device("cuda")) == "cuda_graph"
+    assert backends.decode_graph_backend(torch.device("cuda", 1), requested=True) == "cuda_graph"
+    assert backends.decode_graph_backend(torch.device("cuda"), requested=False) == "eager"
+    assert backends.decode_graph_backend(torch.device("cpu")) == "eager"  # an engine placed on the host
 
 
 def test_decode_graphs_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert platform.decode_graph_backend(torch.device("cpu")) == "eager"
-    assert platform.decode_graph_backend(torch.device("cpu"), requested=True) == "eager"
+    assert backends.decode_graph_backend(torch.device("cpu")) == "eager"
+    assert backends.decode_graph_backend(torch.device("cpu"), requested=True) == "eager"
 
 
 # --- the rollout engine's paged attention backend ------------------------------------------------------------------
@@ -219,22 +219,22 @@ def test_paged_backend_is_flex_on_a_gpu_without_flash_attn(monkeypatch, probe, h
     simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H100 80GB HBM3", hip=hip,
                  arch="gfx942:sramecc+:xnack-" if hip else None)  # flash_attn not installed
     gpu = torch.device("cuda")
-    assert platform.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)
-    assert platform.FLEX_PAGE_SIZE == 128
-    assert platform.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)
+    assert backends.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)
+    assert backends.FLEX_PAGE_SIZE == 128
+    assert backends.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)
     assert probe.calls == [(gpu, torch.bfloat16, 128)]  # checked once per device and dtype, at flex's block size
-    assert platform.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("sdpa", 16)
+    assert backends.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("sdpa", 16)
     # compiled flex refuses head dims below 16 (seen on an H200): the portable path serves them, unchecked
-    assert platform.paged_attention_backend(gpu, torch.bfloat16, head_dim=8, flex_check=probe) == ("sdpa", 16)
+    assert backends.paged_attention_backend(gpu, torch.bfloat16, head_dim=8, flex_check=probe) == ("sdpa", 16)
     assert probe.calls == [(gpu, torch.bfloat16, 128)]
 
 
 def test_paged_backend_is_flash_where_flash_attn_is_eligible(monkeypatch, probe):
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
-    assert platform.paged_attention_backend(torch.device("cuda"), torch.bfloat16, flex_check=probe) == ("flash", 256)
+    assert backends.paged_attention_backend(torch.device("cuda"), torch.bfloat16, flex_check=probe) == ("flash", 256)
     assert probe.calls == []
     # flash-attn runs 16-bit only: an fp32 engine takes flex (after its check)
-    assert platform.paged_attention_backend(torch.device("cuda"), torch.float32, flex_check=probe) == ("flex", 128)
+    assert backends.paged_attention_backend(torch.device("cuda"), torch.float32, flex_check=probe) == ("flex", 128)
     assert len(probe.calls) == 1
 
 
@@ -249,10 +249,10 @@ def test_paged_backend_falls_back_to_sdpa_when_flex_fails_its_self_check(monkeyp
 
     why = "no valid triton config for this GPU" if failure == "raises" else "it disagreed with the portable path"
     with pytest.warns(UserWarning, match=f"FlexAttention failed its self-check on cuda \\({why}\\)"):
-        assert platform.paged_attention_backend(torch.device("cuda"), torch.float16, flex_check=failing) == ("sdpa", 16)
+        assert backends.paged_attention_backend(torch.device("cuda"), torch.float16, flex_check=failing) == ("sdpa", 16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once; the answer is kept per device and dtype
-        assert platform.paged_attention_backend(torch.device("cuda"), torch.float16, flex_check=probe) == ("sdpa", 16)
+        assert backends.paged_attention_backend(torch.device("cuda"), torch.float16, flex_check=probe) == ("sdpa", 16)
     assert probe.calls == []
 
 
@@ -266,34 +266,32 @@ def test_flex_self_check_runs_here_and_catches_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(paged_attention, "_flex_decodes", lambda *a: real(*a) + 1e-2)
     assert not paged_attention.flex_decode_agrees(cpu, torch.float32, 16)
     with pytest.warns(UserWarning, match="disagreed"):
-        assert not platform.flex_paged_ok(cpu, torch.float32, paged_attention.flex_decode_agrees)
+        assert not backends.flex_paged_ok(cpu, torch.float32, paged_attention.flex_decode_agrees)
 
 
 def test_paged_backend_environment_override(monkeypatch, probe):
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "flex")
-    assert platform.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("flex", 128)
+    assert backends.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("flex", 128)
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "triton")
-    assert platform.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("triton", 16)
+    assert backends.paged_attention_backend(torch.device("cpu"), flex_check=probe) == ("triton", 16)
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "flex")
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "sdpa")
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))
-    assert platform.paged_attention_backend(torch.device("cuda"), flex_check=probe) == ("sdpa", 16)
+    assert backends.paged_attention_backend(torch.device("cuda"), flex_check=probe) == ("sdpa", 16)
     monkeypatch.setenv("TWINPLANE_PAGED_BACKEND", "fast")
     with pytest.raises(ValueError, match="TWINPLANE_PAGED_BACKEND"):
-        platform.paged_attention_backend(torch.device("cpu"), flex_check=probe)
+        backends.paged_attention_backend(torch.device("cpu"), flex_check=probe)
     assert probe.calls == []  # forced: unchecked (flex on CPU runs torch's eager reference)
 
 
 def test_rollout_dtype_is_bf16_on_gpus_unless_set():
     from types import SimpleNamespace as NS
 
-    from twinplane.platform.platform import rollout_dtype
-
-    assert rollout_dtype(NS(dtype="float32", rollout_dtype=None), "cuda") == torch.bfloat16
-    assert rollout_dtype(NS(dtype="float32", rollout_dtype=None), "cpu") == torch.float32
-    assert rollout_dtype(NS(dtype="float16", rollout_dtype=None), "cuda") == torch.float16
-    assert rollout_dtype(NS(dtype="float32", rollout_dtype="float32"), "cuda") == torch.float32
-    assert rollout_dtype(NS(dtype="bfloat16", rollout_dtype="float16"), "cpu") == torch.float16
+    assert runtime.rollout_dtype(NS(dtype="float32", rollout_dtype=None), "cuda") == torch.bfloat16
+    assert runtime.rollout_dtype(NS(dtype="float32", rollout_dtype=None), "cpu") == torch.float32
+    assert runtime.rollout_dtype(NS(dtype="float16", rollout_dtype=None), "cuda") == torch.float16
+    assert runtime.rollout_dtype(NS(dtype="float32", rollout_dtype="float32"), "cuda") == torch.float32
+    assert runtime.rollout_dtype(NS(dtype="bfloat16", rollout_dtype="float16"), "cpu") == torch.float16
 
 
 # --- the rollout engine's kernels (twinplane.rollout.kernels) -------------------------------------------------------
@@ -315,16 +313,16 @@ def kernel_checks():
 def test_kernels_on_cpu_are_torch_unless_triton_is_asked_for_and_interpreted(monkeypatch, kernel_checks):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
-    assert platform.rollout_kernels(cpu, check=kernel_checks)[0] == "torch"  # auto: the model's own code
-    assert platform.rollout_kernels(cpu, requested="torch", check=kernel_checks) == ("torch", "rollout.kernels=torch")
+    assert backends.rollout_kernels(cpu, check=kernel_checks)[0] == "torch"  # auto: the model's own code
+    assert backends.rollout_kernels(cpu, requested="torch", check=kernel_checks) == ("torch", "rollout.kernels=torch")
     with pytest.raises(InputError, match="rollout.kernels=triton: the engine runs on cpu, and Triton kernels need"):
-        platform.rollout_kernels(cpu, requested="triton", check=kernel_checks)
+        backends.rollout_kernels(cpu, requested="triton", check=kernel_checks)
     with pytest.raises(InputError, match="rollout.kernels must be one of auto, triton, torch, got 'cuda'"):
-        platform.rollout_kernels(cpu, requested="cuda", check=kernel_checks)
+        backends.rollout_kernels(cpu, requested="cuda", check=kernel_checks)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert platform.rollout_kernels(cpu, check=kernel_checks)[0] == "torch"  # auto never picks the interpreter
-    if platform._has_module("triton"):
-        assert platform.rollout_kernels(cpu, requested="triton", check=kernel_checks)[0] == "triton"
+    assert backends.rollout_kernels(cpu, check=kernel_checks)[0] == "torch"  # auto never picks the interpreter
+    if hardware.has_module("triton"):
+        assert backends.rollout_kernels(cpu, requested="triton", check=kernel_checks)[0] == "triton"
     assert kernel_checks.calls == []
     engine = RolloutEngine(tiny_model(), 3)
     assert engine.kernels == "torch" and type(engine.model.model.layers[0]) is DecoderLayer  # nothing swapped
@@ -335,32 +333,32 @@ def test_auto_kernels_on_a_gpu_are_triton_once_their_self_check_passed(monkeypat
     simulate_gpu(monkeypatch, "AMD Instinct MI300X" if hip else "NVIDIA H200", hip=hip,
                  arch="gfx942:sramecc+:xnack-" if hip else None, installed=("triton",))
     gpu = torch.device("cuda")
-    kernels_, why = platform.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks)
+    kernels_, why = backends.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks)
     assert kernels_ == "triton" and "passed its self-check" in why
-    assert platform.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks)[0] == "triton"
+    assert backends.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks)[0] == "triton"
     assert kernel_checks.calls == [(gpu, torch.bfloat16)]  # once per device and dtype
-    assert platform.paged_attention_backend(gpu, torch.bfloat16, kernels="triton", flex_check=probe) == ("triton", 16)
+    assert backends.paged_attention_backend(gpu, torch.bfloat16, kernels="triton", flex_check=probe) == ("triton", 16)
     assert probe.calls == []  # flex is not checked where Triton serves the decodes
-    assert platform.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)  # torch kernels
+    assert backends.paged_attention_backend(gpu, torch.bfloat16, flex_check=probe) == ("flex", 128)  # torch kernels
 
 
 def test_auto_kernels_on_a_gpu_fall_back_to_torch(monkeypatch, probe, kernel_checks):
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn",))  # no triton package
     gpu = torch.device("cuda")
-    assert platform.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks) == \
+    assert backends.rollout_kernels(gpu, torch.bfloat16, check=kernel_checks) == \
         ("torch", "auto: the triton package is not installed")
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", installed=("flash_attn", "triton"))
-    assert platform.paged_attention_backend(gpu, torch.bfloat16, kernels="triton", flex_check=probe) == \
+    assert backends.paged_attention_backend(gpu, torch.bfloat16, kernels="triton", flex_check=probe) == \
         ("flash", 256)  # flash first
     for result, why in ((RuntimeError("PassManager::run failed\n(the rest)"), "PassManager::run failed"),
                         ("SiLU * up", "SiLU \\* up")):
-        platform.reset()
+        hardware.reset()
         kernel_checks.result = result
         with pytest.warns(UserWarning, match=f"Triton kernels failed their self-check on cuda \\({why}\\)"):
-            assert platform.rollout_kernels(gpu, torch.float16, check=kernel_checks)[0] == "torch"
+            assert backends.rollout_kernels(gpu, torch.float16, check=kernel_checks)[0] == "torch"
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert platform.rollout_kernels(gpu, torch.float16, check=kernel_checks)[0] == "torch"  # warned once
+            assert backends.rollout_kernels(gpu, torch.float16, check=kernel_checks)[0] == "torch"  # warned once
 
 
 def test_kernels_config_key_and_engine_option(monkeypatch):
@@ -378,7 +376,7 @@ def test_to_device_copies_a_host_tensor_asynchronously_and_keeps_its_values():
     """`to_device` goes through pinned memory with an asynchronous copy: the device tensor holds the host tensor's
     values even when the host tensor changes right after the call (the pinned buffer is a copy of its own)."""
     for x in (torch.arange(1 << 20), torch.arange(1 << 20).pin_memory()):  # (a pinned one is copied too)
-        y = platform.to_device(x, torch.device("cuda"))
+        y = runtime.to_device(x, torch.device("cuda"))
         x.zero_()
         assert y.device.type == "cuda" and torch.equal(y.cpu(), torch.arange(1 << 20))
-        assert platform.to_device(x, torch.device("cpu")) is x
+        assert runtime.to_device(x, torch.device("cpu")) is x

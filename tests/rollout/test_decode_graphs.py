@@ -11,6 +11,7 @@ import torch
 from conftest import EOS, PROMPTS, assert_same, greedy_no_cache, tiny_model, tiny_moe
 
 from twinplane.config import ConfigError, load_config
+from twinplane.platform import backends
 from twinplane.rollout import RolloutEngine, SamplingParams, engine_options
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.graphs import DecodeGraphs, buckets
@@ -314,7 +315,7 @@ def test_options_platform_choice_and_fallbacks(monkeypatch):
     moe = tiny_moe()
     assert decode_graphs.decode_mode("static", moe, record_routing=False) == "static"
     assert decode_graphs.decode_mode("static", moe, record_routing=True) == "eager"  # the record is host-side
-    monkeypatch.setattr(decode_graphs.platform, "grouped_mm_ok", lambda *a, **k: False)
+    monkeypatch.setattr(backends, "grouped_mm_ok", lambda *a, **k: False)
     assert decode_graphs.decode_mode("cuda_graph", moe, record_routing=False) == "eager"  # the loop reads counts
     assert decode_graphs.decode_mode("cuda_graph", model, record_routing=False) == "cuda_graph"
     with pytest.raises(ValueError, match="decode graph mode"):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 from twinplane.model.lora import apply_lora
-from twinplane.platform import platform
+from twinplane.platform import backends, runtime
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.packed import (
     PackedAttention,
@@ -24,7 +24,7 @@ from twinplane.rollout.packed import (
 EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
 WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4, num_kv_heads=4)  # wide enough to pack
-packed_only = pytest.mark.skipif(not platform.packed_linear_ok(torch.device("cpu"), torch.float32),
+packed_only = pytest.mark.skipif(not backends.packed_linear_ok(torch.device("cpu"), torch.float32),
                                  reason="this torch build has no oneDNN packed linear")
 
 
@@ -131,7 +131,7 @@ def test_packed_engine_equals_the_portable_engine(monkeypatch, sampling):
     assert not RolloutEngine(tiny_model(), eos_token_id=EOS).packed
     model = tiny_model(**WIDE)
     fast = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS, seed=1)
-    monkeypatch.setattr(platform, "packed_linear_ok", lambda device, dtype: False)
+    monkeypatch.setattr(backends, "packed_linear_ok", lambda device, dtype: False)
     portable = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS, seed=1)
     assert fast.packed and not portable.packed
     assert not any(isinstance(m, PackedLinear) for m in portable.model.modules())
@@ -187,7 +187,7 @@ def test_kv_pool_is_kept_between_calls_on_cpu():
 
 def test_host_allocator_opt_outs(monkeypatch):
     monkeypatch.setenv("TWINPLANE_HOST_ALLOCATOR", "0")
-    assert platform.tune_host_allocator() is False
+    assert runtime.tune_host_allocator() is False
     monkeypatch.delenv("TWINPLANE_HOST_ALLOCATOR")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # the user tunes malloc themselves: left alone
-    assert platform.tune_host_allocator() is False
+    assert runtime.tune_host_allocator() is False

@@ -9,7 +9,7 @@ from conftest import EOS, PROMPTS, greedy_no_cache, paged_case, tiny_model
 
 from twinplane.errors import InputError
 from twinplane.model import AttentionMetadata
-from twinplane.platform import platform
+from twinplane.platform import hardware
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.engine import EngineStats
@@ -256,7 +256,7 @@ def test_paged_attention_equals_dense_per_sequence(window, lockstep):
 
 @pytest.mark.gpu
 def test_flash_paged_backend_equals_portable():
-    if not platform.detect().attention.flash_attn_eligible:
+    if not hardware.detect().attention.flash_attn_eligible:
         pytest.skip("the fused paged backend needs flash-attn")
     model = tiny_model().cuda()
     sp = SamplingParams(temperature=0, max_new_tokens=16, n=2)

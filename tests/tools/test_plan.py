@@ -12,8 +12,7 @@ from conftest import QWEN25_7B
 
 from twinplane.model import ModelConfig
 from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
-from twinplane.platform import platform
-from twinplane.platform.devices import BY_KEY
+from twinplane.platform import backends, devices
 from twinplane.tools.plan import CPU, Cluster, format_plan, layouts, main, plan, recommend
 
 W = Workload(prompts_per_step=32, n=8, prompt_len=512, response_len=1024, micro_batch_size=4)
@@ -29,10 +28,10 @@ def test_training_state_is_16_bytes_per_param_sharded():
     cfg = ModelConfig.from_hf(QWEN25_7B)
     p = cfg.num_params
     assert 7.5e9 < p < 7.7e9
-    for dev in (BY_KEY["h100"], CPU):
+    for dev in (devices.BY_KEY["h100"], CPU):
         tm = training_memory(cfg, Dtypes.for_device(dev), W, fsdp=8)
         assert tm.resident == pytest.approx(16 * p / 8)
-    gpu = Dtypes.for_device(BY_KEY["h100"])
+    gpu = Dtypes.for_device(devices.BY_KEY["h100"])
     off = training_memory(cfg, gpu, W, fsdp=8, offload=True)
     assert off.resident == pytest.approx(8 * p / 8)  # bf16 weights + grads and the fp32 master weights stay
     ck = training_memory(cfg, gpu, W, fsdp=8, checkpointing=True)
@@ -43,11 +42,11 @@ def test_sharded_checkpoint_per_rank_is_12_bytes_per_param_over_the_ranks(qwen, 
     """fp32 weights (the master copy on a GPU) + AdamW's two fp32 moments, 1/N from each of N training ranks;
     with LoRA the fp32 adapters and their moments only."""
     cfg = ModelConfig.from_file(qwen)
-    p = plan(cfg, Cluster(BY_KEY["h100"], 8, 1, 2.0), W)
+    p = plan(cfg, Cluster(devices.BY_KEY["h100"], 8, 1, 2.0), W)
     n = p["checkpoint"]["ranks"]
     assert n == p["training_memory"]["fsdp"]
     assert p["checkpoint"]["per_rank"] == pytest.approx(12 * cfg.num_params / n)
-    lora = plan(cfg, Cluster(BY_KEY["h100"], 8, 1, 2.0), dataclasses.replace(W, lora_rank=16))
+    lora = plan(cfg, Cluster(devices.BY_KEY["h100"], 8, 1, 2.0), dataclasses.replace(W, lora_rank=16))
     assert lora["checkpoint"]["total"] == pytest.approx(12 * lora["model"]["trainable_params"])
     assert main(["--model", str(qwen), "--gpu", "h100", "--gpus", "8"]) == 0
     gb = p["checkpoint"]["per_rank"] / 1e9
@@ -56,14 +55,14 @@ def test_sharded_checkpoint_per_rank_is_12_bytes_per_param_over_the_ranks(qwen, 
 
 def test_kv_cache_formula():
     cfg = ModelConfig.from_hf(QWEN25_7B)
-    rm = rollout_memory(cfg, Dtypes.for_device(BY_KEY["mi300x"]), W, tp=2, seqs=10)
+    rm = rollout_memory(cfg, Dtypes.for_device(devices.BY_KEY["mi300x"]), W, tp=2, seqs=10)
     assert rm.kv_cache == 2 * 28 * 4 * 128 * 2 * 10 * (512 + 1024) / 2
     assert rm.weights == cfg.num_params * 2 / 2
 
 
 def test_layouts_fit_and_tp_divides_heads():
     cfg = ModelConfig.from_hf(QWEN25_7B)
-    dev = BY_KEY["h100"]
+    dev = devices.BY_KEY["h100"]
     lays = layouts(cfg, Cluster(dev, 8, 1, 2.0), W)
     assert lays
     for x in lays:
@@ -78,13 +77,13 @@ def test_layouts_fit_and_tp_divides_heads():
 
 def test_qwen7b_mi300x_vs_h100(qwen, capsys):
     cfg = ModelConfig.from_file(qwen)
-    mi, why_mi = recommend(cfg, Cluster(BY_KEY["mi300x"], 8, 1, 2.0), W)
-    h, why_h = recommend(cfg, Cluster(BY_KEY["h100"], 8, 1, 2.0), W)
+    mi, why_mi = recommend(cfg, Cluster(devices.BY_KEY["mi300x"], 8, 1, 2.0), W)
+    h, why_h = recommend(cfg, Cluster(devices.BY_KEY["h100"], 8, 1, 2.0), W)
     assert mi.tp == 1 and mi.colocated and not mi.offload and not mi.checkpointing
     assert h.tp == 1 and h.colocated and not h.offload and not h.checkpointing  # chunked log-probs: 80 GB is enough
     # the LM head in one chunk of the whole micro-batch (the old full-vocabulary logits): 80 GB needs a concession
     whole = dataclasses.replace(W, logprob_chunk_tokens=W.micro_batch_size * W.response_len)
-    h_whole, why_whole = recommend(cfg, Cluster(BY_KEY["h100"], 8, 1, 2.0), whole)
+    h_whole, why_whole = recommend(cfg, Cluster(devices.BY_KEY["h100"], 8, 1, 2.0), whole)
     assert h_whole.offload or h_whole.checkpointing or not h_whole.colocated
     assert "offload" in why_whole or "checkpointing" in why_whole
     assert mi.step_s < h.step_s
@@ -113,8 +112,8 @@ def test_cli_errors_and_json(qwen, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"]["tp"] == 1 and data["layouts"]
     # the LM-head chunk a run would pick on the planned device, unless given
-    assert data["workload"]["logprob_chunk_tokens"] == platform.GPU_LOGPROB_CHUNK_TOKENS
-    for gpu, chunk, want in (("cpu", "0", platform.CPU_LOGPROB_CHUNK_TOKENS), ("h200", "512", 512)):
+    assert data["workload"]["logprob_chunk_tokens"] == backends.GPU_LOGPROB_CHUNK_TOKENS
+    for gpu, chunk, want in (("cpu", "0", backends.CPU_LOGPROB_CHUNK_TOKENS), ("h200", "512", 512)):
         assert main(["--model", str(qwen), "--gpu", gpu, "--logprob-chunk-tokens", chunk, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["workload"]["logprob_chunk_tokens"] == want
 
@@ -221,7 +220,7 @@ def test_only_layouts_train_accepts_are_ranked(tmp_path, capsys):
     from twinplane.model.presets import preset
     from twinplane.tools.plan import TrainCheck
 
-    cfg, cluster = preset("Qwen2.5-7B"), Cluster(BY_KEY["mi300x"], 8, 1, 2.0)
+    cfg, cluster = preset("Qwen2.5-7B"), Cluster(devices.BY_KEY["mi300x"], 8, 1, 2.0)
     options = layouts(cfg, cluster, W)
     ranked, refused = [x for x in options if not x.refused], [x for x in options if x.refused]
     assert ranked and all(x.tp == 1 for x in ranked)
@@ -262,7 +261,7 @@ def test_nothing_train_accepts_fits(capsys):
     """72B on 16 x H100: only TP>1 layouts fit, so there is no recommendation and the reason says why."""
     from twinplane.model.presets import preset
 
-    best, why = recommend(preset("Qwen2.5-72B"), Cluster(BY_KEY["h100"], 8, 2, 2.0), W)
+    best, why = recommend(preset("Qwen2.5-72B"), Cluster(devices.BY_KEY["h100"], 8, 2, 2.0), W)
     assert best is None and why.startswith("only layouts that `train` refuses fit (the fastest: TP>1: ")
 
 

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.errors import InputError
 from twinplane.model import transformer
-from twinplane.platform import platform
+from twinplane.platform import backends
 from twinplane.rollout.engine import RolloutEngine
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.train import Trainer
@@ -96,18 +96,18 @@ def test_fsdp2_sharded_layers_compile_like_unsharded_ones(tmp_path):
 
 
 def test_auto_resolves_by_device(monkeypatch):
-    assert not platform.compile_layers("cpu", "auto")
-    assert platform.compile_layers("cpu", "on")
-    assert not platform.compile_layers("cuda", "off")
+    assert not backends.compile_layers("cpu", "auto")
+    assert backends.compile_layers("cpu", "on")
+    assert not backends.compile_layers("cuda", "off")
     with pytest.raises(InputError, match="train.compile"):
-        platform.compile_layers("cpu", "yes")
+        backends.compile_layers("cpu", "yes")
     model = tiny_model()
     Trainer(model, TrainSection(), AlgoSection(), 1.0, 10)
     assert not model.compile_layers  # (the default is auto)
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
-    assert platform.compile_layers("cuda", "auto") and platform.compile_layers(torch.device("cuda", 1))
+    assert backends.compile_layers("cuda", "auto") and backends.compile_layers(torch.device("cuda", 1))
     simulate_gpu(monkeypatch, "AMD Instinct MI300X", hip="6.2", cc=(9, 4))
-    assert platform.compile_layers("cuda", "auto")
+    assert backends.compile_layers("cuda", "auto")
 
 
 def test_eval_forwards_and_the_engine_stay_eager(monkeypatch):
@@ -153,7 +153,7 @@ def test_gpu_packed_layers_compile_once_for_batches_of_any_shape(monkeypatch):
 
     monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, cq, ck, mq, mk, is_causal=False:
                         _varlen_stand_in(q, k, v, cq, ck, mq, mk, is_causal))
-    monkeypatch.setattr(platform, "varlen_backend", lambda *a, **k: "torch_varlen")
+    monkeypatch.setattr(backends, "varlen_backend", lambda *a, **k: "torch_varlen")
     monkeypatch.setattr(_varlen_stand_in, "calls", 0)
     layer = torch.compile(transformer.DecoderLayer.run, dynamic=True, backend="aot_eager")
     monkeypatch.setattr(transformer, "compiled_layer", lambda: layer)

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from twinplane.platform import platform  # noqa: E402
+from twinplane.platform import backends  # noqa: E402
 from twinplane.train.chunked_logprobs import token_logprobs  # noqa: E402
 from twinplane.train.logprob_kernels import (  # noqa: E402
     logit_grad_,
@@ -62,11 +62,11 @@ def test_chunked_logprobs_with_triton_equal_the_torch_path(dtype):
 def test_self_check_and_the_platform_choice(monkeypatch):
     assert self_check(DEV, torch.float32) is None
     if DEV.type == "cpu":
-        assert platform.logprob_kernels(DEV, torch.float32, check=self_check) == "torch"  # CPU: the torch path
-    monkeypatch.setattr(platform, "_TRITON_OK", {})
+        assert backends.logprob_kernels(DEV, torch.float32, check=self_check) == "torch"  # CPU: the torch path
+    monkeypatch.setattr(backends, "_TRITON_OK", {})
     gpu = torch.device("cuda", 0)
-    assert platform.logprob_kernels(gpu, torch.float64, check=self_check) == "torch"  # fp64: never Triton
+    assert backends.logprob_kernels(gpu, torch.float64, check=self_check) == "torch"  # fp64: never Triton
     with pytest.warns(UserWarning, match="logprob kernels: the Triton kernels failed their self-check"):
-        assert platform.logprob_kernels(gpu, torch.bfloat16, check=lambda d, t: "it disagreed") == "torch"
-    monkeypatch.setattr(platform, "_TRITON_OK", {})
-    assert platform.logprob_kernels(gpu, torch.bfloat16, check=lambda d, t: None) == "triton"
+        assert backends.logprob_kernels(gpu, torch.bfloat16, check=lambda d, t: "it disagreed") == "torch"
+    monkeypatch.setattr(backends, "_TRITON_OK", {})
+    assert backends.logprob_kernels(gpu, torch.bfloat16, check=lambda d, t: None) == "triton"

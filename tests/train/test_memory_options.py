@@ -12,6 +12,7 @@ from conftest import make_batch, spawn, tiny_model, tiny_moe
 
 import twinplane.train.trainer as trainer_module
 from twinplane.config import AlgoSection, TrainSection
+from twinplane.platform import backends
 from twinplane.train import Reference, Trainer
 from twinplane.train.fsdp import full_state_dict, micro_batches, row_groups, shard_model, split_for_rank
 from twinplane.train.logprobs import response_logprobs, score
@@ -62,12 +63,10 @@ def test_activation_checkpointing_same_grads(checkpoint_calls):
 
 def test_activation_checkpointing_moe_first_forward_same_grads(monkeypatch):
     """The experts' one-time kernel probe first runs inside a checkpointed block; the recompute must match it."""
-    from twinplane.platform import platform
-
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
     grads = []
     for on in (False, True):
-        monkeypatch.setattr(platform, "_GROUPED_MM", {})  # as in a fresh process: the probe runs again
+        monkeypatch.setattr(backends, "_GROUPED_MM", {})  # as in a fresh process: the probe runs again
         model = tiny_moe().train()
         model.activation_checkpointing = on
         model(ids).float().logsumexp(-1).sum().backward()

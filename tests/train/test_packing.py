@@ -12,6 +12,7 @@ from conftest import grouped_batch, make_batch, simulate_gpu, tiny_model
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import AttentionMetadata
 from twinplane.model.attention import flex_varlen, sdpa_varlen, varlen_mask
+from twinplane.platform import backends, hardware, runtime
 from twinplane.rollout.sampling import policy_logprobs
 from twinplane.train import Batch, Trainer
 from twinplane.train.chunked_logprobs import token_logprobs
@@ -306,7 +307,6 @@ def test_logprob_chunk_tokens_are_chosen_per_device(monkeypatch):
     (simulated) GPU, for the trainer, the reference and preflight's memory model; an explicit value is kept."""
     from twinplane.config import ConfigError, load_config
     from twinplane.model import Transformer
-    from twinplane.platform import platform
     from twinplane.run.preflight import memory_inputs
     from twinplane.train.trainer import Reference
 
@@ -320,18 +320,18 @@ def test_logprob_chunk_tokens_are_chosen_per_device(monkeypatch):
 
     assert chosen(auto) == (512, 512) and chosen(fixed) == (64, 64)
     assert memory_inputs(load_config(), "cpu")[1].logprob_chunk_tokens == 512
-    platform.reset()
+    hardware.reset()
     simulate_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
     try:
         on_gpu = type("W", (), {"device": torch.device("cuda"), "dtype": torch.float32})()
         monkeypatch.setattr(Transformer, "output_weight", lambda self: on_gpu)  # the model as if on the GPU
-        assert chosen(auto) == (platform.GPU_LOGPROB_CHUNK_TOKENS,) * 2 and platform.GPU_LOGPROB_CHUNK_TOKENS > 512
+        assert chosen(auto) == (backends.GPU_LOGPROB_CHUNK_TOKENS,) * 2 and backends.GPU_LOGPROB_CHUNK_TOKENS > 512
         assert chosen(fixed) == (64, 64)
-        assert memory_inputs(load_config(), "cuda")[1].logprob_chunk_tokens == platform.GPU_LOGPROB_CHUNK_TOKENS
+        assert memory_inputs(load_config(), "cuda")[1].logprob_chunk_tokens == backends.GPU_LOGPROB_CHUNK_TOKENS
         assert memory_inputs(load_config(overrides=["train.logprob_chunk_tokens=64"]),
                              "cuda")[1].logprob_chunk_tokens == 64
     finally:
-        platform.reset()
+        hardware.reset()
 
 
 @pytest.mark.parametrize("gpu,hip", [("NVIDIA H100 80GB HBM3", None), ("AMD Instinct MI300X", "6.2")])
@@ -342,13 +342,12 @@ def test_one_precision_policy_for_1_and_n_ranks(monkeypatch, gpu, hip):
 
     import twinplane.train.fsdp as fsdp_module
     from twinplane.model import Transformer
-    from twinplane.platform import platform
 
     model = tiny_model()
-    assert platform.train_precision(torch.device("cpu"), torch.float32) == platform.Precision(torch.float32,
+    assert runtime.train_precision(torch.device("cpu"), torch.float32) == runtime.Precision(torch.float32,
                                                                                                torch.float32)
-    assert isinstance(platform.autocast(platform.train_precision("cpu", torch.float32), "cpu"), nullcontext)
-    platform.reset()
+    assert isinstance(runtime.autocast(runtime.train_precision("cpu", torch.float32), "cpu"), nullcontext)
+    hardware.reset()
     simulate_gpu(monkeypatch, gpu, hip=hip, count=2)
     try:
         on_gpu = type("W", (), {"device": torch.device("cuda"), "dtype": torch.float32})()
@@ -360,20 +359,20 @@ def test_one_precision_policy_for_1_and_n_ranks(monkeypatch, gpu, hip):
             one_rank = Trainer(model, TrainSection(compute_dtype=compute), ALGO, 1.0, 10).precision  # 1 rank
             policies.clear()
             fsdp_module.shard_model(model, compute_dtype=compute)  # what each of N ranks applies
-            assert one_rank == platform.Precision(torch.float32, want, torch.float32)
+            assert one_rank == runtime.Precision(torch.float32, want, torch.float32)
             mixed = MixedPrecisionPolicy(param_dtype=want, reduce_dtype=torch.float32) if want != torch.float32 \
                 else MixedPrecisionPolicy()
             assert policies == [mixed] * (model.config.num_layers + 1), compute
-        assert platform.varlen_backend(torch.device("cuda"), torch.bfloat16) == "flex"  # flash_attn not installed
-        monkeypatch.setattr(platform, "_has_module", lambda m: m == "flash_attn")
-        platform.reset()
-        assert platform.varlen_backend(torch.device("cuda"), torch.bfloat16) == "flash_attn"
-        assert platform.varlen_backend(torch.device("cuda"), torch.float32) == "flex"  # flash-attn is 16-bit only
-        assert platform.varlen_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"
+        assert backends.varlen_backend(torch.device("cuda"), torch.bfloat16) == "flex"  # flash_attn not installed
+        monkeypatch.setattr(hardware, "has_module", lambda m: m == "flash_attn")
+        hardware.reset()
+        assert backends.varlen_backend(torch.device("cuda"), torch.bfloat16) == "flash_attn"
+        assert backends.varlen_backend(torch.device("cuda"), torch.float32) == "flex"  # flash-attn is 16-bit only
+        assert backends.varlen_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"
         # compiled flex refuses head dims below 16 (seen on an H200): the portable path serves them
-        assert platform.varlen_backend(torch.device("cuda"), torch.float32, head_dim=8) == "sdpa"
+        assert backends.varlen_backend(torch.device("cuda"), torch.float32, head_dim=8) == "sdpa"
     finally:
-        platform.reset()
+        hardware.reset()
 
 
 def test_bf16_compute_on_cpu_trains_under_autocast():

@@ -25,7 +25,7 @@ from twinplane.config import Config
 from twinplane.model import ModelConfig, Transformer, iter_safetensors
 from twinplane.model.export import export_weights
 from twinplane.model.lora import cast_base, merge_lora
-from twinplane.platform import platform
+from twinplane.platform import backends, runtime
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest
@@ -134,7 +134,7 @@ def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_off
                  shared: bool = False) -> RolloutEngine:
     """An engine generating with `model` itself (callers pass a copy when the model also trains), or, with
     `rollout.backend=vllm`, vLLM's engine starting from its weights; `shared`: it shares its device with a trainer
-    (`platform.keep_kv_pool` then decides whether its KV pool stays; vLLM sleeps between calls on GPUs)."""
+    (`runtime.keep_kv_pool` then decides whether its KV pool stays; vLLM sleeps between calls on GPUs)."""
     r = cfg.rollout
     if r.backend == "vllm":  # (imported here: vLLM is optional, and its import takes seconds)
         from twinplane.rollout.vllm_backend import VllmEngine
@@ -142,7 +142,7 @@ def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_off
         return VllmEngine(model, tokenizer.eos_token_id, seed=cfg.seed + seed_offset, max_num_seqs=r.max_num_seqs,
                           max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=int(r.kv_cache_gb * 2**30),
                           gpu_memory_utilization=r.gpu_memory_utilization, temperature=r.temperature, sleep=shared)
-    keep = not shared or platform.keep_kv_pool(model.output_weight().device)
+    keep = not shared or runtime.keep_kv_pool(model.output_weight().device)
     return RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=cfg.seed + seed_offset,
                          keep_pool=keep, **engine_options(cfg.rollout))
 
@@ -164,8 +164,8 @@ def build_critic(cfg: Config, model_config: ModelConfig, weights: Iterable[tuple
     """PPO's critic on `device`, FSDP2-sharded over `group` (None: one rank, the plain model). The one builder of
     the local plane, the training workers (critic on the training ranks) and the critic workers."""
     c, t = cfg.critic, cfg.train
-    model = build_value_model(model_config, weights, device, platform.resolve_dtype(cfg.model.dtype))
-    model.compile_layers = platform.compile_layers(device, t.compile)
+    model = build_value_model(model_config, weights, device, runtime.resolve_dtype(cfg.model.dtype))
+    model.compile_layers = backends.compile_layers(device, t.compile)
     return Critic(shard_over(model, group, t.compute_dtype), c.lr, t.betas, t.weight_decay, c.value_clip,
                   c.grad_clip, t.micro_batch_size, t.max_tokens_per_micro_batch, group, c.loss_agg)
 
@@ -178,7 +178,7 @@ def reference_is_base(cfg: Config) -> bool:
 def engine_model(cfg: Config, model: Transformer) -> Transformer:
     """The engine's copy of the policy in the rollout dtype (LoRA adapters stay fp32): the same adapted model, or
     with `rollout.lora_merge` a plain model with the adapters folded in."""
-    rollout_dtype = platform.rollout_dtype(cfg.model, model.output_weight().device)
+    rollout_dtype = runtime.rollout_dtype(cfg.model, model.output_weight().device)
     model = copy.deepcopy(model)
     if cfg.rollout.lora_merge:
         merge_lora(model)

@@ -27,7 +27,7 @@ from twinplane.cluster.sync import SyncReport
 from twinplane.cluster.workers import CriticWorker, RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config, ConfigError
 from twinplane.model import ModelConfig
-from twinplane.platform import platform
+from twinplane.platform import runtime
 from twinplane.rollout import SamplingParams
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.stream import StreamRequest
@@ -130,7 +130,7 @@ class RayPlanes:
         self.trainer = _TrainerProxy(self, model_config)
         self.reference = _ReferenceProxy(self) if reference is not None or reference_is_base(cfg) else None
         self.critic = None if critic is None else _CriticProxy(self, self.critics or self.trainers)
-        self.rollout_dtype = platform.rollout_dtype(cfg.model, "cuda" if self.gpus else "cpu")
+        self.rollout_dtype = runtime.rollout_dtype(cfg.model, "cuda" if self.gpus else "cpu")
         self.rollout = _Engines(self)
         critics = f" + {spec.num_critics} critic rank(s)" if self.critics else ""
         log(f"ray: {spec.num_train} training rank(s) + {spec.num_engines} engine(s) "

@@ -13,7 +13,7 @@ import torch
 
 from twinplane.model.checksum import combine_checksums, tensor_checksum, weights_checksum
 from twinplane.model.lora import has_lora
-from twinplane.platform import platform
+from twinplane.platform import runtime
 
 Shapes = list[tuple[str, torch.Size]]
 
@@ -42,7 +42,7 @@ def broadcast_bucket(tensors: list[torch.Tensor] | None, bucket: Shapes, dtype: 
         flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
     else:
         flat = torch.empty(sum(s.numel() for _, s in bucket), dtype=dtype, device=device)
-    flat = platform.collective_tensor(flat, group)
+    flat = runtime.collective_tensor(flat, group)
     dist.broadcast(flat, src=src, group=group)
     out, offset = [], 0
     for name, shape in bucket:

@@ -29,7 +29,7 @@ from twinplane.model import ModelConfig, Transformer, load_weights
 from twinplane.model.checksum import combine_checksums, tensor_checksum
 from twinplane.model.export import export_shapes, exported
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
-from twinplane.platform import platform
+from twinplane.platform import hardware, runtime
 from twinplane.rollout import MultiTurnRollout, SamplingParams
 from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest, StreamResult
@@ -83,8 +83,8 @@ def free_address(host: str | None = None) -> tuple[str, int]:
 class _Worker:
     def __init__(self, spec: WorkerSpec, rank: int, gpu_ids: list[int] | None = None):
         self.spec, self.rank = spec, rank
-        self.device = platform.worker_device(spec.cfg.device, gpu_ids)
-        platform.setup(spec.cfg.seed, spec.cfg.cluster.cpus_per_worker)
+        self.device = runtime.worker_device(spec.cfg.device, gpu_ids)
+        runtime.setup(spec.cfg.seed, spec.cfg.cluster.cpus_per_worker)
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -95,7 +95,7 @@ class _Worker:
     def _init_groups(self, addr: str, port: int) -> None:
         s = self.spec
         timeout = datetime.timedelta(seconds=s.cfg.cluster.timeout_s)
-        dist.init_process_group(platform.dist_backend(self.device), init_method=f"tcp://{addr}:{port}",
+        dist.init_process_group(runtime.dist_backend(self.device), init_method=f"tcp://{addr}:{port}",
                                 rank=self.rank, world_size=s.world_size, timeout=timeout)
         # Every process creates every group, in the same order (torch.distributed requires it).
         if s.cfg.cluster.colocate:
@@ -106,7 +106,7 @@ class _Worker:
 
     def _build_engine(self, policy: dict[str, torch.Tensor], index: int) -> None:
         s = self.spec
-        dtype = platform.rollout_dtype(s.cfg.model, self.device)
+        dtype = runtime.rollout_dtype(s.cfg.model, self.device)
         model = build_model(s.model_config, policy, self.device, dtype, s.cfg.train.lora, s.cfg.rollout.lora_merge)
         adapters = has_lora(model)  # LoRA unmerged: only the adapters travel (fp32)
         # what a weight sync delivers, in the sender's order (`export_shapes`): the engine may not keep `model`
@@ -122,9 +122,9 @@ class _Worker:
         """Samples, and this rollout's engine counters (the driver merges every engine's into the plane's)."""
         self.engine.pop_stats()
         samples = self.rollout.generate(requests, sampling)
-        platform.synchronize(self.device)
+        hardware.synchronize(self.device)
         if self.spec.cfg.cluster.colocate:
-            platform.empty_cache(self.device)  # hand the KV cache's memory (released by the engine) to training
+            runtime.empty_cache(self.device)  # hand the KV cache's memory (released by the engine) to training
         return samples, self.engine.pop_stats()
 
     def stream_open(self, request: StreamRequest) -> None:
@@ -219,7 +219,7 @@ class TrainWorker(_CriticCalls, _Worker):
         self._init_groups(addr, port)
         s, cfg = self.spec, self.spec.cfg
         group = self.train_group if s.num_train > 1 else None  # one rank: the plain model, as the local backend
-        dtype = platform.resolve_dtype(cfg.model.dtype)
+        dtype = runtime.resolve_dtype(cfg.model.dtype)
         t = cfg.train
         model = shard_over(build_model(s.model_config, policy, self.device, dtype, t.lora), group, t.compute_dtype)
         self.trainer = Trainer(model, t, cfg.algo, cfg.rollout.temperature, s.total_steps, group, tis_cap=s.tis_cap,
@@ -246,9 +246,9 @@ class TrainWorker(_CriticCalls, _Worker):
         return self.reference.logprobs(batch).cpu()
 
     def train_step(self, batch) -> dict[str, float]:
-        platform.reset_peak_memory(self.device)
+        hardware.reset_peak_memory(self.device)
         m = self.trainer.train_step(batch)
-        return m | {"mem/peak_gb_train": platform.peak_memory_bytes(self.device) / 1e9}  # this rank's device
+        return m | {"mem/peak_gb_train": hardware.peak_memory_bytes(self.device) / 1e9}  # this rank's device
 
     def push_weights(self, version: int) -> dict | None:
         """Full weights, gathered from the FSDP shards one bucket at a time (every rank takes part in each
@@ -256,7 +256,7 @@ class TrainWorker(_CriticCalls, _Worker):
         loads its own engine. Returns the sender's checksum of what it sent, bytes and seconds."""
         cfg = self.spec.cfg
         cluster, lora = cfg.cluster, cfg.train.lora
-        dtype = platform.rollout_dtype(cfg.model, self.device)
+        dtype = runtime.rollout_dtype(cfg.model, self.device)
         # LoRA: only the adapters (fp32) when the engines hold them; merged weights when `rollout.lora_merge`
         adapters, merged = lora.rank > 0 and not cfg.rollout.lora_merge, lora.rank > 0 and cfg.rollout.lora_merge
         shapes = export_shapes(self.trainer.model, adapters, merged)  # a DTensor's shape is the full one
@@ -282,7 +282,7 @@ class TrainWorker(_CriticCalls, _Worker):
                     sent += sum(x.numel() for x in full) * send_dtype.itemsize
             if by_name is not None:
                 self.engine.load_weights(by_name, version=version)
-        platform.synchronize(self.device)
+        hardware.synchronize(self.device)
         if adapters:  # the engines' checksums cover the base too (computed once: it is frozen)
             per_tensor |= self.trainer.frozen_checksums(dtype)
         out = {"expected": combine_checksums(per_tensor), "bytes": sent, "seconds": time.perf_counter() - t0}
@@ -325,7 +325,7 @@ class CriticWorker(_CriticCalls, _Worker):
         s = self.spec
         index = self.rank - s.world_size  # placed after the training world's processes
         timeout = datetime.timedelta(seconds=s.cfg.cluster.timeout_s)
-        dist.init_process_group(platform.dist_backend(self.device), init_method=f"tcp://{addr}:{port}",
+        dist.init_process_group(runtime.dist_backend(self.device), init_method=f"tcp://{addr}:{port}",
                                 rank=index, world_size=s.num_critics, timeout=timeout)
         group = dist.group.WORLD if s.num_critics > 1 else None  # one rank: the plain model, as one process
         self.critic = build_critic(s.cfg, s.model_config, weights.items(), self.device, group)

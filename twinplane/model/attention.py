@@ -21,7 +21,7 @@ forward and pass it to `Transformer(..., meta=...)`; every decoder layer hands i
   Portable path ("sdpa"): gather each sequence's slots + SDPA. Fused paths reading the pool in place: "flex"
   (GPUs without flash-attn: FlexAttention over the pool with a BlockMask from the block tables, for the decodes;
   prefill chunks as the portable path) and "flash" (flash-attn's `flash_attn_varlen_func(..., block_table=...)`).
-Backends for a layout are chosen by the platform module (stored in `meta.backend`); every fast path keeps the
+Backends for a layout are chosen in `platform.backends` (stored in `meta.backend`); every fast path keeps the
 portable one and a test that they agree (tests/model/test_attention.py, tests/model/test_flex_block_mask.py,
 tests/train/test_packing.py, tests/rollout/test_paged_engine.py).
 """
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from twinplane.platform import platform
+from twinplane.platform import runtime
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -90,7 +90,7 @@ class AttentionMetadata:
                                                for s, p in enumerate(prefix)):
                 raise ValueError(f"prefix must name an earlier sequence without a prefix of its own, or -1: {prefix}")
         _, positions, _ = _documents(cu, prefix)  # [T]
-        return cls(platform.to_device(positions[None], device), cu_seqlens=platform.to_device(cu, device),
+        return cls(runtime.to_device(positions[None], device), cu_seqlens=runtime.to_device(cu, device),
                    cu_seqlens_host=cu.tolist(), max_seqlen=int(positions.max()) + 1, window=window, backend=backend,
                    prefix=prefix)
 
@@ -295,10 +295,10 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, window: int | None, prefix: list
 
     def kv_lists(blocks: torch.Tensor):  # [n, n] bool -> counts [1, 1, n], indices [1, 1, n, n] (listed first)
         order = torch.argsort(blocks.int(), dim=-1, descending=True, stable=True)
-        return (platform.to_device(blocks.sum(-1).to(torch.int32)[None, None], device),
-                platform.to_device(order.to(torch.int32)[None, None], device))
+        return (runtime.to_device(blocks.sum(-1).to(torch.int32)[None, None], device),
+                runtime.to_device(order.to(torch.int32)[None, None], device))
 
-    doc, pos, parent = (platform.to_device(t, device) for t in _documents(cu, prefix))
+    doc, pos, parent = (runtime.to_device(t, device) for t in _documents(cu, prefix))
 
     def document_causal(b, h, qi, ki):
         keep = ((doc[qi] == doc[ki]) & (ki <= qi)) | (parent[doc[qi]] == doc[ki])
@@ -378,8 +378,8 @@ def varlen_keys(meta: AttentionMetadata):
             for s, p in enumerate(meta.prefix):
                 spans += [(cu[p], cu[p + 1])] * (p >= 0) + [(cu[s], cu[s + 1])]
             key_lens = [n + (lens[p] if p >= 0 else 0) for n, p in zip(lens, meta.prefix, strict=True)]
-            cu_k = platform.to_device(torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32), dev)
-            keys = platform.to_device(torch.cat([torch.arange(a, b) for a, b in spans]), dev)
+            cu_k = runtime.to_device(torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32), dev)
+            keys = runtime.to_device(torch.cat([torch.arange(a, b) for a, b in spans]), dev)
         layout = meta.cache["torch_varlen"] = (meta.cu_seqlens, cu_k, max(lens), max(key_lens), keys, varlen_attn,
                                                frozenset(inspect.signature(varlen_attn).parameters))
     return layout

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from twinplane.model.config import ModelConfig
 from twinplane.model.flops import mlp_width
 from twinplane.model.lora import TARGETS
-from twinplane.platform.devices import DeviceSpec
+from twinplane.platform import devices
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Dtypes:
     engine: int = 2  # the rollout engine's weights and KV cache
 
     @classmethod
-    def for_device(cls, device: DeviceSpec) -> Dtypes:
+    def for_device(cls, device: devices.DeviceSpec) -> Dtypes:
         """bf16 mixed precision on GPUs; fp32 everything (no master copy) on the CPU."""
         return cls(4, 4, 0, 8, 4, 4) if device.key == "cpu" else cls()
 

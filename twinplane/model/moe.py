@@ -5,7 +5,7 @@ The block works on tokens [N, D] and never looks at attention or batch layout: c
 a packed stream) to tokens, and a `RoutingState` is indexed in that same token order.
 
 Expert compute: the N*k (token, expert) pairs are sorted by expert, so each expert runs one matmul over a
-contiguous slice. `torch._grouped_mm` does all experts in one call where `platform.grouped_mm_ok` says it
+contiguous slice. `torch._grouped_mm` does all experts in one call where `platform.backends.grouped_mm_ok` says it
 works; the per-expert loop is the portable fallback, and tests check that they agree.
 """
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinplane.model.config import ModelConfig
+from twinplane.platform import backends
 
 
 class RoutingState:
@@ -59,8 +60,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [N, D], idx [N, k] expert ids, weight [N, k] gate weights -> [N, D] = sum_j weight_j * expert_j(x)."""
-        from twinplane.platform.platform import grouped_mm_ok
-
         N, k = idx.shape
         E = self.gate_proj.shape[0]
         flat = idx.reshape(-1)  # [N*k]
@@ -70,7 +69,7 @@ class Experts(nn.Module):
         counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         xs = x[token]  # [N*k, D]
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.requires_grad)
-        if grouped_mm_ok(x.device, x.dtype, self.gate_proj.shape[1:], needs_grad):
+        if backends.grouped_mm_ok(x.device, x.dtype, self.gate_proj.shape[1:], needs_grad):
             ys = self.grouped(xs, counts)
         else:
             ys = self.loop(xs, counts)

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from twinplane.model.config import ModelConfig
 from twinplane.model.moe import checkpoint_to_param, param_to_checkpoint
 from twinplane.model.transformer import Transformer
+from twinplane.platform import runtime
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -118,13 +119,11 @@ def save_config(model: Transformer, out: str | Path) -> None:
 def load_model(path: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | str | None = None) -> Transformer:
     """Build the model from `path/config.json` and load its safetensors. dtype defaults to fp32."""
-    from twinplane.platform.platform import default_device, resolve_dtype
-
     cfg = ModelConfig.from_file(path)
-    device = torch.device(device) if device is not None else default_device()
+    device = torch.device(device) if device is not None else runtime.default_device()
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device=device).to(resolve_dtype(dtype))
+    model = model.to_empty(device=device).to(runtime.resolve_dtype(dtype))
     load_weights(model, iter_safetensors(path))
     return model.eval()
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from twinplane.model import ModelConfig, Transformer, iter_safetensors, load_weights
+from twinplane.platform import runtime
 from twinplane.tokenizer import load_tokenizer
 
 
@@ -26,11 +27,9 @@ class RewardModel:
 
     def __init__(self, path: str | Path, device: str | torch.device | None = None,
                  dtype: torch.dtype | str | None = None, batch_size: int = 8):
-        from twinplane.platform.platform import resolve_device, resolve_dtype
-
         path = Path(path)
-        self.device = resolve_device(None if device is None else str(device))
-        self.dtype = resolve_dtype(dtype)
+        self.device = runtime.resolve_device(None if device is None else str(device))
+        self.dtype = runtime.resolve_dtype(dtype)
         self.batch_size = batch_size
         self.tokenizer = load_tokenizer(path)
         # Tied embeddings = no LM head module: a classifier checkpoint has none, and nothing reads one.

@@ -37,7 +37,7 @@ from twinplane.errors import InputError
 from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_weights
 from twinplane.model.checksum import weights_checksum
 from twinplane.model.moe import RoutingState
-from twinplane.platform import platform
+from twinplane.platform import backends, runtime
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kernels import self_check as kernel_self_check
@@ -111,17 +111,17 @@ class RolloutEngine:
                  record_routing: bool = False, graphs: bool = True, graph_max_batch: int = 0,
                  kernels: str = "auto", batch_invariant: bool = False, keep_pool: bool = True,
                  run_ahead: bool = True):
-        """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `platform.kv_cache_budget`);
+        """`kv_cache_bytes`: the KV pool's budget (0 = automatic, see `runtime.kv_cache_budget`);
         `record_routing`: MoE, keep each token's experts per sparse layer in its sample; `graphs`: decode steps of
         up to `graph_max_batch` sequences (0 = max_num_seqs) as captured graphs where the platform can
         (twinplane.rollout.graphs); `kernels`: auto | triton | torch, the decode path's kernels
-        (`platform.rollout_kernels`, twinplane.rollout.kernels); `batch_invariant`: every GEMM through oneDNN's
+        (`backends.rollout_kernels`, twinplane.rollout.kernels); `batch_invariant`: every GEMM through oneDNN's
         packed kernels (CPU fp32), whose rows do not depend on how many rows share the call (`F.linear`'s MKL
         kernels round a row differently with the number of rows on Intel CPUs, ~4e-6, enough to flip a sampled
         token). Attention is not covered: its masked padding to the step's longest context still rounds a row by
         the batch (~1e-7). Dense models without separate LoRA adapters (experts and rank-r adapters run
         `F.linear`). `keep_pool`: keep the KV pool and the decode graphs over it between calls (else `release`
-        after each: an engine sharing its device with a trainer, `platform.keep_kv_pool`). `run_ahead`: with
+        after each: an engine sharing its device with a trainer, `runtime.keep_kv_pool`). `run_ahead`: with
         decode graphs, launch each decode step before reading back the one before it, so that the host's work
         between steps (reading tokens back, stop checks, scheduling, staging) overlaps the device's (see
         `engine_step`)."""
@@ -129,10 +129,10 @@ class RolloutEngine:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, graph_max_batch >= 0")
         self.model = model.eval().requires_grad_(False)
         self.device = model.output_weight().device
-        self.kernels, _ = platform.rollout_kernels(self.device, self.dtype, kernels, check=kernel_self_check)
+        self.kernels, _ = backends.rollout_kernels(self.device, self.dtype, kernels, check=kernel_self_check)
         use_kernels(self.model, self.kernels)  # (the reason above is doctor's)
         # CPU fp32: the GEMMs from pre-packed weights (twinplane.rollout.packed); `head` is the LM head's packing
-        packable = self.kernels == "torch" and platform.packed_linear_ok(self.device, self.dtype)
+        packable = self.kernels == "torch" and backends.packed_linear_ok(self.device, self.dtype)
         if batch_invariant and not packable:
             raise InputError(f"rollout.batch_invariant: needs the CPU float32 engine (oneDNN's packed GEMMs), not "
                              f"{self.device.type} {str(self.dtype).removeprefix('torch.')} with {self.kernels} "
@@ -151,10 +151,10 @@ class RolloutEngine:
         self.weight_version = 0
         self.on_weights = None  # called after each weight change
         # paged attention kernel and the pool's block size (twinplane.rollout.paged_attention), passed to every forward
-        self.backend, self.block_size = platform.paged_attention_backend(self.device, self.dtype, model.config.head_dim,
+        self.backend, self.block_size = backends.paged_attention_backend(self.device, self.dtype, model.config.head_dim,
                                                                          self.kernels, flex_check=flex_decode_agrees)
         # "cuda_graph" | "eager" from the platform; tests set "static" (the graph path's buffers, not captured)
-        self.graph_backend = platform.decode_graph_backend(self.device, graphs)
+        self.graph_backend = backends.decode_graph_backend(self.device, graphs)
         self.graph_max_batch = graph_max_batch or max_num_seqs
         self.warmth = decode_graphs.Warmth()  # what later captures need not redo (decode_graphs.Warmth)
         self.kv: KVCache | None = None
@@ -437,7 +437,7 @@ class RolloutEngine:
         # (float32 as `sample` uses them; Python's doubles rounded once, as .to(float32) would)
         u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32).to(logits.device)
         if fused:
-            from twinplane.rollout.kernels.sampler import sample_tokens
+            from twinplane.rollout.kernels.sampler import sample_tokens  # (imports Triton)
 
             tok, chosen = sample_tokens(logits, sp.temperature, u, banned, rows)  # [R], [R]
         else:
@@ -490,11 +490,11 @@ def request_caps(n: int, sampling: SamplingParams, max_new_tokens: Sequence[int]
 def pool_blocks(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int, reserved: int,
                 kv_cache_bytes: int, gpu_memory_utilization: float, tokens: int, held: int = 0) -> int:
     """Blocks of `block_size` tokens the KV budget holds beside `reserved` ones (`held`: bytes of the engine's
-    kept pool, `platform.kv_cache_budget`); an InputError when that is less
+    kept pool, `runtime.kv_cache_budget`); an InputError when that is less
     than one sequence of `tokens` tokens needs, which no preemption can help. Every `generate` checks its longest
     sequence here, and `twinplane train` the config's before loading anything (`preflight.check_kv_budget`)."""
     per_block = bytes_per_block(cfg, block_size, dtype)
-    budget = platform.kv_cache_budget(device, kv_cache_bytes, gpu_memory_utilization, held)
+    budget = runtime.kv_cache_budget(device, kv_cache_bytes, gpu_memory_utilization, held)
     usable, need = budget // per_block - reserved, -(-tokens // block_size)
     if usable < need:
         key = "rollout.kv_cache_gb" if kv_cache_bytes or device.type == "cpu" else \

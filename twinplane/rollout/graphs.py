@@ -20,7 +20,7 @@ builds its BlockMask from the same table on the device). Padding rows decode tok
 k/v into one extra pool block that no sequence is ever given, and attend to that block only; their outputs are
 dropped.
 
-Modes (the engine's `graph_backend`, from `platform.decode_graph_backend`, then `decode_mode` below):
+Modes (the engine's `graph_backend`, from `backends.decode_graph_backend`, then `decode_mode` below):
 - "cuda_graph": a (bucket, sampler) step is captured the first time a decode step of its size runs with those
   sampling parameters (`sampling_key`; an RL run keeps one), on the engine's side stream, into one memory pool
   shared by the engine's graphs, and replayed after the staging copy. The graphs point at the KV pool: the
@@ -49,7 +49,7 @@ import torch
 
 from twinplane.model import AttentionMetadata, Transformer
 from twinplane.model.moe import Experts
-from twinplane.platform import platform
+from twinplane.platform import backends
 from twinplane.rollout.kv_cache import KVCache
 from twinplane.rollout.packed import PackedWeight, linear
 from twinplane.rollout.paged_attention import PagedKV
@@ -83,7 +83,7 @@ def decode_mode(requested: str, model: Transformer, record_routing: bool) -> str
     if requested == "cuda_graph" and model.config.num_experts:
         experts = next(m for m in model.modules() if isinstance(m, Experts))
         w = experts.gate_proj
-        if not platform.grouped_mm_ok(w.device, w.dtype, tuple(w.shape[1:]), grad=False):
+        if not backends.grouped_mm_ok(w.device, w.dtype, tuple(w.shape[1:]), grad=False):
             return "eager"
     return requested
 
@@ -263,7 +263,7 @@ class DecodeGraphs:
         banned = self._banned[stop_ids] if stop_ids else None
         rows = st[:, BAN] != 0 if stop_ids else None
         if self.fused and top_k == 0 and top_p == 1.0:
-            from twinplane.rollout.kernels.sampler import sample_tokens
+            from twinplane.rollout.kernels.sampler import sample_tokens  # (imports Triton)
 
             tok, logp = sample_tokens(logits, temperature, u, banned, rows)
         else:

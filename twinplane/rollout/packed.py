@@ -4,7 +4,7 @@
 rows) that is a large share of the work. oneDNN keeps the weight in its blocked layout once
 (`_reorder_linear_weight`) and runs the GEMM from it (`_linear_pointwise`), the kernels inductor emits for frozen
 CPU linears. Inference only (no autograd), so only the engine's own copy of the model is packed; the platform
-decides where it applies (`platform.packed_linear_ok`: CPU fp32), and everywhere else stays `F.linear`.
+decides where it applies (`platform.backends.packed_linear_ok`: CPU fp32), and everywhere else stays `F.linear`.
 Attention's q/k/v and an MLP's gate/up are stacked into one packed GEMM each (`PackedAttention`, `PackedMLP`): at
 decode batch sizes a per-call cost dominates small GEMMs, and one wide GEMM runs closer to the machine's rate.
 

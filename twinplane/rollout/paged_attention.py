@@ -3,7 +3,7 @@
 One row [1, T] mixes one-token decodes and prefill chunks of many sequences whose earlier keys/values live in a
 block pool; `PagedKV` says where each token's k/v goes and which blocks each sequence reads. Every layer hands its
 q/k/v to `paged_attention`, which writes the new k/v into the pool at `slot_mapping`, then attends over each
-sequence's blocks with the backend in `meta.backend` (chosen by `platform.paged_attention_backend`):
+sequence's blocks with the backend in `meta.backend` (chosen by `platform.backends.paged_attention_backend`):
 - "sdpa" (portable, any device): gather each sequence's slots from the pool (one index_select per group), then
   SDPA: all decodes as one batched call, each prefill chunk on its own. Reads the context twice per layer.
   Prompts prefilled in one chunk (at the row's end: new admissions) need no gather: their keys are their own

@@ -24,7 +24,7 @@ from twinplane.errors import Preempted
 from twinplane.model import iter_safetensors, load_weights
 from twinplane.model.lora import adapter_numel, apply_lora, merge_lora
 from twinplane.model.lora_io import base_sha256, save_adapter
-from twinplane.platform import platform
+from twinplane.platform import hardware, runtime
 from twinplane.producer import Producer
 from twinplane.rollout import SamplingParams
 from twinplane.run import checkpoint, run_state
@@ -125,7 +125,7 @@ class Run:
         """The run dir's config, the warm start, LoRA, the reference, a checkpoint's weights and data position,
         then the planes (which copy the weights) and the controller."""
         s, cfg, r = self.s, self.cfg, self.cfg.rollout
-        dtype = platform.resolve_dtype(cfg.model.dtype)
+        dtype = runtime.resolve_dtype(cfg.model.dtype)
         if s.resume_from is None:  # on resume, written once the checkpoint has loaded (a bad one changes nothing)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.write_config()
@@ -156,7 +156,7 @@ class Run:
         self.controller = Controller(self.planes, s.scorer, s.tokenizer, sampling, cfg.train.mini_batches,
                                      recompute_old, algo=algo, critic_warmup=cfg.critic.warmup_steps,
                                      more_prompts=lambda: self.stream.next_batch(r.prompts_per_step),
-                                     on_phase=self.faults, peak_flops=platform.detect().peak_flops,
+                                     on_phase=self.faults, peak_flops=hardware.detect().peak_flops,
                                      producer=producer)
 
     def warm_start(self) -> None:

@@ -19,7 +19,7 @@ from twinplane.model import ModelConfig, Transformer, load_model
 from twinplane.model.lora import parse_targets
 from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
 from twinplane.model.weights import checkpoint_files
-from twinplane.platform import platform
+from twinplane.platform import backends, runtime
 from twinplane.rollout.engine import pool_blocks
 from twinplane.rollout.kernels import self_check as kernel_self_check
 from twinplane.rollout.paged_attention import flex_decode_agrees
@@ -91,12 +91,12 @@ def prompt_tokens(cfg: Config) -> int:
 def memory_inputs(cfg: Config, device: torch.device | str = "cpu") -> tuple[Dtypes, Workload]:
     """What the memory model (`twinplane.model.memory`) needs of a run on `device`: the bytes per element its
     settings give (AdamW's moments take the weights' dtype, which is the master copy) and the step's shape."""
-    precision = platform.train_precision(torch.device(device), cfg.model.dtype, cfg.train.compute_dtype)
+    precision = runtime.train_precision(torch.device(device), cfg.model.dtype, cfg.train.compute_dtype)
     b = precision.param.itemsize
     dt = Dtypes(param=b, grad=b, master=0, moments=2 * b, act=precision.compute.itemsize,
-                engine=platform.rollout_dtype(cfg.model, device).itemsize)
+                engine=runtime.rollout_dtype(cfg.model, device).itemsize)
     r, lora = cfg.rollout, cfg.train.lora
-    chunk = platform.logprob_chunk_tokens(device, cfg.train.logprob_chunk_tokens)
+    chunk = backends.logprob_chunk_tokens(device, cfg.train.logprob_chunk_tokens)
     w = Workload(r.prompts_per_step, r.n, prompt_tokens(cfg), r.max_new_tokens,  # (a response's every turn)
                  min(cfg.train.micro_batch_size, r.samples), chunk, lora.rank,
                  tuple(parse_targets(lora.targets)), build_algorithm(cfg).needs_reference, r.max_num_seqs)
@@ -137,10 +137,10 @@ def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: to
     sequences again); on GPUs with an automatic budget the memory free now is more than the engine will find, so
     this only refuses what can never fit."""
     r = cfg.rollout
-    dtype = platform.rollout_dtype(cfg.model, device)
-    kernels, _ = platform.rollout_kernels(device, dtype, r.kernels, check=kernel_self_check)
-    _, block_size = platform.paged_attention_backend(device, dtype, mc.head_dim, kernels, flex_check=flex_decode_agrees)
-    reserved = int(platform.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
+    dtype = runtime.rollout_dtype(cfg.model, device)
+    kernels, _ = backends.rollout_kernels(device, dtype, r.kernels, check=kernel_self_check)
+    _, block_size = backends.paged_attention_backend(device, dtype, mc.head_dim, kernels, flex_check=flex_decode_agrees)
+    reserved = int(backends.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
     pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,
                 prompt_tokens + r.max_new_tokens)
 

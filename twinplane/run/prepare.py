@@ -24,7 +24,7 @@ from twinplane.data.prompts import Prompt, encode_prompts
 from twinplane.data.tasks import ALPHABET, ArithmeticTask
 from twinplane.errors import InputError
 from twinplane.model import ModelConfig, Transformer, save_config, save_pretrained
-from twinplane.platform import platform
+from twinplane.platform import hardware, runtime
 from twinplane.rewards.runner import RewardRunner
 from twinplane.run import checkpoint, preflight, run_state
 from twinplane.run import run_dir as rundir
@@ -246,9 +246,9 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     if cfg.rollout.backend == "vllm" and mc.num_experts:
         raise ConfigError(f"rollout.backend=vllm: mixture-of-experts models ({mc.model_type}) are not in this "
                           "backend's weight sync; use rollout.backend=twinplane")
-    device = platform.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
+    device = runtime.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
     if cfg.cluster.backend == "local":
-        memory = platform.device_memory(device)
+        memory = hardware.device_memory(device)
         preflight.check_memory(cfg, mc, memory, f"this {device.type} device", device)
         preflight.check_kv_budget(cfg, mc, prompt_tokens, device)
     try:  # the template, rendered once on a sample: a missing or broken one fails before the model is loaded
@@ -260,8 +260,8 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
                          f"prompt ({preflight._first_line(e)})") from None
     resume_from, restart, claim = claim_run_dir(cfg, run_dir, resume, overwrite, delete_old, log) if own_run_dir \
         else (None, False, lambda: None)
-    platform.setup(cfg.seed, cfg.threads or None)
-    dtype = platform.resolve_dtype(cfg.model.dtype)
+    runtime.setup(cfg.seed, cfg.threads or None)
+    dtype = runtime.resolve_dtype(cfg.model.dtype)
     faults("load")
     if cfg.model.path:
         model = preflight.open_model(cfg.model.path, device, dtype)

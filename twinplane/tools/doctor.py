@@ -17,9 +17,14 @@ import time
 import torch
 
 import twinplane
-from twinplane.platform import platform
-from twinplane.rollout.kernels import self_check as kernelkernel_self_check
+from twinplane.model.attention import torch_varlen_agrees
+from twinplane.model.memory import Dtypes
+from twinplane.platform import backends, hardware, runtime
+from twinplane.rollout.kernels import self_check as rollout_kernel_check
 from twinplane.rollout.paged_attention import flex_decode_agrees
+from twinplane.sandbox import SandboxUnavailable, get_sandbox
+from twinplane.tools.plan import CPU
+from twinplane.train.chunked_logprobs import kernel_self_check as logprob_kernel_check
 
 
 def measure_bandwidth(device: torch.device, mbytes: int = 64, runs: int = 5) -> float:
@@ -27,17 +32,17 @@ def measure_bandwidth(device: torch.device, mbytes: int = 64, runs: int = 5) -> 
     src = torch.empty(mbytes * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    platform.synchronize(device)
+    hardware.synchronize(device)
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
         dst.copy_(src)
-        platform.synchronize(device)
+        hardware.synchronize(device)
         times.append(time.perf_counter() - t0)
     return 2 * src.numel() / max(statistics.median(times), 1e-9) / 1e9
 
 
-def _collective_version(info: platform.PlatformInfo) -> str | None:
+def _collective_version(info: hardware.PlatformInfo) -> str | None:
     if info.device_type != "cuda":
         return None
     try:
@@ -49,8 +54,6 @@ def _collective_version(info: platform.PlatformInfo) -> str | None:
 
 def sandbox_report() -> dict:
     """Which sandbox backend can run model-written code here (the python tool, the code reward)."""
-    from twinplane.sandbox import SandboxUnavailable, get_sandbox
-
     try:
         get_sandbox("bwrap")
         return {"backend": "bwrap", "isolated": True, "detail": "bwrap works (user, pid and network namespaces)"}
@@ -58,40 +61,34 @@ def sandbox_report() -> dict:
         return {"backend": None, "isolated": False, "detail": str(e)}
 
 
-def training_report(info: platform.PlatformInfo) -> dict:
+def training_report(info: hardware.PlatformInfo) -> dict:
     """What the training plane picks here with its "auto" settings (`train.compile`, `train.logprob_chunk_tokens`,
     the log-softmax after the LM head: on a GPU this runs its Triton self-check; packed attention with shared
     prompts at head dim 128: on a GPU this may run torch's varlen_attn self-check)."""
-    from twinplane.model.attention import torch_varlen_agrees
-    from twinplane.train.chunked_logprobs import kernel_self_check
-
     device = info.device_type
-    compute = platform.train_precision(torch.device(device), torch.float32).compute
-    return {"compile": platform.compile_layers(device), "logprob_chunk_tokens": platform.logprob_chunk_tokens(device),
-            "logprob_kernels": platform.logprob_kernels(torch.device(device), compute, check=kernel_self_check),
-            "packed_attention": platform.varlen_backend(torch.device(device), compute, True, 128,
+    compute = runtime.train_precision(torch.device(device), torch.float32).compute
+    return {"compile": backends.compile_layers(device), "logprob_chunk_tokens": backends.logprob_chunk_tokens(device),
+            "logprob_kernels": backends.logprob_kernels(torch.device(device), compute, check=logprob_kernel_check),
+            "packed_attention": backends.varlen_backend(torch.device(device), compute, True, 128,
                                                         check=torch_varlen_agrees)}
 
 
-def checkpoint_report(info: platform.PlatformInfo) -> dict:
+def checkpoint_report(info: hardware.PlatformInfo) -> dict:
     """A checkpoint's size per parameter with this device's dtypes (trainable weights as stored + AdamW moments)
     and, sharded over one training rank per device here, per rank."""
-    from twinplane.model.memory import Dtypes
-    from twinplane.tools.plan import CPU
-
     dt = Dtypes() if info.device_type == "cuda" else Dtypes.for_device(CPU)
     per_param = (dt.master or dt.param) + dt.moments
     ranks = max(1, info.device_count) if info.device_type == "cuda" else 1
     return {"bytes_per_param": per_param, "ranks": ranks, "gb_per_billion_params_per_rank": per_param / ranks}
 
 
-def rollout_report(info: platform.PlatformInfo) -> dict:
+def rollout_report(info: hardware.PlatformInfo) -> dict:
     """What the rollout engine would run here, and why: its kernels (`rollout.kernels=auto`; on a GPU this runs
     the Triton self-check), the paged attention backend and block size, and how decode steps run."""
     device = info.device
     dtype = torch.bfloat16 if device.type == "cuda" and info.bf16 else torch.float32
-    kernels, kernels_why = platform.rollout_kernels(device, dtype, check=kernelkernel_self_check)
-    backend, block = platform.paged_attention_backend(device, dtype, 64, kernels, flex_check=flex_decode_agrees)
+    kernels, kernels_why = backends.rollout_kernels(device, dtype, check=rollout_kernel_check)
+    backend, block = backends.paged_attention_backend(device, dtype, 64, kernels, flex_check=flex_decode_agrees)
     forced = os.environ.get("TWINPLANE_PAGED_BACKEND")
     prefill = "; prefill chunks: gather + SDPA"
     why = f"TWINPLANE_PAGED_BACKEND={forced}" if forced else {
@@ -100,7 +97,7 @@ def rollout_report(info: platform.PlatformInfo) -> dict:
         "flex": "FlexAttention passed its self-check here" + prefill,
         "sdpa": "the portable gather + SDPA" + (": no fused path passed its check" if device.type == "cuda" else
                                                f": the engine runs on {device.type}")}[backend]
-    graphs = platform.decode_graph_backend(device)
+    graphs = backends.decode_graph_backend(device)
     graphs_why = ("decode steps captured per batch bucket and replayed (HIP graphs on ROCm)" if graphs != "eager"
                   else f"decode steps run eagerly on {device.type}")
     return {"dtype": str(dtype)[6:], "kernels": kernels, "kernels_why": kernels_why, "paged_attention": backend,
@@ -108,17 +105,17 @@ def rollout_report(info: platform.PlatformInfo) -> dict:
 
 
 def report() -> dict:
-    info = platform.detect()
+    info = hardware.detect()
     gpu = info.device_type == "cuda"
     if gpu:
-        gemm_dtype, gemm = "bfloat16", platform.measure_gemm_flops(info.device, torch.bfloat16, 8192, 10)
+        gemm_dtype, gemm = "bfloat16", hardware.measure_gemm_flops(info.device, torch.bfloat16, 8192, 10)
         bandwidth = measure_bandwidth(info.device, 1024, 10)
     else:
-        gemm_dtype, gemm = "float32", platform.measure_gemm_flops("cpu", torch.float32, 1024, 5)
+        gemm_dtype, gemm = "float32", hardware.measure_gemm_flops("cpu", torch.float32, 1024, 5)
         bandwidth = measure_bandwidth(info.device)
     peak = info.peak_flops
     if not gpu and peak:  # the CPU peak is the best GEMM seen so far, this run's included: MFU never above 100%
-        peak = max(peak, platform.measure_gemm_flops("cpu", torch.float32, 1024, 5, best=True), gemm)
+        peak = max(peak, hardware.measure_gemm_flops("cpu", torch.float32, 1024, 5, best=True), gemm)
     build = f"rocm {info.hip_version}" if info.hip_version else f"cuda {info.cuda_version}" if info.cuda_version \
         else "cpu"
     a = info.attention
@@ -158,7 +155,7 @@ def report() -> dict:
     }
 
 
-def _plain_words(info: platform.PlatformInfo, gpu: bool) -> str:
+def _plain_words(info: hardware.PlatformInfo, gpu: bool) -> str:
     """One sentence a person can act on."""
     if gpu:
         kind = "AMD (ROCm)" if info.vendor == "amd" else "NVIDIA (CUDA)"

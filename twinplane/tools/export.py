@@ -106,7 +106,7 @@ def _umask() -> int:
 def _from_shards(ckpt: Path, fmt: str, out: Path) -> Path:
     """A sharded checkpoint's policy, built here from the `model.` entries of `policy/` alone (the optimizer's state
     is never read): an HF folder, or with LoRA the base with the adapters folded in, or the adapters (`peft`)."""
-    import torch
+    import torch  # (torch and the model load only for the exports that rebuild weights, here and below)
 
     from twinplane.model import ModelConfig, Transformer, save_pretrained
     from twinplane.model.lora import apply_lora, merge_lora
@@ -139,7 +139,7 @@ def _from_shards(ckpt: Path, fmt: str, out: Path) -> Path:
 
 
 def _read_shards(ckpt: Path, model) -> None:
-    from twinplane.train import sharded
+    from twinplane.train import sharded  # (loads torch.distributed.checkpoint)
 
     try:
         sharded.load_model_only(ckpt / "policy", model)
@@ -151,9 +151,9 @@ def _read_shards(ckpt: Path, model) -> None:
 
 def _lora_base(ckpt: Path, base: dict):
     """The LoRA base a checkpoint names, checked against its sha256, in the run's dtype on the CPU."""
-    from twinplane.model import load_model
+    from twinplane.model import load_model  # (these load torch: see `_from_shards`)
     from twinplane.model.lora_io import base_sha256
-    from twinplane.platform import platform
+    from twinplane.platform import runtime
     from twinplane.run.run_state import read_config
 
     base_dir = Path(base["path"])
@@ -162,13 +162,13 @@ def _lora_base(ckpt: Path, base: dict):
     if base_sha256(base_dir) != base["sha256"]:
         raise checkpoint.CheckpointError(f"{ckpt}: its LoRA base {base_dir} changed since the checkpoint "
                                          "(sha256 differs)")
-    return load_model(base_dir, device="cpu", dtype=platform.resolve_dtype(read_config(ckpt)["model"]["dtype"]))
+    return load_model(base_dir, device="cpu", dtype=runtime.resolve_dtype(read_config(ckpt)["model"]["dtype"]))
 
 
 def _merge(ckpt: Path, adapter: Path, out: Path) -> Path:
     """A LoRA checkpoint's base (checked against its sha256) with the adapters folded in, as an HF folder; the
     tokenizer and generation config come from the base folder."""
-    from twinplane.model import save_pretrained
+    from twinplane.model import save_pretrained  # (these load torch: see `_from_shards`)
     from twinplane.model.lora import merge_lora
     from twinplane.model.lora_io import apply_adapter
     from twinplane.run.run_state import read_lora_base

@@ -59,8 +59,7 @@ from twinplane.model.memory import (
     training_memory,
 )
 from twinplane.model.presets import PRESETS, preset, preset_name
-from twinplane.platform import platform
-from twinplane.platform.devices import BY_KEY, DeviceSpec
+from twinplane.platform import backends, devices
 
 GB = 1e9
 HEADROOM = 0.10  # fraction of device memory left free by every layout
@@ -76,7 +75,7 @@ HOST_LINK_GB_S = 25.0  # PCIe, for optimizer offload
 ALLREDUCE_LATENCY_S = 25e-6  # per TP all-reduce in a decode step (2 per layer)
 TP_EFFICIENCY = 0.8  # bandwidth efficiency lost to TP communication, per TP>1 engine
 TP_SIZES = (1, 2, 4, 8)
-CPU = DeviceSpec("cpu", "cpu", 1.0, 24, 0.05, ())  # the CPU check: memory numbers only
+CPU = devices.DeviceSpec("cpu", "cpu", 1.0, 24, 0.05, ())  # the CPU check: memory numbers only
 
 
 def size(nbytes: float) -> str:
@@ -86,7 +85,7 @@ def size(nbytes: float) -> str:
 
 @dataclass(frozen=True)
 class Cluster:
-    device: DeviceSpec
+    device: devices.DeviceSpec
     gpus: int  # per node
     nodes: int = 1
     price_per_gpu_hour: float = 0.0
@@ -195,7 +194,8 @@ def tp_sizes(cfg: ModelConfig, gpus_per_node: int) -> list[int]:
             and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0)]
 
 
-def rollout_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, engines: int, tp: int, in_flight: int) -> float:
+def rollout_seconds(cfg: ModelConfig, device: devices.DeviceSpec, w: Workload, engines: int, tp: int,
+                    in_flight: int) -> float:
     """Time to generate the step's samples on `engines` engines of TP `tp`, each decoding `in_flight` sequences
     at a time. A decode step reads the weights once and the KV of every sequence in flight (mean context =
     prompt + response/2), at DECODE_EFFICIENCY of HBM bandwidth (x TP_EFFICIENCY and two all-reduces per layer
@@ -219,7 +219,7 @@ def rollout_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, engines: 
     return passes * w.response_len * step + prefill
 
 
-def train_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, gpus: int, checkpointing: bool,
+def train_seconds(cfg: ModelConfig, device: devices.DeviceSpec, w: Workload, gpus: int, checkpointing: bool,
                   offload: bool) -> float:
     """Training FLOPs of the step (all prompt + response tokens; logits for the responses) at MFU; checkpointing
     recomputes the forward (x4/3); offload adds moving this device's share of the moments over PCIe, in before the
@@ -235,18 +235,18 @@ def train_seconds(cfg: ModelConfig, device: DeviceSpec, w: Workload, gpus: int, 
     return s
 
 
-def sync_payload(cfg: ModelConfig, device: DeviceSpec, lora_rank: int = 0) -> float:
+def sync_payload(cfg: ModelConfig, device: devices.DeviceSpec, lora_rank: int = 0) -> float:
     """Bytes one engine receives per sync: the weights in the rollout dtype, or only the fp32 LoRA adapters."""
     return float(lora_params(cfg, lora_rank) * 4 if lora_rank else cfg.num_params * Dtypes.for_device(device).engine)
 
 
-def resharding_bytes(cfg: ModelConfig, device: DeviceSpec, dp: int, lora_rank: int = 0) -> float:
+def resharding_bytes(cfg: ModelConfig, device: devices.DeviceSpec, dp: int, lora_rank: int = 0) -> float:
     """Bytes moved trainer -> engines per step: the payload, gathered once from the FSDP shards and sent to each
     of the `dp` engines (each TP rank of an engine receives 1/TP of it)."""
     return sync_payload(cfg, device, lora_rank) * dp
 
 
-def sync_seconds(cfg: ModelConfig, device: DeviceSpec, tp: int, colocated: bool, lora_rank: int = 0) -> float:
+def sync_seconds(cfg: ModelConfig, device: devices.DeviceSpec, tp: int, colocated: bool, lora_rank: int = 0) -> float:
     """All-gather the FSDP shards then broadcast (pipelined, so each rank receives its 1/TP share once at
     LINK_GB_S); colocated engines on the same devices still gather, so the cost is the same order."""
     w = sync_payload(cfg, device, lora_rank)
@@ -261,7 +261,7 @@ def cost_per_million(cluster: Cluster, step_s: float, w: Workload) -> float:
 # ---- layouts ------------------------------------------------------------------------------------------------
 
 
-def max_in_flight(cfg: ModelConfig, device: DeviceSpec, w: Workload, tp: int, budget: float) -> int:
+def max_in_flight(cfg: ModelConfig, device: devices.DeviceSpec, w: Workload, tp: int, budget: float) -> int:
     """Most sequences one engine rank can hold within `budget` bytes (weights, KV and workspace)."""
     dt = Dtypes.for_device(device)
     fixed = rollout_memory(cfg, dt, w, tp, seqs=0).total
@@ -516,7 +516,7 @@ def load_model_config(path: str) -> ModelConfig:
                             f"(presets: {', '.join(PRESETS)})")
 
 
-def from_run_config(path: Path, model: str | None = None, device: DeviceSpec = CPU,
+def from_run_config(path: Path, model: str | None = None, device: devices.DeviceSpec = CPU,
                     saved: bool = False) -> tuple[ModelConfig, Workload]:
     """The model and the step's shape of a twinplane run on `device`, from its config (`saved`: the run's own
     config.yaml; the demo's built-in model included)."""
@@ -539,9 +539,9 @@ def from_run_config(path: Path, model: str | None = None, device: DeviceSpec = C
     return mc, replace(w, logprob_chunk_tokens=chunk_tokens(device, cfg.train.logprob_chunk_tokens))
 
 
-def chunk_tokens(device: DeviceSpec, requested: int) -> int:
+def chunk_tokens(device: devices.DeviceSpec, requested: int) -> int:
     """`train.logprob_chunk_tokens` as a run on `device` resolves it (0 = the platform's choice)."""
-    return platform.logprob_chunk_tokens("cpu" if device is CPU else "cuda", requested)
+    return backends.logprob_chunk_tokens("cpu" if device is CPU else "cuda", requested)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--run-dir / --config")
     ap.add_argument("--run-dir", help="a run dir: its config.yaml gives the model, lengths and batch sizes")
     ap.add_argument("--config", help="a twinplane config YAML: the model, lengths and batch sizes of that run")
-    ap.add_argument("--gpu", required=True, help=f"device key: cpu, {', '.join(BY_KEY)}")
+    ap.add_argument("--gpu", required=True, help=f"device key: cpu, {', '.join(devices.BY_KEY)}")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs per node")
     ap.add_argument("--nodes", type=int, default=1, help="nodes (TP stays within a node)")
     ap.add_argument("--price-per-gpu-hour", type=float, default=2.0, help="$ per GPU-hour (default 2.0)")
@@ -568,9 +568,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="LoRA adapters of this rank on every attention/MLP linear (train.lora.rank; 0 = full)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ns = ap.parse_args(argv)
-    device = CPU if ns.gpu.lower() == "cpu" else BY_KEY.get(ns.gpu.lower())
+    device = CPU if ns.gpu.lower() == "cpu" else devices.BY_KEY.get(ns.gpu.lower())
     if device is None:
-        raise InputError(f"unknown --gpu {ns.gpu!r} (known: cpu, {', '.join(BY_KEY)})")
+        raise InputError(f"unknown --gpu {ns.gpu!r} (known: cpu, {', '.join(devices.BY_KEY)})")
     counts = ("gpus", "nodes", "prompts_per_step", "n", "prompt_len", "response_len", "micro_batch_size")
     bad = [f"--{k.replace('_', '-')} {getattr(ns, k)}: must be >= 1" for k in counts if getattr(ns, k) < 1]
     if ns.logprob_chunk_tokens < 0:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from twinplane.platform import platform
+from twinplane.platform import runtime
 
 
 def pad_rows(rows: Sequence[Sequence], value, dtype, left: bool = False, width: int | None = None) -> torch.Tensor:
@@ -91,9 +91,9 @@ class Batch:
         return Batch(**out)
 
     def to(self, device: torch.device) -> Batch:
-        """The batch on `device`; host tensors reach a GPU without waiting for its queue (`platform.to_device`)."""
+        """The batch on `device`; host tensors reach a GPU without waiting for its queue (`runtime.to_device`)."""
         def move(t: torch.Tensor) -> torch.Tensor:
-            return platform.to_device(t, device)
+            return runtime.to_device(t, device)
 
         return self._map(move, move)
 

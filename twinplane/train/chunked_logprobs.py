@@ -6,7 +6,7 @@ the backward recomputes each chunk's logits instead of saving them, the trade Li
 cross-entropy makes. Extra memory is a few [chunk, V] fp32 buffers instead of ~4 copies of [tokens, V].
 
 After each chunk's GEMM, the log-softmax, gather and entropy (and in backward the logits' gradient) run as torch's
-fp32 passes or, on GPUs where the platform picks them (`platform.logprob_kernels`), as one Triton kernel each over
+fp32 passes or, on GPUs where the platform picks them (`backends.logprob_kernels`), as one Triton kernel each over
 the logits in the GEMM's dtype (twinplane.train.logprob_kernels): one [chunk, V] buffer in that dtype, one read.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from twinplane.platform import platform
+from twinplane.platform import backends
 
 
 def _chunk_logprobs(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -90,7 +90,7 @@ def _torch_logit_grad(ctx, h, rows, g_lp, g_ent):
 
 
 def _triton_forward(ctx, hidden, weight, targets):
-    from twinplane.train.logprob_kernels import row_stats
+    from twinplane.train.logprob_kernels import row_stats  # (imports Triton)
 
     lp, ent, lse = [], [], []
     for s in range(0, hidden.shape[0], ctx.chunk):
@@ -107,7 +107,7 @@ def _triton_forward(ctx, hidden, weight, targets):
 
 def _triton_logit_grad(ctx, h, rows, g_lp, g_ent):
     """As `_torch_logit_grad`, from the Triton kernel, written over the recomputed logits in the GEMM's dtype."""
-    from twinplane.train.logprob_kernels import logit_grad_
+    from twinplane.train.logprob_kernels import logit_grad_  # (imports Triton)
 
     _, weight, targets, lse, ent = ctx.saved_tensors
     use_ent = ctx.with_entropy and g_ent is not None
@@ -117,7 +117,7 @@ def _triton_logit_grad(ctx, h, rows, g_lp, g_ent):
 
 
 def kernel_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
-    """The Triton kernels' self-check (`platform.logprob_kernels`)."""
+    """The Triton kernels' self-check (`backends.logprob_kernels`)."""
     from twinplane.train.logprob_kernels import self_check  # (imports Triton: only where it may be used)
 
     return self_check(device, dtype)
@@ -138,7 +138,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     t = temperature if temperature > 0 else 1.0
     if kernels is None:
-        kernels = platform.logprob_kernels(hidden.device, dtype, check=kernel_self_check)
+        kernels = backends.logprob_kernels(hidden.device, dtype, check=kernel_self_check)
     with torch.autocast(dev, enabled=False):
         return _ChunkedLogprobs.apply(hidden.to(dtype), weight.to(dtype), targets, t, chunk, with_entropy,
                                       kernels == "triton" and dtype != torch.float64)

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from twinplane.model import Transformer
 from twinplane.model.export import export_weights
-from twinplane.platform import platform
+from twinplane.platform import runtime
 from twinplane.train.balance import assign_rows
 from twinplane.train.batch import Batch
 
@@ -23,12 +23,12 @@ from twinplane.train.batch import Batch
 def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, compute_dtype: str = "auto") -> Transformer:
     """FSDP2 in place: one unit per decoder block, then the root (embedding, final norm, LM head, so tied
-    embeddings stay one parameter). The default policy is `platform.train_precision` (`train.compute_dtype`), the
+    embeddings stay one parameter). The default policy is `runtime.train_precision` (`train.compute_dtype`), the
     one a single rank uses too: on GPU bf16 compute over `model.dtype` master weights with fp32 gradient
     reductions; on CPU the weights' dtype throughout. `mesh` None is the default process group."""
     if mp_policy is None:
         w = model.output_weight()
-        mp_policy = mixed_precision(platform.train_precision(w.device, w.dtype, compute_dtype))
+        mp_policy = mixed_precision(runtime.train_precision(w.device, w.dtype, compute_dtype))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -49,7 +49,7 @@ def shard_over(model: Transformer, group, compute_dtype: str = "auto") -> Transf
     return shard_model(model, mesh=DeviceMesh.from_group(group, device.type), compute_dtype=compute_dtype)
 
 
-def mixed_precision(p: platform.Precision) -> MixedPrecisionPolicy:
+def mixed_precision(p: runtime.Precision) -> MixedPrecisionPolicy:
     """FSDP2's form of a precision policy: gathered params cast to the compute dtype, grads reduced in fp32."""
     if not p.mixed:
         return MixedPrecisionPolicy()
@@ -67,7 +67,7 @@ def split_for_rank(batch: Batch, rank: int, world: int) -> Batch:
 
 def all_reduce(x: float | int, group=None, op=dist.ReduceOp.SUM) -> float:
     """`x` reduced over `group`'s ranks in fp64 (token counts stay exact), on the device its backend takes."""
-    t = platform.collective_tensor(torch.tensor(float(x), dtype=torch.float64), group)
+    t = runtime.collective_tensor(torch.tensor(float(x), dtype=torch.float64), group)
     dist.all_reduce(t, op=op, group=group)
     return float(t)
 

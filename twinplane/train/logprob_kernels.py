@@ -11,7 +11,7 @@ p = exp(z - lse), d lp / d z = onehot(y) - p and d H / d z = -p (z - lse + H), t
 Numerics: fp32 throughout, the sums in another order than torch's (agreement ~1e-6 relative in fp32).
 Each function's torch reference is beside it; tests/train/test_logprob_kernels.py checks them against each other
 in Triton's CPU interpreter, and `self_check` does so on a GPU before the platform picks them
-(`platform.logprob_kernels`).
+(`platform.backends.logprob_kernels`).
 """
 
 from __future__ import annotations

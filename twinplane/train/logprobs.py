@@ -22,7 +22,7 @@ import torch
 from twinplane.model import AttentionMetadata, Transformer
 from twinplane.model.attention import torch_varlen_agrees
 from twinplane.model.moe import RoutingState
-from twinplane.platform import platform
+from twinplane.platform import backends, runtime
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.chunked_logprobs import token_logprobs
@@ -46,11 +46,11 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
         dev = batch.input_ids.device
         lengths, prefix, index, rows, where = layout or packed_layout(batch, share_prompts, routing)
         meta = AttentionMetadata.packed(lengths, dev, window=model.config.sliding_window, prefix=prefix,
-                                        backend=platform.varlen_backend(dev, _compute_dtype(model), prefix is not None,
+                                        backend=backends.varlen_backend(dev, _compute_dtype(model), prefix is not None,
                                                                         model.config.head_dim,
                                                                         model.config.sliding_window is not None,
                                                                         torch_varlen_agrees))
-        index, rows, where = (platform.to_device(t, dev) for t in (index, rows, where))
+        index, rows, where = (runtime.to_device(t, dev) for t in (index, rows, where))
         ids, mask = batch.input_ids.flatten()[index][None], None  # [1, T]
         targets = batch.response_ids.flatten()[where]  # [M]
     else:
@@ -173,7 +173,7 @@ def _compute_dtype(model: Transformer) -> torch.dtype:
 @torch.no_grad()
 def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size: int, group=None,
           max_tokens: int = 0, packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-          precision: platform.Precision | None = None, replay: bool = False,
+          precision: runtime.Precision | None = None, replay: bool = False,
           share_prompts: bool = False, device: torch.device | None = None) -> torch.Tensor:
     """Log-probs [N, R] without grad, micro-batched (reference log-probs, recomputed old log-probs), computed on
     `device` (default: the batch's), where the result is.
@@ -185,9 +185,9 @@ def score(model: Transformer, batch: Batch, temperature: float, micro_batch_size
     share = share_prompts and batch.routing is None  # (see packed_layout)
     for rows, mb, weight, layout, _ in device_micro_batches(batch, dev, micro_batch_size, group, max_tokens, packed,
                                                             share):
-        with platform.autocast(precision, dev) if precision is not None else contextlib.nullcontext():
+        with runtime.autocast(precision, dev) if precision is not None else contextlib.nullcontext():
             lp, _ = response_logprobs(model, mb, temperature, packed=packed, chunk_tokens=chunk_tokens,
                                       routing=routing_state(mb, replay, packed), layout=layout)
         if weight:
-            out[platform.to_device(rows, dev), :lp.shape[1]] = lp * mb.response_mask
+            out[runtime.to_device(rows, dev), :lp.shape[1]] = lp * mb.response_mask
     return out

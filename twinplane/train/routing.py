@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from twinplane.model import ModelConfig
 from twinplane.model.moe import RoutingState, expert_loads, load_balancing_loss, routing_agreement
-from twinplane.platform import platform
+from twinplane.platform import runtime
 from twinplane.train.batch import Batch
 
 
@@ -71,7 +71,7 @@ class RoutingStats:
     def metrics(self, group=None) -> dict[str, float]:
         loads, sums = self.loads, self.sums
         if group is not None:
-            loads, sums = (platform.collective_tensor(t, group) for t in (loads, sums))
+            loads, sums = (runtime.collective_tensor(t, group) for t in (loads, sums))
             for t in (loads, sums):
                 dist.all_reduce(t, group=group)
         imbalance = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max()

@@ -20,7 +20,7 @@ from twinplane.model import ModelConfig, Transformer
 from twinplane.model.checksum import tensor_checksum
 from twinplane.model.export import export_weights
 from twinplane.model.lora import adapters_disabled, has_lora, is_adapter
-from twinplane.platform import platform
+from twinplane.platform import backends, runtime
 from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.logprobs import device_micro_batches, response_logprobs, score
@@ -45,8 +45,8 @@ class Reference:
         self.group, self.max_tokens, self.replay = group, max_tokens, routing_replay
         self.train = train or TrainSection()
         self.device = model.output_weight().device
-        self.precision = platform.train_precision(self.device, model.output_weight().dtype, self.train.compute_dtype)
-        self.chunk_tokens = platform.logprob_chunk_tokens(self.device, self.train.logprob_chunk_tokens)
+        self.precision = runtime.train_precision(self.device, model.output_weight().dtype, self.train.compute_dtype)
+        self.chunk_tokens = backends.logprob_chunk_tokens(self.device, self.train.logprob_chunk_tokens)
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         t = self.train
@@ -74,10 +74,10 @@ class Trainer:
             model.parameters(), train.lr, train.betas, train.weight_decay, train.warmup_steps, total_steps,
             train.schedule, train.min_lr_ratio)
         self.device = model.output_weight().device
-        model.compile_layers = platform.compile_layers(self.device, train.compile)
+        model.compile_layers = backends.compile_layers(self.device, train.compile)
         # one policy for 1 and N ranks: FSDP casts the gathered params (shard_model), autocast does the rest
-        self.precision = platform.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
-        self.chunk_tokens = platform.logprob_chunk_tokens(self.device, train.logprob_chunk_tokens)
+        self.precision = runtime.train_precision(self.device, model.output_weight().dtype, train.compute_dtype)
+        self.chunk_tokens = backends.logprob_chunk_tokens(self.device, train.logprob_chunk_tokens)
         self._frozen_sums: dict[torch.dtype, dict[str, int]] = {}
         # a training forward that draws dropout masks (LoRA dropout) is not the policy itself (`Batch.old_is_current`)
         self.stochastic = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
@@ -115,7 +115,7 @@ class Trainer:
         correction's metrics (this rank's shares), computed on the device and read back with the step's others."""
         dev, mask = self.device, batch.response_mask
         ranks = 1 if self.group is None else dist.get_world_size(self.group)
-        old, rollout, on_dev = (platform.to_device(t, dev) for t in (batch.old_logprobs, batch.rollout_logprobs, mask))
+        old, rollout, on_dev = (runtime.to_device(t, dev) for t in (batch.old_logprobs, batch.rollout_logprobs, mask))
         w, keep, stats = self.algo.off_policy(old, rollout, on_dev, self.tis_cap,
                                               max(self._global(float(mask.sum())), 1), ranks)
         if keep is not None:
@@ -165,7 +165,7 @@ class Trainer:
             rs = routing_state(mb, self.algo.cfg.routing_replay, c.packing, keep_logits=moe is not None)
             if layout is not None and weight:
                 shared += tokens - sum(layout.lengths)
-            with platform.autocast(self.precision, self.device):
+            with runtime.autocast(self.precision, self.device):
                 lp, ent = response_logprobs(self.model, mb, self.temperature, with_entropy=True, packed=c.packing,
                                             chunk_tokens=self.chunk_tokens, routing=rs, layout=layout)
             m = mb.response_mask
@@ -176,7 +176,7 @@ class Trainer:
                 if tis:
                     is_weights = self.algo.off_policy(old, mb.rollout_logprobs, m, self.tis_cap)[0]
                     if weight:
-                        olds[platform.to_device(rows, self.device), :old.shape[1]] = old
+                        olds[runtime.to_device(rows, self.device), :old.shape[1]] = old
             loss, stats = self.algo.loss(lp, old, mb.advantages, m, entropy=ent, ref_logprobs=mb.ref_logprobs,
                                          is_weights=is_weights, norm=norm, num_tokens=num_tokens, horizon=horizon)
             if moe is not None:  # load-balancing loss, weighted by the micro-batch's share of the step's tokens
@@ -205,7 +205,7 @@ def step_readback(sums: dict[str, float | torch.Tensor], grad_norm: torch.Tensor
     keys = list(sums)
     vals = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device) for k in keys])
     if group is not None:
-        vals = platform.collective_tensor(vals, group)
+        vals = runtime.collective_tensor(vals, group)
         dist.all_reduce(vals, group=group)
     *vals, norm = torch.cat([vals, grad_norm.detach().to(vals.device, torch.float64).reshape(1)]).tolist()
     return dict(zip(keys, vals, strict=True)), norm

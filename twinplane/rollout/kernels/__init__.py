@@ -1,7 +1,7 @@
 """The rollout engine's decode-path kernels behind one seam: "torch" (the model's own modules, everywhere) or
 "triton" (fused kernels with one source for NVIDIA and AMD GPUs: Triton ships in torch's CUDA and ROCm wheels).
 
-The platform chooses (`platform.rollout_kernels`, from `rollout.kernels=auto|triton|torch`) and the engine applies
+`platform.backends.rollout_kernels` chooses (from `rollout.kernels=auto|triton|torch`) and the engine applies
 the choice to its own copy of the model with `use`: with "torch" nothing changes (the CPU path is the model's
 code as it is); with "triton" its modules become the variants in twinplane.rollout.kernels.layers, and the engine's
 sampling step takes the fused sampler. The kernels:
