@@ -1,5 +1,6 @@
 """The demo (`twinplane train`, default config) for several seeds, one after another: held-out greedy accuracy after
-the warm start and after RL, the gain, and each run's wall clock (the whole `twinplane train` process).
+the warm start and after RL, the gain, the warm start's steps (more than `warmstart.steps` when its decay waited for
+the model to learn) and each run's wall clock (the whole `twinplane train` process).
 
   python benchmarks/demo_seeds.py [--seeds 0-9] [--out benchmarks/results/demo_seeds.csv] [-- key=value ...]
 
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-FIELDS = ["date", "commit", "cpu", "torch", "seed", "warmstart_accuracy", "final_accuracy", "gain_points",
-          "wall_s", "load_1min", "args"]
+FIELDS = ["date", "commit", "cpu", "torch", "kernels", "seed", "warmstart_accuracy", "final_accuracy", "gain_points",
+          "warmstart_steps", "wall_s", "load_1min", "args"]
 
 
 def cpu_model() -> str:
@@ -66,7 +67,8 @@ def run_seed(seed: int, extra: list[str], root: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     ws, final = summary["warmstart_accuracy"], summary["final_accuracy"]
     return {"seed": seed, "warmstart_accuracy": f"{ws:.3f}", "final_accuracy": f"{final:.3f}",
-            "gain_points": f"{100 * (final - ws):.1f}", "wall_s": f"{wall:.0f}", "load_1min": f"{load:.1f}"}
+            "gain_points": f"{100 * (final - ws):.1f}", "warmstart_steps": summary["warmstart_steps"],
+            "wall_s": f"{wall:.0f}", "load_1min": f"{load:.1f}"}
 
 
 def main() -> None:
@@ -78,19 +80,21 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fixed = {"date": datetime.date.today().isoformat(), "commit": commit(), "cpu": cpu_model(),
-             "torch": torch.__version__, "args": " ".join(args.extra)}
+             "torch": torch.__version__, "kernels": torch.backends.cpu.get_cpu_capability(),
+             "args": " ".join(args.extra)}
     new = not out.exists()
     with tempfile.TemporaryDirectory() as tmp, out.open("a", newline="") as f:
         w = csv.DictWriter(f, FIELDS)
         if new:
             w.writeheader()
-        print(f"{'seed':>4}  {'warm start':>10}  {'final':>6}  {'gain':>6}  {'wall':>6}", flush=True)
+        print(f"{'seed':>4}  {'warm start':>10}  {'final':>6}  {'gain':>6}  {'steps':>5}  {'wall':>6}", flush=True)
         for seed in seeds(args.seeds):
             row = fixed | run_seed(seed, args.extra, Path(tmp))
             w.writerow(row)
             f.flush()
             print(f"{seed:>4}  {float(row['warmstart_accuracy']):>10.1%}  {float(row['final_accuracy']):>6.1%}  "
-                  f"{row['gain_points']:>6}  {row['wall_s']:>5}s  (load {row['load_1min']})", flush=True)
+                  f"{row['gain_points']:>6}  {row['warmstart_steps']:>5}  {row['wall_s']:>5}s  (load {row['load_1min']})",
+                  flush=True)
 
 
 if __name__ == "__main__":
