@@ -93,8 +93,8 @@ def main() -> None:
             w.writerow(row)
             f.flush()
             print(f"{seed:>4}  {float(row['warmstart_accuracy']):>10.1%}  {float(row['final_accuracy']):>6.1%}  "
-                  f"{row['gain_points']:>6}  {row['warmstart_steps']:>5}  {row['wall_s']:>5}s  (load {row['load_1min']})",
-                  flush=True)
+                  f"{row['gain_points']:>6}  {row['warmstart_steps']:>5}  {row['wall_s']:>5}s  "
+                  f"(load {row['load_1min']})", flush=True)
 
 
 if __name__ == "__main__":
