@@ -85,7 +85,7 @@ def _math_verify_timeout() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
-def math(completion: str, answer: str) -> float:
+def math_equivalent(completion: str, answer: str) -> float:
     """1.0 when the last `\\boxed{}` of the completion is mathematically equivalent to the reference (a bare
     expression, or a solution whose last `\\boxed{}` is taken), per math-verify: 1/2, 0.5 and \\frac{1}{2} agree.
     Answers math-verify cannot parse on either side fall back to whitespace-insensitive string equality."""
@@ -133,5 +133,5 @@ def format_ok(name: str, completion: str) -> float | None:
 
 # name -> per-sample verifier. CHEAP ones are pure regex/string work and run in the caller's process;
 # the rest (math: sympy can take unbounded time) run in the runner's worker process.
-VERIFIERS = {"gsm8k": gsm8k, "math": math, "exact_match": exact_match, "exact_int": exact_int_sample}
+VERIFIERS = {"gsm8k": gsm8k, "math": math_equivalent, "exact_match": exact_match, "exact_int": exact_int_sample}
 CHEAP = frozenset({"gsm8k", "exact_match", "exact_int"})

@@ -117,7 +117,7 @@ def checkpoint_named(config: ModelConfig, named: Iterable[tuple[str, torch.Tenso
     return [pair for n, t in named for pair in param_to_checkpoint(n, t, config.model_type)]
 
 
-def layout(config: ModelConfig) -> dict:
+def sync_layout(config: ModelConfig) -> dict:
     """What the engine's side of a sync needs of the model's shape (plain values: they may cross processes)."""
     return {"q": config.num_heads * config.head_dim, "kv": config.num_kv_heads * config.head_dim,
             "ffn": config.intermediate_size, "vocab": config.vocab_size, "tied": config.tie_word_embeddings}
@@ -258,7 +258,7 @@ class VllmEngine:
         named = checkpoint_named(self.config, named)
         payload = to_bytes(named) if self.own_process else named
         with self._awake():
-            self._checksum = self.llm.collective_rpc("twinplane_reload", args=(payload, layout(self.config)))[0]
+            self._checksum = self.llm.collective_rpc("twinplane_reload", args=(payload, sync_layout(self.config)))[0]
         self.weights_loaded(self.weight_version + 1 if version is None else version)
         return self._checksum
 

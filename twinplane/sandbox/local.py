@@ -25,15 +25,15 @@ log = logging.getLogger(__name__)
 
 _LAUNCHER = r"""
 import os, resource, sys
-def cap(res, soft, hard):
+def set_limit(res, soft, hard):
     top = resource.getrlimit(res)[1]
     fit = lambda v: v if top == resource.RLIM_INFINITY else min(v, top)
     resource.setrlimit(res, (fit(soft), fit(hard)))
 cpu, mem, fsize, nproc = map(int, sys.argv[1:5])
-cap(resource.RLIMIT_CPU, cpu, cpu + 1)
-cap(resource.RLIMIT_AS, mem, mem)
-cap(resource.RLIMIT_FSIZE, fsize, fsize)
-cap(resource.RLIMIT_NPROC, nproc, nproc)
+set_limit(resource.RLIMIT_CPU, cpu, cpu + 1)
+set_limit(resource.RLIMIT_AS, mem, mem)
+set_limit(resource.RLIMIT_FSIZE, fsize, fsize)
+set_limit(resource.RLIMIT_NPROC, nproc, nproc)
 os.execv(sys.argv[5], sys.argv[5:])
 """
 

@@ -78,7 +78,7 @@ TP_SIZES = (1, 2, 4, 8)
 CPU = devices.DeviceSpec("cpu", "cpu", 1.0, 24, 0.05, ())  # the CPU check: memory numbers only
 
 
-def size(nbytes: float) -> str:
+def human_bytes(nbytes: float) -> str:
     """Bytes in a unit that fits: MB below a GB, else GB."""
     return f"{nbytes / 1e6:.1f} MB" if nbytes < GB else f"{nbytes / GB:.1f} GB"
 
@@ -344,11 +344,11 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload,
            f"splitting weight reads, before TP's communication and coupling costs; not yet supported: "
            f"{_why(faster[0].refused)})") if faster else ""
     if best.tp == 1:
-        reasons = [f"TP=1: the {size(weights)} of {'bf16' if b == 2 else 'fp32'} weights fit on one "
+        reasons = [f"TP=1: the {human_bytes(weights)} of {'bf16' if b == 2 else 'fp32'} weights fit on one "
                    f"{dev.memory_gb:g} GB {dev.key} holding the KV cache of {best.seqs_in_flight} sequences per "
                    f"engine, so every {unit} runs an independent engine (no per-layer all-reduces){alt}"]
     else:
-        reasons = [f"TP={best.tp}: at TP=1 the weights ({size(weights)}) leave too little of the "
+        reasons = [f"TP={best.tp}: at TP=1 the weights ({human_bytes(weights)}) leave too little of the "
                    f"{dev.memory_gb:g} GB for KV cache (or training state); splitting them buys "
                    f"{best.seqs_in_flight} sequences in flight per engine"]
     if best.colocated:
@@ -358,7 +358,7 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload,
         how = "overlapping one step off-policy" if cluster.overlap else "alternating"
         reasons.append(f"disaggregated {best.train_gpus}+{best.rollout_gpus} ({how}): the training state and the "
                        "engine don't fit on the same GPUs, or splitting is faster")
-    reasons.append(f"peaks {size(best.train_mem)} training / {size(best.rollout_mem)} rollout of "
+    reasons.append(f"peaks {human_bytes(best.train_mem)} training / {human_bytes(best.rollout_mem)} rollout of "
                    f"{dev.memory_gb * (1 - HEADROOM):.0f} GB usable ({HEADROOM:.0%} headroom)")
     if best.checkpointing:
         reasons.append("activation checkpointing: the micro-batch's activations don't fit otherwise (+33% "

@@ -103,12 +103,12 @@ class Series:
         return v[0] if len(v) > 1 and all(abs(a - v[0]) <= 1e-12 * max(1.0, abs(v[0])) for a in v) else None
 
 
-def shown(rows: list[dict], key: str) -> Series:
+def in_chart_unit(rows: list[dict], key: str) -> Series:
     """A metric in the unit every chart draws it in (`unit`)."""
     return Series(rows, key, unit(key)[1])
 
 
-def same(a: Series, b: Series) -> bool:
+def same_series(a: Series, b: Series) -> bool:
     """Equal at every step (both nan counts as equal): drawn on one panel, one would hide the other."""
     return a.x == b.x and all(u == v or (math.isnan(u) and math.isnan(v)) or abs(u - v) <= 1e-9 * max(1.0, abs(u))
                               for u, v in zip(a.y, b.y, strict=True))
@@ -153,7 +153,7 @@ class Panel:
             why = f" ({zero_because})" if zero_because and value == 0 else ""
             self.notes.append(f"{label}: {_g(value)}{self.spec.unit} at every {self.spec.every}{why}")
             return
-        twin = next((lab for other, lab in self.drawn if same(s, other)), None)
+        twin = next((lab for other, lab in self.drawn if same_series(s, other)), None)
         if twin is not None:
             self.notes.append(f"{label} = {twin} at every {self.spec.every} (drawn once)")
             return
@@ -250,10 +250,10 @@ def plot_reward(rows: list[dict], fig, config: dict) -> bool:
     once, and the std (then sqrt(p(1-p)), set by the mean) is left out; otherwise reward (± std) and accuracy get
     a panel each."""
     rows = _train_rows(rows)
-    mean, std, acc = Series(rows, "reward/mean"), Series(rows, "reward/std"), shown(rows, "reward/accuracy")
+    mean, std, acc = Series(rows, "reward/mean"), Series(rows, "reward/std"), in_chart_unit(rows, "reward/accuracy")
     if not (mean or acc):
         return False
-    if mean and acc and same(Series(rows, "reward/mean", 100.0), acc):
+    if mean and acc and same_series(Series(rows, "reward/mean", 100.0), acc):
         def one(p: Panel) -> None:
             p.add(acc, "accuracy = reward mean (0/1 reward)", "C1")
             p.notes.append("reward std not drawn: for a 0/1 reward it is sqrt(p(1-p)), set by the mean")
@@ -276,7 +276,7 @@ def plot_reward(rows: list[dict], fig, config: dict) -> bool:
 def plot_validation(rows: list[dict], fig, config: dict) -> bool:
     keys = sorted({k for r in rows for k in r if k.startswith("val/") and isinstance(r[k], (int, float))},
                   key=lambda k: (k != "val/accuracy", k))
-    series = [(k, shown(rows, k)) for k in keys if "errors" not in k]
+    series = [(k, in_chart_unit(rows, k)) for k in keys if "errors" not in k]
     series = [(k, s) for k, s in series if s]
     if not series:
         return False
@@ -328,7 +328,7 @@ def plot_throughput(rows: list[dict], fig, config: dict) -> bool:
     tps = [(Series(rows, f"perf/{k}_tokens_per_s"), label, c) for k, label, c in (
         ("rollout", "rollout tokens/s", "C0"), ("train", "train tokens/s", "C1"),
         ("prefill", "engine prefill tokens/s", "C4"), ("decode", "engine decode tokens/s", "C5"))]
-    mfu = [(shown(rows, f"perf/mfu_{k}"), f"MFU {k}", c) for k, c in (("rollout", "C0"), ("train", "C1"))]
+    mfu = [(in_chart_unit(rows, f"perf/mfu_{k}"), f"MFU {k}", c) for k, c in (("rollout", "C0"), ("train", "C1"))]
     if not any(s for s, _, _ in tps + mfu):
         return False
 
@@ -347,7 +347,7 @@ def plot_throughput(rows: list[dict], fig, config: dict) -> bool:
 def plot_response_length(rows: list[dict], fig, config: dict) -> bool:
     rows = _train_rows(rows)
     mean, mx = Series(rows, "rollout/response_length_mean"), Series(rows, "rollout/response_length_max")
-    trunc = shown(rows, "rollout/truncated")
+    trunc = in_chart_unit(rows, "rollout/truncated")
     if not (mean or mx or trunc):
         return False
 
@@ -383,7 +383,7 @@ def plot_kl_entropy(rows: list[dict], fig, config: dict) -> bool:
             ("actor/logprob_gap", "log-prob gap (rollout vs train)", "mean |Δ log p| / token", ""),
             ("actor/tis_weight_mean", "TIS weight (mean)", "π_old / π_rollout", ""),  # asynchronous RL's correction
             ("actor/tis_clip_frac", "TIS weights capped", "capped (% of tokens)", "%"))):
-        s = shown(rows, k)
+        s = in_chart_unit(rows, k)
         if s:
             specs.append(Spec(ylabel, u, fill(s, label, f"C{i}", because.get(k, ""))))
     tis = ", truncated importance weights" if Series(rows, "actor/tis_weight_mean") else ""
@@ -407,7 +407,7 @@ def plot_engine(rows: list[dict], fig, config: dict) -> bool:
     """The rollout engine: occupancy, preemptions, KV-pool peak usage (%)."""
     rows = _train_rows(rows)
     running, pre = Series(rows, "rollout/running_seqs_mean"), Series(rows, "rollout/preemptions")
-    usage = shown(rows, "rollout/kv_cache_usage_peak")
+    usage = in_chart_unit(rows, "rollout/kv_cache_usage_peak")
     if not (running or usage):
         return False
     specs = [Spec("sequences", "", lambda p: p.add(running, "running sequences (mean)", "C0")),
@@ -450,7 +450,7 @@ def plot_async(rows: list[dict], fig, config: dict) -> bool:
     at once next to the step's wall time, and the groups regenerated, filtered or left waiting, and the tokens
     in flight at each weight update."""
     rows = _train_rows(rows)
-    if not any(shown(rows, k) for k in _async_keys(rows)):
+    if not any(in_chart_unit(rows, k) for k in _async_keys(rows)):
         return False
     bound = _cfg(config, "cluster.max_staleness")
     bound = bound if isinstance(bound, (int, float)) and not isinstance(bound, bool) else None
@@ -471,7 +471,7 @@ def plot_async(rows: list[dict], fig, config: dict) -> bool:
     def histogram(p: Panel) -> None:
         """Stacked in % of the step's trained groups, freshest at the bottom; a band at 0% on every step is a
         note, and a histogram the same at every step is notes only."""
-        bands = [(int(_STALE_FRAC.match(k)[1]), shown(rows, k)) for k in _stale_fracs(rows)]
+        bands = [(int(_STALE_FRAC.match(k)[1]), in_chart_unit(rows, k)) for k in _stale_fracs(rows)]
         bands = [(s, ser) for s, ser in bands if ser]
         for s, ser in bands:
             if ser.constant() == 0:
