@@ -2,7 +2,8 @@
 
 One handler around every command decides the exit code (see `twinplane.errors`): 0 done, 2 bad input, 75
 preempted, 130 interrupted, 1 a bug (with its traceback and a line saying so). Signal handlers are installed
-before anything heavy is imported, so a stop request is handled from the first second.
+before anything heavy is imported, so a stop request is handled from the first second: twinplane's modules (and
+with them torch) are imported inside the command that needs them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _error(msg: object) -> None:
 
 def algorithms_help() -> str:
     """The `algo.name` presets, one line each with the paper (from the algorithm modules' registrations)."""
-    from twinplane.algos import PRESETS
+    from twinplane.algos import PRESETS  # (a command's import: see the module docstring)
 
     order = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "dapo", "ppo")
     names = [n for n in order if n in PRESETS] + [n for n in PRESETS if n not in order]
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print("twinplane: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except Exception as e:
-        from twinplane.cluster.planes import WorkerError
+        from twinplane.cluster.planes import WorkerError  # (a command's import: see the module docstring)
 
         if isinstance(e, WorkerError):  # a crash, not bad input: exit 1 lets `supervise` resume
             _error(e)
@@ -131,7 +132,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
 
 
 def _main(argv: list[str], stop: StopRequests) -> int:
-    from twinplane.config import ConfigError, load_config
+    from twinplane.config import ConfigError, load_config  # (a command's import: see the module docstring)
 
     parser, _ = _parser()
     if argv[:1] == ["supervise"] or (argv and argv[0] in TOOLS):
@@ -152,7 +153,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     if ns.command == "train" and ns.max_restarts != 0:
         if ns.max_restarts < 0:
             raise ConfigError(f"--max-restarts: must be >= 0, got {ns.max_restarts}")
-        from twinplane.tools.supervise import supervise
+        from twinplane.tools.supervise import supervise  # (a command's import: see the module docstring)
 
         child = [a for i, a in enumerate(argv) if not a.startswith("--max-restarts")
                  and not (i > 0 and argv[i - 1] == "--max-restarts")]
@@ -175,6 +176,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         args = [f"model.path={ns.model}", *data, f"reward.name={ns.reward}", f"eval.n={ns.n}",
                 f"eval.temperature={ns.temperature}", *args]
     cfg = load_config(path, args)
+    # (a command's imports: see the module docstring)
     from twinplane.run import loop
     from twinplane.run.prepare import prepare
     from twinplane.run.run_dir import RunFinished
@@ -198,7 +200,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
 
 
 def _eval(loop, setup, cfg, ns) -> int:
-    from twinplane.cluster import build_engine, build_rollout
+    from twinplane.cluster import build_engine, build_rollout  # (a command's import: see the module docstring)
 
     try:
         engine = build_engine(cfg, setup.model, setup.tokenizer)
@@ -228,7 +230,7 @@ def _check_writable(out: Path) -> None:
 
 
 def _export(source: Path, out: Path, fmt: str) -> int:
-    from twinplane.tools.export import export
+    from twinplane.tools.export import export  # (a command's import: see the module docstring)
 
     try:
         out, what = export(source, out, fmt)

@@ -278,7 +278,7 @@ def _flex_decodes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def _triton_decodes(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.Tensor:
     """The decode group -> [H, d, D] through the Triton paged decode kernel (twinplane.rollout.kernels.paged_decode),
     which reads each sequence's blocks of the pool in place."""
-    from twinplane.rollout.kernels.paged_decode import paged_decode
+    from twinplane.rollout.kernels.paged_decode import paged_decode  # (imports Triton: only where it runs)
 
     p, d = meta.paged, meta.paged.num_decodes
     y = paged_decode(q[0, :, :d].transpose(0, 1), p.k_cache[layer], p.v_cache[layer], p.block_tables[:d],

@@ -41,6 +41,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from twinplane.config import ConfigError, load_config
+from twinplane.data.tasks import ALPHABET
 from twinplane.errors import InputError
 from twinplane.model import ModelConfig
 from twinplane.model.flops import (
@@ -60,6 +62,9 @@ from twinplane.model.memory import (
 )
 from twinplane.model.presets import PRESETS, preset, preset_name
 from twinplane.platform import backends, devices
+from twinplane.run.preflight import memory_inputs
+from twinplane.run.prepare import demo_model_config
+from twinplane.tokenizer import build_char_tokenizer
 
 GB = 1e9
 HEADROOM = 0.10  # fraction of device memory left free by every layout
@@ -145,8 +150,6 @@ class TrainCheck:
     def refusal(self, layout: Layout) -> str:
         """`train`'s one-line error for this layout, or "" when it accepts it (TP > 1: no engine of `train`'s
         splits the model, so no setting of it runs one)."""
-        from twinplane.config import ConfigError
-
         base = _base_config(self.config, self.overrides, self.saved)
         if isinstance(base, str):
             return base
@@ -177,8 +180,6 @@ NO_TP = "TP>1: tensor-parallel engines are not in this version (each engine hold
 @functools.lru_cache(maxsize=64)  # (parsing overrides is slow; every layout of a plan starts from the same base)
 def _base_config(config: str | None, overrides: tuple[str, ...], saved: bool = False):
     """The run's config with the step's shape, or `train`'s error for it (then every layout is refused with it)."""
-    from twinplane.config import ConfigError, load_config
-
     try:
         return load_config(config, overrides, saved=saved)
     except ConfigError as e:
@@ -520,21 +521,13 @@ def from_run_config(path: Path, model: str | None = None, device: devices.Device
                     saved: bool = False) -> tuple[ModelConfig, Workload]:
     """The model and the step's shape of a twinplane run on `device`, from its config (`saved`: the run's own
     config.yaml; the demo's built-in model included)."""
-    from twinplane.config import load_config
-
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such config file")
     cfg = load_config(path, [f"model.path={model}"] if model else [], saved=saved)
     if cfg.model.path:
         mc = load_model_config(cfg.model.path)
     else:
-        from twinplane.data.tasks import ALPHABET
-        from twinplane.run.prepare import demo_model_config
-        from twinplane.tokenizer import build_char_tokenizer
-
         mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
-    from twinplane.run.preflight import memory_inputs
-
     w = memory_inputs(cfg)[1]  # (the step's shape as `train`'s memory gate sees it)
     return mc, replace(w, logprob_chunk_tokens=chunk_tokens(device, cfg.train.logprob_chunk_tokens))
 

@@ -59,6 +59,7 @@ def load_config(run_dir: Path) -> dict:
     ReportError an unknown key gets (the panels would read the wrong setting)."""
     import yaml
 
+    # (here, not at the top: the config loads torch, which a report of a run without one never needs)
     from twinplane.config import ConfigError, without_removed
 
     path = run_dir / "config.yaml"

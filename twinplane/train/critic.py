@@ -20,6 +20,7 @@ from twinplane.train import fsdp
 from twinplane.train.batch import Batch
 from twinplane.train.logprobs import device_micro_batches
 from twinplane.train.optim import build_optimizer, load_named_optimizer_state, named_optimizer_state
+from twinplane.train.trainer import clip_and_step, step_readback
 
 
 class ValueModel(Transformer):
@@ -96,8 +97,6 @@ class Critic:
         """One optimizer step of the clipped value loss on `batch` (needs `old_values` and `returns`), a token mean
         (or sum, `loss_agg`) over the global batch. Metrics: critic/vf_loss, critic/vf_clipfrac, critic/grad_norm,
         kept on the device until the step's one read."""
-        from twinplane.train.trainer import clip_and_step, step_readback
-
         self.model.train()
         num_tokens = batch.num_response_tokens
         if self.group is not None:

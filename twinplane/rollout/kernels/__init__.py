@@ -26,7 +26,7 @@ from torch import nn
 def use(model: nn.Module, kernels: str) -> None:
     """Run `model` (an engine's own copy) on the `kernels` side of the seam."""
     if kernels == "triton":
-        from twinplane.rollout.kernels.layers import swap
+        from twinplane.rollout.kernels.layers import swap  # (imports Triton: only where it runs)
 
         swap(model)
 
@@ -37,6 +37,7 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     torch reference: None when all agree
     within the dtype's tolerance, else which one did not. Raises what Triton raises (no compiler, a failed
     compile)."""
+    # (the kernels import Triton: this package's seam imports without it)
     from twinplane.rollout.kernels.activation import silu_mul, silu_mul_torch
     from twinplane.rollout.kernels.norm import rms_norm, rms_norm_torch
     from twinplane.rollout.kernels.paged_decode import paged_decode, paged_decode_torch

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from twinplane.model.transformer import rope
+
 
 @triton.jit
 def _rope_write(Q, K, V, Cos, Sin, Slots, QOut, KOut, KPool, VPool,
@@ -90,8 +92,6 @@ def rope_write_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                      k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor,
                                                                                                  torch.Tensor]:
     """The reference: `rope` on q and k as the model applies it, and the pool write of `paged_attention`."""
-    from twinplane.model.transformer import rope
-
     c, s = cos[:, None], sin[:, None]  # [T, 1, hd]
     q, k = rope(q, c, s), rope(k, c, s)
     k_pool.flatten(0, 1).index_copy_(0, slots, k)
