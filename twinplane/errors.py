@@ -17,5 +17,14 @@ class InputError(ValueError):
     """Bad input from the user; the message is one line that names the file, key or argument at fault."""
 
 
+def first_line(e: BaseException, typed: bool = False) -> str:
+    """An exception's message as one line of an error message of ours: its first non-blank line, at most 200
+    characters (a message without one: the exception's type name). `typed`: after the type name (`KeyError: 'x'`)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return f"{type(e).__name__}: {lines[0][:200]}" if typed else lines[0][:200]
+
+
 class Preempted(Exception):
     """A SIGTERM/SIGINT was handled: whatever could be saved is saved, and `--resume auto` continues."""

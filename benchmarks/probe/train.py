@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from twinplane.errors import first_line
 from twinplane.platform import backends, hardware
 
 from .report import host_table, kernel_table, op_table, sync, sync_sites, timed
@@ -241,7 +242,7 @@ def attention_section(a, device) -> dict:
                           "forward_tflops": fwd_flops / fwd / 1e12,
                           "forward_backward_tflops": 3.5 * fwd_flops / both / 1e12}
             except Exception as e:  # (a backend this device or torch lacks: recorded, the next one runs)
-                row[b] = {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+                row[b] = {"error": first_line(e)}
         out["layouts"][name] = row
     return out
 

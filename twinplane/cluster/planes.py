@@ -270,24 +270,14 @@ class _LocalStream:
     def __init__(self, stream: EngineStream):
         self.stream = stream
 
-    def call(self, add: list[GroupRequest], steps: int | None, until: int | None) -> Now:
-        return Now(self.stream.call(add, steps, until))
+    def call(self, add: list[GroupRequest], steps: int | None, until: int | None) -> Done:
+        return Done(self.stream.call(add, steps, until))
 
     def state(self) -> dict:
         return self.stream.state()
 
     def load_state(self, state: dict) -> None:
         self.stream.load_state(state)
-
-
-class Now:
-    """A result that is already there, as a handle."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 def load_critic_state(critic, state: dict | None, shards: Path | None = None) -> None:

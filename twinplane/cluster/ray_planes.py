@@ -26,6 +26,7 @@ from twinplane.cluster.planes import WorkerError, load_critic_state, reference_i
 from twinplane.cluster.sync import SyncReport
 from twinplane.cluster.workers import CriticWorker, RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config, ConfigError
+from twinplane.errors import first_line
 from twinplane.model import ModelConfig
 from twinplane.platform import runtime
 from twinplane.rollout import SamplingParams
@@ -66,7 +67,7 @@ class RayPlanes:
                 with _keeping_signal_handlers():
                     ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
             except (ConnectionError, RuntimeError, ValueError) as e:
-                raise ConfigError(f"cluster.address={c.address}: cannot start or join Ray ({_first_line(e)})") from None
+                raise ConfigError(f"cluster.address={c.address}: cannot start or join Ray ({_ray_error(e)})") from None
         self.pg, self.actors, self.weight_version = None, {}, 0
         try:
             self._start(cfg, model_config, tokenizer, policy, reference, critic, total_steps, tis_cap, log)
@@ -159,14 +160,14 @@ class RayPlanes:
             try:
                 results[ref] = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                raise WorkerError(f"{self._name(actor)} died during {what}: {_first_line(e)}") from None
+                raise WorkerError(f"{self._name(actor)} died during {what}: {_ray_error(e)}") from None
             except ray.exceptions.RayError as e:
                 if failure is None:
                     failure = (actor, e)
                     deadline = min(deadline, time.monotonic() + 10.0)  # time for a dead peer to show itself
         if failure is not None:
             actor, e = failure
-            raise WorkerError(f"{self._name(actor)} failed during {what}: {_first_line(e)}")
+            raise WorkerError(f"{self._name(actor)} failed during {what}: {_ray_error(e)}")
         return [results[ref] for _, ref in calls]
 
     def _per_rank(self, method: str, batch: Batch, actors: list | None = None) -> tuple[list, list[list[int]]]:
@@ -355,12 +356,11 @@ def _keeping_signal_handlers() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _first_line(e: BaseException) -> str:
-    """The worker's own exception (`RayTaskError.cause`) in one line, else the last line of Ray's message."""
+def _ray_error(e: BaseException) -> str:
+    """What a Ray call's failure says, in one line: the worker's own exception (`RayTaskError.cause`, as
+    `first_line` has it), else the last line of Ray's message (where Ray writes the exception, after a traceback)."""
     cause = getattr(e, "cause", None)
     if isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayError):
-        text = f"{type(cause).__name__}: {cause}"
-    else:
-        text = str(e)
-    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines() if ln.strip()]
+        return first_line(cause, typed=True)
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines() if ln.strip()]
     return lines[-1] if lines else type(e).__name__

@@ -16,6 +16,7 @@ import yaml
 
 from twinplane.config.keys import _all_keys, _fields, _settings, choices
 from twinplane.config.sections import Config, ConfigError
+from twinplane.errors import first_line
 
 
 def _coerce(value, t, key: str):
@@ -241,7 +242,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"{path}: invalid YAML ({first_line(e)})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
         if saved:

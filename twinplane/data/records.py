@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from twinplane.errors import InputError
+from twinplane.errors import InputError, first_line
 
 JSON_SUFFIXES = (".jsonl", ".json")
 
@@ -81,7 +81,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | _RowError]]:
                     continue
                 yield where, row if isinstance(row, dict) else _RowError(f"expected a JSON object, got {_kind(row)}")
     except (OSError, EOFError, zlib.error) as e:  # not gzip, or cut short (a partial download)
-        raise DataError(f"{path}: unreadable after line {lineno} ({_first_line(e)})") from None
+        raise DataError(f"{path}: unreadable after line {lineno} ({first_line(e)})") from None
 
 
 def _json_array_rows(path: Path) -> Iterator[tuple[str, dict | _RowError]]:
@@ -117,7 +117,7 @@ def _parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a corrupt or non-Parquet file
-        raise DataError(f"{path}: not a readable Parquet file ({_first_line(e)})") from None
+        raise DataError(f"{path}: not a readable Parquet file ({first_line(e)})") from None
 
     def rows() -> Iterator[tuple[str, dict]]:
         n = 0
@@ -127,7 +127,7 @@ def _parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
                     n += 1
                     yield f"{path}: row {n}", row
         except Exception as e:  # a corrupt row group: pyarrow raises OSError or ArrowInvalid
-            raise DataError(f"{path}: not a readable Parquet file after row {n} ({_first_line(e)})") from None
+            raise DataError(f"{path}: not a readable Parquet file after row {n} ({first_line(e)})") from None
 
     return list(pf.schema_arrow.names), rows()
 
@@ -138,7 +138,7 @@ def _saved_dataset_rows(path: Path, split: str | None) -> tuple[list[str], Itera
         try:
             splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
         except (ValueError, AttributeError) as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
-            raise DataError(f"{path / 'dataset_dict.json'}: not a datasets split list ({_first_line(e)})") from None
+            raise DataError(f"{path / 'dataset_dict.json'}: not a datasets split list ({first_line(e)})") from None
         if split is None:
             raise DataError(f"{path}: a DatasetDict folder with splits {', '.join(splits)}; "
                             f"pass split=<name> or point at the split's folder, e.g. {path / splits[0]}"
@@ -157,17 +157,13 @@ def _saved_dataset_rows(path: Path, split: str | None) -> tuple[list[str], Itera
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # a damaged folder: datasets raises FileNotFoundError, ValueError, pyarrow errors...
-        raise DataError(f"{path}: not a loadable saved dataset ({_first_line(e)})") from None
+        raise DataError(f"{path}: not a loadable saved dataset ({first_line(e)})") from None
 
     def rows() -> Iterator[tuple[str, dict]]:
         for i, row in enumerate(ds):
             yield f"{path}: row {i + 1}", row
 
     return list(ds.column_names), rows()
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # ---- rows -> records ---------------------------------------------------------------------------------------

@@ -512,13 +512,14 @@ def _id_tensor(ids: frozenset[int], device: torch.device) -> torch.Tensor:
 
 
 class Done:
-    """A rollout that has already run, behind the async handle interface (`result()`, then `stats`)."""
+    """Work that has already run, behind the async handle interface: `result()` is its value at once (a rollout's
+    samples, a stream call's result), then `stats` the engine's counters for it."""
 
-    def __init__(self, samples: list[Sample], stats: EngineStats | None = None):
-        self.samples, self.stats = samples, stats or EngineStats()
+    def __init__(self, value, stats: EngineStats | None = None):
+        self.value, self.stats = value, stats or EngineStats()
 
-    def result(self) -> list[Sample]:
-        return self.samples
+    def result(self):
+        return self.value
 
 
 def engine_options(rollout) -> dict:

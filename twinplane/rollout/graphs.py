@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from twinplane.errors import first_line
 from twinplane.model import AttentionMetadata, Transformer
 from twinplane.model.moe import Experts
 from twinplane.platform import backends
@@ -319,9 +320,8 @@ class DecodeGraphs:
                     graph.capture_end()
             main.wait_stream(side)
         except (RuntimeError, ValueError) as e:  # CUDA's errors, and ValueError for a tensor off the GPU
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            warnings.warn(f"rollout engine: capturing the decode graph of batch {size} failed ({first}); decoding "
-                          "eagerly from now on (rollout.graphs=false turns graphs off)", stacklevel=3)
+            warnings.warn(f"rollout engine: capturing the decode graph of batch {size} failed ({first_line(e)}); "
+                          "decoding eagerly from now on (rollout.graphs=false turns graphs off)", stacklevel=3)
             self.broken = True
             self.graphs.clear()
             return False

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from twinplane.cluster.planes import build_algorithm
 from twinplane.config import Config
-from twinplane.errors import InputError
+from twinplane.errors import InputError, first_line
 from twinplane.model import ModelConfig, Transformer, load_model
 from twinplane.model.lora import parse_targets
 from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
@@ -24,10 +24,6 @@ from twinplane.rollout.engine import pool_blocks
 from twinplane.rollout.kernels import self_check as kernel_self_check
 from twinplane.rollout.paged_attention import flex_decode_agrees
 from twinplane.tokenizer import Tokenizer, load_tokenizer
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def model_config(path: str) -> ModelConfig:
@@ -40,7 +36,7 @@ def model_config(path: str) -> ModelConfig:
     except FileNotFoundError as e:
         raise InputError(str(e)) from None
     except ValueError as e:  # (from_file names the file)
-        raise InputError(_first_line(e)) from None
+        raise InputError(first_line(e)) from None
     return mc
 
 
@@ -49,13 +45,13 @@ def check_weight_files(path: str) -> None:
     try:
         files = checkpoint_files(Path(path))
     except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{path}: {_first_line(e)}") from None
+        raise InputError(f"{path}: {first_line(e)}") from None
     for f in files:
         try:
             with safe_open(f, framework="pt") as st:
                 st.keys()
         except Exception as e:  # safetensors raises its own error type for every malformed header
-            raise InputError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+            raise InputError(f"{f}: not a readable safetensors file ({first_line(e)})") from None
 
 
 def open_tokenizer(path: str) -> Tokenizer:
@@ -66,7 +62,7 @@ def open_tokenizer(path: str) -> Tokenizer:
     except json.JSONDecodeError as e:
         raise InputError(f"{path}/tokenizer_config.json: invalid JSON ({e})") from None
     except Exception as e:  # the `tokenizers` library raises a bare Exception for a malformed tokenizer.json
-        raise InputError(f"{Path(path) / 'tokenizer.json'}: not a valid tokenizer ({_first_line(e)})") from None
+        raise InputError(f"{Path(path) / 'tokenizer.json'}: not a valid tokenizer ({first_line(e)})") from None
     for name in ("eos_token", "bos_token", "pad_token"):  # a named token the vocabulary lacks would be dropped
         text = getattr(tok, name)
         if text is not None and tok.token_id(text) is None:
@@ -79,7 +75,7 @@ def open_model(path: str, device: torch.device, dtype: torch.dtype) -> Transform
     try:
         return load_model(path, device=device, dtype=dtype)
     except (KeyError, ValueError, RuntimeError) as e:  # a tensor missing, extra or of the wrong shape
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else _first_line(e)
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else first_line(e)
         raise InputError(f"model.path {path}: {msg}") from None
 
 
@@ -180,7 +176,7 @@ def check_tools(tools: list[str], tokenizer: Tokenizer, path: str) -> None:
     try:
         back = tokenizer.decode(tokenizer.encode(sample), skip_special_tokens=False)
     except Exception as e:  # a vocabulary without these characters raises inside `tokenizers`
-        raise InputError(f"rollout.tools: the tokenizer of {path} cannot encode a tool call ({_first_line(e)})") \
+        raise InputError(f"rollout.tools: the tokenizer of {path} cannot encode a tool call ({first_line(e)})") \
             from None
     if back.replace(" ", "") != sample.replace(" ", ""):
         raise InputError(f"rollout.tools: the tokenizer of {path} cannot spell a tool call (it decodes "

@@ -22,7 +22,7 @@ from twinplane.config import Config, ConfigError, DataSection, without_removed
 from twinplane.data import DataError, PromptFormatter, Record, load_code_records, load_records
 from twinplane.data.prompts import Prompt, encode_prompts
 from twinplane.data.tasks import ALPHABET, ArithmeticTask
-from twinplane.errors import InputError
+from twinplane.errors import InputError, first_line
 from twinplane.model import ModelConfig, Transformer, save_config, save_pretrained
 from twinplane.platform import hardware, runtime
 from twinplane.rewards.runner import RewardRunner
@@ -112,7 +112,7 @@ def _encode(records, fmt, tokenizer: Tokenizer, max_tokens: int, path: str) -> t
             if ch is not None:
                 raise DataError(f"{preflight.locate(path, ch)}: record {i + 1}: character {ch!r} (U+{ord(ch):04X}) "
                                 "cannot be encoded by the model's tokenizer") from None
-        raise DataError(f"{path}: the model's tokenizer cannot encode it ({preflight._first_line(e)})") from None
+        raise DataError(f"{path}: the model's tokenizer cannot encode it ({first_line(e)})") from None
 
 
 def formatter(cfg: Config) -> PromptFormatter:
@@ -196,7 +196,7 @@ def rundir_config(run_dir: Path) -> dict:
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise InputError(f"{run_dir / 'config.yaml'}: not a readable config ({preflight._first_line(e)})") from None
+        raise InputError(f"{run_dir / 'config.yaml'}: not a readable config ({first_line(e)})") from None
     if not isinstance(saved, dict):
         raise InputError(f"{run_dir / 'config.yaml'}: expected a mapping of sections")
     return saved
@@ -257,7 +257,7 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
         raise
     except Exception as e:  # jinja2 raises its own types for a template that does not render
         raise InputError(f"data.template: the prompt template of {cfg.model.path or 'the config'} fails on a sample "
-                         f"prompt ({preflight._first_line(e)})") from None
+                         f"prompt ({first_line(e)})") from None
     resume_from, restart, claim = claim_run_dir(cfg, run_dir, resume, overwrite, delete_old, log) if own_run_dir \
         else (None, False, lambda: None)
     runtime.setup(cfg.seed, cfg.threads or None)

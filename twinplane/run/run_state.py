@@ -15,6 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from twinplane.errors import first_line
 from twinplane.model import Transformer, iter_safetensors, load_weights
 from twinplane.model.export import export_weights
 from twinplane.model.lora_io import load_adapter, save_adapter
@@ -139,8 +140,8 @@ def restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, s
     except CheckpointError:
         raise
     except Exception as e:  # reading only the checkpoint's files: safetensors, torch and numpy raise many types
-        raise CheckpointError(f"{ckpt}: a checkpoint file has the wrong shape ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        raise CheckpointError(f"{ckpt}: a checkpoint file has the wrong shape ({first_line(e, typed=True)})") \
+            from None
 
 
 def _restore(ckpt: Path, *, policy: Transformer, reference: Transformer | None, stream) -> dict:

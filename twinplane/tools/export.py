@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from twinplane.errors import InputError
+from twinplane.errors import InputError, first_line
 from twinplane.run import checkpoint
 from twinplane.run.run_dir import finished_steps
 
@@ -144,9 +144,8 @@ def _read_shards(ckpt: Path, model) -> None:
     try:
         sharded.load_model_only(ckpt / "policy", model)
     except Exception as e:  # the checksums held, so the files are as written: by something else, or for another model
-        first = (str(e).splitlines() or [""])[0][:160]
-        raise checkpoint.CheckpointError(f"{ckpt / 'policy'}: not this run's sharded policy ({type(e).__name__}: "
-                                         f"{first})") from None
+        raise checkpoint.CheckpointError(f"{ckpt / 'policy'}: not this run's sharded policy "
+                                         f"({first_line(e, typed=True)})") from None
 
 
 def _lora_base(ckpt: Path, base: dict):
