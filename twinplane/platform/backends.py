@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from twinplane.errors import InputError
+from twinplane.errors import InputError, first_line
 from twinplane.platform import hardware
 
 # --- the training plane ----------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def triton_kernels_ok(device: torch.device, dtype: torch.dtype, check: KernelChe
         try:
             why = check(device, dtype)
         except Exception as e:  # a failed compile raises many types (triton's, RuntimeError, ...)
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            why = first_line(e)
         if why is not None:
             warnings.warn(f"{what} kernels: the Triton kernels failed their self-check on {device} ({why}); the "
                           "torch path runs instead", stacklevel=3)
@@ -185,7 +185,7 @@ def _self_checked(cache: dict, key, check: Callable[[], bool], failed: str) -> b
         try:
             ok, why = check(), "it disagreed with the portable path"
         except Exception as e:
-            ok, why = False, (str(e).strip().splitlines() or [type(e).__name__])[0]
+            ok, why = False, first_line(e)
         if not ok:
             warnings.warn(failed.format(why=why), stacklevel=4)
         cache[key] = ok
