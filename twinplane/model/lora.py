@@ -55,7 +55,7 @@ class LoraLinear(nn.Linear):
             self.bias.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        y = super().forward(x)  # the base: nn.Linear's, or a packed one (twinplane.rollout.packed)
+        y = super().forward(x)  # the base: nn.Linear's, or a prepacked one (twinplane.rollout.prepacked)
         if not self.enabled:
             return y
         h = self.dropout(x).to(self.lora_A.dtype)

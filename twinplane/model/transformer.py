@@ -65,13 +65,13 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d] -> q [B, T, H, hd], k and v [B, T, H_kv, hd]. (The rollout engine's CPU copy computes the
-        three in one GEMM: twinplane.rollout.packed.PackedAttention.)"""
+        three in one GEMM: twinplane.rollout.prepacked.PrepackedAttention.)"""
         hd = self.cfg.head_dim
         return tuple(p(x).unflatten(-1, (-1, hd)) for p in (self.q_proj, self.k_proj, self.v_proj))
 
     def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d] -> q [B, H, T, hd] and k [B, H_kv, T, hd] with rope applied, v [B, H_kv, T, hd]. (The
-        engine's CPU copy ropes q and k in one pass: twinplane.rollout.packed.PackedAttention.)"""
+        engine's CPU copy ropes q and k in one pass: twinplane.rollout.prepacked.PrepackedAttention.)"""
         q, k, v = self.project(x)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -92,7 +92,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=bias)
 
     def forward(self, x, routing: RoutingState | None = None):
-        # (the rollout engine's CPU copy computes gate and up in one GEMM: twinplane.rollout.packed.PackedMLP)
+        # (the rollout engine's CPU copy computes gate and up in one GEMM: twinplane.rollout.prepacked.PrepackedMLP)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

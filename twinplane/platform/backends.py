@@ -1,5 +1,5 @@
 """Which backend or kernel serves each hot path on this machine: compiled decoder layers, log-prob chunks and their
-kernels, packed (varlen) training attention, MoE grouped GEMMs, pre-packed CPU linears, the rollout engine's paged
+kernels, packed (varlen) training attention, MoE grouped GEMMs, prepacked CPU linears, the rollout engine's paged
 attention, Triton kernels and decode graphs.
 
 A fast path that may be missing or wrong on some build or GPU is self-checked against the portable one once per
@@ -197,8 +197,8 @@ def _self_checked(cache: dict, key, check: Callable[[], bool], failed: str) -> b
 _PACKED_LINEAR: list[bool] = []  # the probe's answer, once per process
 
 
-def packed_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether inference-only linears may run through oneDNN with pre-packed weights (twinplane.rollout.packed).
+def prepacked_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether inference-only linears may run through oneDNN with prepacked weights (twinplane.rollout.prepacked).
 
     CPU fp32 only: there oneDNN's blocked-weight GEMM is 1.3-1.9x MKL's `F.linear` at decode batch sizes (8-100
     rows) and 1.1x at 1,500 rows on a 2-vCPU AMD EPYC (Zen 4), and its rows do not depend on how many rows

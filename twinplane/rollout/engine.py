@@ -41,10 +41,17 @@ from twinplane.platform import backends, runtime
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kernels import self_check as kernel_self_check
-from twinplane.rollout.kernels import use as use_kernels
+from twinplane.rollout.kernels import use_kernels
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
-from twinplane.rollout.packed import MIN_PACKED_DIM, PackedWeight, linear, pack_linears, repack, worth_packing
 from twinplane.rollout.paged_attention import PagedKV, flex_decode_agrees
+from twinplane.rollout.prepacked import (
+    MIN_PREPACKED_DIM,
+    PrepackedWeight,
+    lm_head,
+    prepack_linears,
+    repack,
+    worth_prepacking,
+)
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.rollout.scheduler import ScheduledBatch, Scheduler
 from twinplane.rollout.sequence import Sample, sample_seed
@@ -116,7 +123,7 @@ class RolloutEngine:
         up to `graph_max_batch` sequences (0 = max_num_seqs) as captured graphs where the platform can
         (twinplane.rollout.graphs); `kernels`: auto | triton | torch, the decode path's kernels
         (`backends.rollout_kernels`, twinplane.rollout.kernels); `batch_invariant`: every GEMM through oneDNN's
-        packed kernels (CPU fp32), whose rows do not depend on how many rows share the call (`F.linear`'s MKL
+        prepacked kernels (CPU fp32), whose rows do not depend on how many rows share the call (`F.linear`'s MKL
         kernels round a row differently with the number of rows on Intel CPUs, ~4e-6, enough to flip a sampled
         token). Attention is not covered: its masked padding to the step's longest context still rounds a row by
         the batch (~1e-7). Dense models without separate LoRA adapters (experts and rank-r adapters run
@@ -131,16 +138,16 @@ class RolloutEngine:
         self.device = model.output_weight().device
         self.kernels, _ = backends.rollout_kernels(self.device, self.dtype, kernels, check=kernel_self_check)
         use_kernels(self.model, self.kernels)  # (the reason above is doctor's)
-        # CPU fp32: the GEMMs from pre-packed weights (twinplane.rollout.packed); `head` is the LM head's packing
-        packable = self.kernels == "torch" and backends.packed_linear_ok(self.device, self.dtype)
+        # CPU fp32: the GEMMs from prepacked weights (twinplane.rollout.prepacked); `head` is the LM head's packing
+        packable = self.kernels == "torch" and backends.prepacked_linear_ok(self.device, self.dtype)
         if batch_invariant and not packable:
-            raise InputError(f"rollout.batch_invariant: needs the CPU float32 engine (oneDNN's packed GEMMs), not "
+            raise InputError(f"rollout.batch_invariant: needs the CPU float32 engine (oneDNN's prepacked GEMMs), not "
                              f"{self.device.type} {str(self.dtype).removeprefix('torch.')} with {self.kernels} "
                              "kernels")
-        min_dim = 1 if batch_invariant else MIN_PACKED_DIM
-        self.packed = packable and pack_linears(self.model, min_dim) > 0
-        self.head = PackedWeight() if self.packed and worth_packing(self.model.output_weight().shape, min_dim) \
-            else None
+        min_dim = 1 if batch_invariant else MIN_PREPACKED_DIM
+        self.prepacked = packable and prepack_linears(self.model, min_dim) > 0
+        head_worth = worth_prepacking(self.model.output_weight().shape, min_dim)
+        self.head = PrepackedWeight() if self.prepacked and head_worth else None
         self.record_routing = record_routing and model.config.num_experts > 0
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -176,15 +183,15 @@ class RolloutEngine:
 
     def weights_loaded(self, version: int) -> None:
         """New weights are in the model (copied in place, here or by a bucketed broadcast): what derives from them
-        follows now, as part of the sync rather than of the next rollout (the packed GEMMs' copies)."""
+        follows now, as part of the sync rather than of the next rollout (the prepacked GEMMs' copies)."""
         self._repack()
         self.weight_version = version
         if self.on_weights is not None:  # an open stream requeues what it has in flight (rollout.stream)
             self.on_weights()
 
     def _repack(self) -> None:
-        """The packed GEMMs' copies (twinplane.rollout.packed) re-packed where a weight changed since."""
-        if self.packed:
+        """The prepacked GEMMs' copies (twinplane.rollout.prepacked) re-packed where a weight changed since."""
+        if self.prepacked:
             repack(self.model)
         if self.head is not None:
             self.head.refresh((self.model.output_weight(),))  # (a sequence of weights: one)
@@ -414,7 +421,7 @@ class RolloutEngine:
             return []
         if len(rows) < T:  # (in a decode-only step every token's row is sampled)
             h = h[torch.tensor(rows, device=dev)]
-        logits = linear(h, self.model.output_weight(), self.head)  # [R, V]
+        logits = lm_head(h, self.model.output_weight(), self.head)  # [R, V]
         return self._sample(logits, ready, sched, sp)
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:

@@ -52,8 +52,8 @@ from twinplane.model import AttentionMetadata, Transformer
 from twinplane.model.moe import Experts
 from twinplane.platform import backends
 from twinplane.rollout.kv_cache import KVCache
-from twinplane.rollout.packed import PackedWeight, linear
 from twinplane.rollout.paged_attention import PagedKV
+from twinplane.rollout.prepacked import PrepackedWeight, lm_head
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.rollout.scheduler import ScheduledBatch
 from twinplane.rollout.sequence import Sequence
@@ -106,7 +106,7 @@ class DecodeGraphs:
     sample with the Triton sampler where it serves (no top-k/top-p)."""
 
     def __init__(self, model: Transformer, kv: KVCache, mode: str, backend: str, max_blocks: int, max_batch: int,
-                 limit: int, head: PackedWeight | None = None, warmth: Warmth | None = None, fused: bool = False):
+                 limit: int, head: PrepackedWeight | None = None, warmth: Warmth | None = None, fused: bool = False):
         if mode not in ("cuda_graph", "static"):
             raise ValueError(f"DecodeGraphs runs the static or cuda_graph mode, not {mode!r}")
         self.model, self.kv, self.mode, self.backend, self.head, self.fused = model, kv, mode, backend, head, fused
@@ -288,7 +288,7 @@ class DecodeGraphs:
                         self.max_blocks * bs, static=True)
         meta = AttentionMetadata(x[None, :, POS], window=self.window, backend=self.backend, paged=paged)
         h = self.model.hidden_states(x[None, :, TOK], meta=meta)[0]  # [size, D]
-        return linear(h, self.model.output_weight(), self.head)
+        return lm_head(h, self.model.output_weight(), self.head)
 
     def _stage_padding(self, size: int) -> None:
         """The first `size` staged rows: padding rows (what the device runs them on until the host stages more)."""

@@ -2,7 +2,7 @@
 "triton" (fused kernels with one source for NVIDIA and AMD GPUs: Triton ships in torch's CUDA and ROCm wheels).
 
 `platform.backends.rollout_kernels` chooses (from `rollout.kernels=auto|triton|torch`) and the engine applies
-the choice to its own copy of the model with `use`: with "torch" nothing changes (the CPU path is the model's
+the choice to its own copy of the model with `use_kernels`: with "torch" nothing changes (the CPU path is the model's
 code as it is); with "triton" its modules become the variants in twinplane.rollout.kernels.layers, and the engine's
 sampling step takes the fused sampler. The kernels:
 - paged_decode.py: paged decode attention reading the KV pool in place (GQA-grouped tiles, split-KV, LSE merge);
@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 
-def use(model: nn.Module, kernels: str) -> None:
+def use_kernels(model: nn.Module, kernels: str) -> None:
     """Run `model` (an engine's own copy) on the `kernels` side of the seam."""
     if kernels == "triton":
-        from twinplane.rollout.kernels.layers import swap  # (imports Triton: only where it runs)
+        from twinplane.rollout.kernels.layers import swap_in_triton_layers  # (imports Triton: only where it runs)
 
-        swap(model)
+        swap_in_triton_layers(model)
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -1,8 +1,8 @@
 """The decoder's modules as the rollout engine runs them on the "triton" side of the kernel seam.
 
-`swap(model)` changes the classes of the engine's own copy of the model in place (parameters, names and state
-dict stay: weight syncs and LoRA adapters work as before), as twinplane.rollout.packed does for the CPU GEMMs.
-q/k/v and gate/up become one stacked weight each (`stack`), the per-projection parameters views into it, so a
+`swap_in_triton_layers(model)` changes the classes of the engine's own copy of the model in place (parameters, names
+and state dict stay: weight syncs and LoRA adapters work as before), as twinplane.rollout.prepacked does for the CPU
+GEMMs. q/k/v and gate/up become one stacked weight each (`stack`), the per-projection parameters views into it, so a
 weight load in place lands in the stack. Each variant runs its kernels on the paged (engine) path without
 autograd, and the torch forward otherwise. Per layer the decode runs: RMSNorm; the q/k/v GEMM; rope + KV write;
 paged attention; o_proj; residual add + RMSNorm; the gate/up GEMM; SiLU * up; down_proj with the residual add in
@@ -110,7 +110,7 @@ SWAPS: dict[type[nn.Module], type[nn.Module]] = {RMSNorm: TritonRMSNorm, MLP: Tr
                                                   DecoderLayer: TritonDecoderLayer}
 
 
-def swap(model: nn.Module) -> int:
+def swap_in_triton_layers(model: nn.Module) -> int:
     """Make `model`'s plain modules their Triton variants, in place; returns how many changed."""
     count = 0
     for m in model.modules():
