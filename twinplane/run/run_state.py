@@ -15,6 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from twinplane.config import PATH_KEYS, Config
 from twinplane.errors import first_line
 from twinplane.model import Transformer, iter_safetensors, load_weights
 from twinplane.model.export import export_weights
@@ -45,8 +46,6 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(immutable keys that differ, mutable keys that differ), each as 'key: old -> new'. A key the saved config
     lacks (added to twinplane since) counts as its default."""
-    from twinplane.config import PATH_KEYS, Config
-
     a, b = _flatten(Config().to_dict()) | _flatten(saved), _flatten(current)
     for key in PATH_KEYS:  # a config saved with relative input paths read them from the current directory
         if isinstance(a.get(key), str):
