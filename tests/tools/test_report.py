@@ -9,8 +9,9 @@ import pytest
 pytest.importorskip("matplotlib")
 import matplotlib.image  # noqa: E402
 
-from twinplane.tools import report  # noqa: E402
-from twinplane.tools.report import load_metrics, main, make_report, smooth  # noqa: E402
+from twinplane.tools import charts, report  # noqa: E402
+from twinplane.tools.charts import smooth  # noqa: E402
+from twinplane.tools.report import load_metrics, main, make_report  # noqa: E402
 
 ALL_CHARTS = ["reward.png", "validation.png", "step_time.png", "throughput.png", "response_length.png",
               "kl_entropy.png", "weight_sync.png", "engine.png"]
@@ -258,10 +259,10 @@ def test_one_unit_per_quantity():
     for key in ("rollout/truncated", "val/truncated", "val/sampled_truncated", "reward/accuracy", "val/accuracy",
                 "val/pass@4", "val/mean@4", "perf/mfu_train", "rollout/kv_cache_usage_peak", "actor/clip_frac",
                 "async/staleness_frac_0", "async/staleness_frac_12"):
-        assert report.unit(key) == ("%", 100.0), key
+        assert charts.unit(key) == ("%", 100.0), key
     for key in ("rollout/response_length_mean", "actor/entropy", "async/staleness_mean", "async/staleness_max",
                 "async/overlap_s", "async/train_idle_s", "async/groups_waiting", "async/tokens_in_flight_at_sync"):
-        assert report.unit(key) == ("", 1.0), key  # (counts, versions and seconds: as logged)
+        assert charts.unit(key) == ("", 1.0), key  # (counts, versions and seconds: as logged)
     rows = [{"step": 0, "val/accuracy": 0.3, "val/truncated": 0.02}]
     rows += [step_row(s, random.Random(s)) | ({"val/accuracy": 0.5, "val/truncated": 0.05} if s == 10 else {})
              for s in range(1, 11)]

@@ -20,15 +20,23 @@ import json
 import math
 import re
 import sys
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from twinplane.tools.charts import (
+    Panel,
+    Series,
+    Spec,
+    in_chart_unit,
+    same_series,
+    short_number,
+    smooth,
+    smooth_window,
+    stacked,
+)
+
 PHASES = ("rollout", "reward", "ref_logprob", "old_logprob", "train", "weight_sync")
-# metrics that are a fraction of something (samples, tokens, peak FLOPs, KV blocks): drawn in percent everywhere
-# (an async run's staleness histogram, `async/staleness_frac_<s>`, is a fraction of the step's trained groups)
-_RATE = re.compile(r"(accuracy|pass@\d+|mean@\d+|truncated|mfu_\w+|kv_cache_usage_peak|clip_frac|staleness_frac_\d+)$")
 
 
 class ReportError(ValueError):
@@ -75,164 +83,6 @@ def load_config(run_dir: Path) -> dict:
         raise ReportError(str(e)) from None
 
 
-def unit(key: str) -> tuple[str, float]:
-    """The unit a metric is drawn in on every chart, and its factor from the logged value."""
-    return ("%", 100.0) if _RATE.search(key) else ("", 1.0)
-
-
-class Series:
-    """One metric over steps times `scale`: `x` the steps where it was logged, `y` its values (null -> nan)."""
-
-    def __init__(self, rows: list[dict], key: str, scale: float = 1.0):
-        pairs = [(r["step"], r[key]) for r in rows if key in r]
-        self.x = [p[0] for p in pairs]
-        self.y = [scale * float(v) if isinstance(v, (int, float)) else math.nan for _, v in pairs]
-
-    def __bool__(self) -> bool:  # present with at least one finite value
-        return any(math.isfinite(v) for v in self.y)
-
-    def finite(self) -> list[float]:
-        return [v for v in self.y if math.isfinite(v)]
-
-    def last(self) -> float | None:
-        finite = self.finite()
-        return finite[-1] if finite else None
-
-    def constant(self) -> float | None:
-        """The value when it is the same at every logged step (two or more), else None."""
-        v = self.finite()
-        return v[0] if len(v) > 1 and all(abs(a - v[0]) <= 1e-12 * max(1.0, abs(v[0])) for a in v) else None
-
-
-def in_chart_unit(rows: list[dict], key: str) -> Series:
-    """A metric in the unit every chart draws it in (`unit`)."""
-    return Series(rows, key, unit(key)[1])
-
-
-def same_series(a: Series, b: Series) -> bool:
-    """Equal at every step (both nan counts as equal): drawn on one panel, one would hide the other."""
-    return a.x == b.x and all(u == v or (math.isnan(u) and math.isnan(v)) or abs(u - v) <= 1e-9 * max(1.0, abs(u))
-                              for u, v in zip(a.y, b.y, strict=True))
-
-
-def smooth(y: list[float], window: int) -> list[float]:
-    """Centred moving average over the finite values in each window (nan where a window has none); centred so the
-    smoothed line does not lag the raw one."""
-    out, half = [], window // 2
-    for i in range(len(y)):
-        w = [v for v in y[max(0, i - half):i - half + window] if math.isfinite(v)]
-        out.append(sum(w) / len(w) if w else math.nan)
-    return out
-
-
-def _window(n: int) -> int:
-    return max(1, min(25, n // 10))
-
-
-def _g(v: float) -> str:
-    return f"{v:.4g}"
-
-
-class Panel:
-    """One axes in one unit. `add` draws a series, or turns it into a note when it is constant or equal to one
-    already drawn here; `finish` puts the legend and the notes right of the data (or, with nothing drawn, the
-    notes in the middle)."""
-
-    def __init__(self, ax, spec: Spec):
-        self.ax, self.spec = ax, spec
-        self.drawn: list[tuple[Series, str]] = []
-        self.notes: list[str] = []
-        ax.set_ylabel(spec.ylabel)
-
-    def add(self, s: Series, label: str, color: str, smoothed: bool = True, marker: str = "",
-            zero_because: str = "", linestyle: str = "-") -> None:
-        """`zero_because`: the configuration that keeps the series at 0, said in its note when it is."""
-        if not s:
-            return
-        value = s.constant()
-        if value is not None:
-            why = f" ({zero_because})" if zero_because and value == 0 else ""
-            self.notes.append(f"{label}: {_g(value)}{self.spec.unit} at every {self.spec.every}{why}")
-            return
-        twin = next((lab for other, lab in self.drawn if same_series(s, other)), None)
-        if twin is not None:
-            self.notes.append(f"{label} = {twin} at every {self.spec.every} (drawn once)")
-            return
-        if marker or len(s.finite()) == 1:  # (one point drawn as a line is invisible)
-            self.ax.plot(s.x, s.y, color=color, marker=marker or "o", linewidth=1.5, linestyle=linestyle, label=label)
-        elif smoothed and len(s.x) >= 10:
-            self.ax.plot(s.x, s.y, color=color, alpha=0.25, linewidth=1, linestyle=linestyle)
-            self.ax.plot(s.x, smooth(s.y, _window(len(s.x))), color=color, linewidth=2, linestyle=linestyle,
-                         label=f"{label} (smoothed)")
-        else:
-            self.ax.plot(s.x, s.y, color=color, linewidth=1.5, linestyle=linestyle, label=label)
-        self.drawn.append((s, label))
-
-    def finish(self) -> None:
-        ax = self.ax
-        notes = [textwrap.fill(n, 36, subsequent_indent="  ") for n in self.notes]
-        if not self.drawn:
-            ax.set_yticks([])
-            ax.text(0.5, 0.5, "\n".join(notes), transform=ax.transAxes, ha="center", va="center", fontsize=9,
-                    color="0.3")
-            return
-        lo, hi = self.spec.ylim
-        values = [v for s, _ in self.drawn for v in s.finite()]
-        if lo is not None and min(values) < lo:  # (a k1 KL estimate can go below 0: then the data sets the floor)
-            lo = None
-        if lo is not None and hi is None and max(values) > lo:  # headroom: a line at its maximum is not on the frame
-            hi = lo + 1.08 * (max(values) - lo)
-        ax.set_ylim(lo, hi)
-        handles, labels = ax.get_legend_handles_labels()
-        if notes:  # as legend rows without a marker, under the series they explain
-            import matplotlib.lines
-
-            handles += [matplotlib.lines.Line2D([], [], linestyle="none") for _ in notes]
-            labels += notes
-        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8,
-                  frameon=False, handlelength=1.5)
-
-
-@dataclass
-class Spec:
-    """A panel: its axis label, the unit its notes give values in, what it draws, its y range, and what a logged
-    point is (a step, a validation)."""
-
-    ylabel: str
-    unit: str
-    fill: Callable[[Panel], None]
-    ylim: tuple[float | None, float | None] = (0, None)  # from 0 to where the data ends (1% accuracy stays readable)
-    every: str = "step"
-
-
-def _stacked(fig, specs: list[Spec], title: str) -> bool:
-    """Panels from top to bottom sharing the step axis. A panel left with nothing drawn (every series constant)
-    gives its notes to the first panel that has a line instead of taking a row of its own."""
-    import matplotlib.figure
-    import matplotlib.ticker
-
-    trial = []
-    for spec in specs:  # (on a scratch figure, to know which panels will have a line)
-        p = Panel(matplotlib.figure.Figure().add_subplot(), spec)
-        spec.fill(p)
-        trial.append(p)
-    if not any(p.drawn or p.notes for p in trial):
-        return False
-    keep = [i for i, p in enumerate(trial) if p.drawn] or [0]
-    fig.set_size_inches(9, 1.2 + 2.6 * len(keep))
-    axes = fig.subplots(len(keep), 1, sharex=True, squeeze=False)[:, 0]
-    panels = [Panel(ax, specs[i]) for ax, i in zip(axes, keep, strict=True)]
-    for p in panels:
-        p.spec.fill(p)
-    panels[0].notes += [n for i, p in enumerate(trial) if i not in keep for n in p.notes]
-    for p in panels:
-        p.finish()
-    axes[-1].set_xlabel("step")
-    axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True, min_n_ticks=1))  # (steps)
-    axes[0].set_title(title)
-    return True
-
-
 def _train_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["step"] > 0]
 
@@ -258,12 +108,12 @@ def plot_reward(rows: list[dict], fig, config: dict) -> bool:
         def one(p: Panel) -> None:
             p.add(acc, "accuracy = reward mean (0/1 reward)", "C1")
             p.notes.append("reward std not drawn: for a 0/1 reward it is sqrt(p(1-p)), set by the mean")
-        return _stacked(fig, [Spec("accuracy (%)", "%", one)], "Training rollouts: accuracy")
+        return stacked(fig, [Spec("accuracy (%)", "%", one)], "Training rollouts: accuracy")
 
     def reward(p: Panel) -> None:
         p.add(mean, "reward mean", "C0")
         if p.drawn and std and std.x == mean.x:
-            w = _window(len(mean.x))
+            w = smooth_window(len(mean.x))
             m, sd = smooth(mean.y, w), smooth(std.y, w)
             floor, ceil = min(0.0, *mean.finite()), max(1.0, *mean.finite())  # a 0/1 reward stays in [0, 1]
             p.ax.fill_between(mean.x, [max(a - b, floor) for a, b in zip(m, sd, strict=True)],
@@ -271,7 +121,7 @@ def plot_reward(rows: list[dict], fig, config: dict) -> bool:
                               linewidth=0, label="± std over the step's samples")
     specs = [Spec("reward", "", reward, (None, None)),
              Spec("accuracy (%)", "%", lambda p: p.add(acc, "accuracy", "C1"))]
-    return _stacked(fig, specs, "Training rollouts: reward and accuracy")
+    return stacked(fig, specs, "Training rollouts: reward and accuracy")
 
 
 def plot_validation(rows: list[dict], fig, config: dict) -> bool:
@@ -292,7 +142,7 @@ def plot_validation(rows: list[dict], fig, config: dict) -> bool:
     specs = [Spec("accuracy (%)", "%", group(lambda k: not ("length" in k or "truncated" in k)), every="validation"),
              Spec("response length (tokens)", " tokens", group(lambda k: "length" in k), every="validation"),
              Spec("truncated (% of responses)", "%", group(lambda k: "truncated" in k), every="validation")]
-    return _stacked(fig, specs, "Validation (held-out prompts; step 0 = before RL)")
+    return stacked(fig, specs, "Validation (held-out prompts; step 0 = before RL)")
 
 
 def plot_step_time(rows: list[dict], fig, config: dict) -> bool:
@@ -342,7 +192,7 @@ def plot_throughput(rows: list[dict], fig, config: dict) -> bool:
     def util(p: Panel) -> None:
         for s, label, c in mfu:
             p.add(s, label, c)
-    return _stacked(fig, [Spec("tokens / s", " tokens/s", speed), Spec("MFU (%)", "%", util)], "Throughput")
+    return stacked(fig, [Spec("tokens / s", " tokens/s", speed), Spec("MFU (%)", "%", util)], "Throughput")
 
 
 def plot_response_length(rows: list[dict], fig, config: dict) -> bool:
@@ -357,7 +207,7 @@ def plot_response_length(rows: list[dict], fig, config: dict) -> bool:
         p.add(mx, "max length", "C1")
     specs = [Spec("response length (tokens)", " tokens", lengths),
              Spec("truncated (% of responses)", "%", lambda p: p.add(trunc, "truncated", "C3"))]
-    return _stacked(fig, specs, "Response length (training rollouts)")
+    return stacked(fig, specs, "Response length (training rollouts)")
 
 
 def _zero_because(config: dict) -> dict[str, str]:
@@ -389,7 +239,7 @@ def plot_kl_entropy(rows: list[dict], fig, config: dict) -> bool:
             specs.append(Spec(ylabel, u, fill(s, label, f"C{i}", because.get(k, ""))))
     tis = ", truncated importance weights" if Series(rows, "actor/tis_weight_mean") else ""
     title = f"Policy: KL, entropy, clipping, log-prob gap{tis}"
-    return bool(specs) and _stacked(fig, specs, title)
+    return bool(specs) and stacked(fig, specs, title)
 
 
 def plot_weight_sync(rows: list[dict], fig, config: dict) -> bool:
@@ -401,7 +251,7 @@ def plot_weight_sync(rows: list[dict], fig, config: dict) -> bool:
     what = "fp32 LoRA adapters" if adapters else "engine-dtype weights"
     specs = [Spec(f"GB/s ({what})", " GB/s", lambda p: p.add(gbps, "bandwidth", "C0")),
              Spec("seconds per sync", " s", lambda p: p.add(secs, "duration", "C1"))]
-    return _stacked(fig, specs, "Weight sync trainer → engines")
+    return stacked(fig, specs, "Weight sync trainer → engines")
 
 
 def plot_engine(rows: list[dict], fig, config: dict) -> bool:
@@ -415,7 +265,7 @@ def plot_engine(rows: list[dict], fig, config: dict) -> bool:
              Spec("preemptions per step", "", lambda p: p.add(pre, "preemptions", "C3", smoothed=False,
                                                               zero_because="the KV pool held every sequence")),
              Spec("KV pool used (%)", "%", lambda p: p.add(usage, "KV cache peak usage", "C1"), (0, 105))]
-    return _stacked(fig, specs, "Rollout engine")
+    return stacked(fig, specs, "Rollout engine")
 
 
 ASYNC_SECONDS = (("rollout_busy_s", "rollout plane busy", "C0", "-"),
@@ -465,9 +315,9 @@ def plot_async(rows: list[dict], fig, config: dict) -> bool:
             p.notes.append("bound not in config.yaml (cluster.max_staleness)")
         elif p.drawn:
             p.ax.axhline(bound, color="0.35", linestyle="--", linewidth=1.2,
-                         label=f"bound: cluster.max_staleness={_g(bound)}")
+                         label=f"bound: cluster.max_staleness={short_number(bound)}")
         else:
-            p.notes.append(f"bound: cluster.max_staleness={_g(bound)}")
+            p.notes.append(f"bound: cluster.max_staleness={short_number(bound)}")
 
     def histogram(p: Panel) -> None:
         """Stacked in % of the step's trained groups, freshest at the bottom; a band at 0% on every step is a
@@ -517,7 +367,7 @@ def plot_async(rows: list[dict], fig, config: dict) -> bool:
              Spec("seconds per step", " s", seconds),
              Spec("groups per step", "", groups),
              Spec("tokens", " tokens", lambda p: p.add(tokens, "in flight at the weight update", "C6"))]
-    return _stacked(fig, specs, "Asynchronous RL: staleness, overlap of the planes, groups")
+    return stacked(fig, specs, "Asynchronous RL: staleness, overlap of the planes, groups")
 
 
 @dataclass
