@@ -15,8 +15,10 @@ def test_char_tokenizer_roundtrip_and_transformers(tmp_path):
     assert (hf.eos_token_id, hf.pad_token_id, hf.bos_token_id) == (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id)
     again = load_tokenizer(tmp_path)
     assert again.encode("47+85=") == ids and again.eos_token_id == tok.eos_token_id
-    with pytest.raises(Exception, match="WordLevel"):
-        tok.encode("x")  # unknown characters are an error, not silently mapped
+    for t in (tok, again):  # unknown characters are a one-line error naming the character, not silently mapped
+        with pytest.raises(ValueError, match=r"^the tokenizer has no token for 'x' \(character 3 of the text\) and no "
+                                             r"unknown token; it knows the characters '\+0123456789='$"):
+            t.encode("47+x")
 
 
 def test_load_hf_tokenizer_folder(tmp_path):

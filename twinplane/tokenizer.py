@@ -11,6 +11,8 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from twinplane.errors import first_line
+
 
 def _token_text(tok) -> str | None:
     if tok is None or isinstance(tok, str):
@@ -50,7 +52,21 @@ class Tokenizer:
                 "tokenizer from another model?)")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:  # (tokenizers raises a bare Exception for text its vocabulary has no token for)
+            raise ValueError(self._cannot_encode(text, e)) from None
+
+    def _cannot_encode(self, text: str, error: Exception) -> str:
+        """Which piece of `text` has no token, for a vocabulary without an unknown token (the char tokenizer's)."""
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        pieces = self.tok.pre_tokenizer.pre_tokenize_str(text) if self.tok.pre_tokenizer else []
+        for piece, (start, _) in pieces:
+            if piece not in vocab:
+                known = "".join(sorted(t for t in vocab if len(t) == 1))
+                return (f"the tokenizer has no token for {piece!r} (character {start} of the text) and no unknown "
+                        f"token" + (f"; it knows the characters {known!r}" if known else ""))
+        return f"the tokenizer cannot encode the text ({first_line(error)})"
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
