@@ -46,7 +46,8 @@ def test_gate_and_plan_agree(tmp_path, lines):
     cfg = load_config(path)
     mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
     gate = preflight.estimate_bytes(cfg, mc, "cpu")
-    plan_mc, w = from_run_config(path)
+    plan_mc, w, name = from_run_config(path)
+    assert name == "the demo's built-in model"
     dt = Dtypes.for_device(CPU)
     assert plan_mc == mc and preflight.memory_inputs(cfg, "cpu") == (dt, w)  # fp32 on the CPU, either way
     tm, rm = training_memory(plan_mc, dt, w), rollout_memory(plan_mc, dt, w)

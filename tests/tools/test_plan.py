@@ -272,3 +272,20 @@ def test_unknown_model_name_is_one_line(capsys):
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith(
         "twinplane: error: Qwen2.5-8B: no such model folder or config.json, and no preset of that name (presets: ")
+
+
+def test_a_config_plans_without_its_data_and_names_its_model(monkeypatch, capsys):
+    """An example config reads its data from ${TWINPLANE_DATA}: the planner needs none of it. The example leaves
+    model.path to the command line, so without --model the plan is refused (exit 2) instead of planning the demo's
+    built-in model; with --model the plan names it."""
+    from twinplane.cli import main as cli
+
+    monkeypatch.delenv("TWINPLANE_DATA", raising=False)
+    example = str(Path(__file__).parents[2] / "examples" / "nvidia_8gpu.yaml")
+    assert cli(["plan", "--config", example, "--gpu", "h100", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"twinplane: error: {example}: model.path is not set: give --model (a model folder, its "
+                   "config.json, or a published model by name) to plan this config\n")
+    assert cli(["plan", "--config", example, "--model", "Qwen2.5-7B", "--gpu", "h100", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: Qwen2.5-7B, 7.62B params") and "recommendation: " in out

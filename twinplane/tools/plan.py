@@ -182,19 +182,32 @@ def load_model_config(path: str) -> ModelConfig:
                             f"(presets: {', '.join(PRESETS)})")
 
 
-def from_run_config(path: Path, model: str | None = None, device: devices.DeviceSpec = CPU,
-                    saved: bool = False) -> tuple[ModelConfig, Workload]:
-    """The model and the step's shape of a twinplane run on `device`, from its config (`saved`: the run's own
-    config.yaml; the demo's built-in model included)."""
+def model_name(spec: str) -> str:
+    """A model folder's name, or the published model a preset name stands for."""
+    return Path(spec).name if Path(spec).exists() else preset_name(spec) or spec
+
+
+# The planner reads no data: a config's data files (and the ${VAR}s they name) are left out of its view of the run.
+NO_DATA = ("data.train_file=null", "data.val_file=null")
+
+
+def from_run_config(path: Path, model: str | None = None, device: devices.DeviceSpec = CPU, saved: bool = False,
+                    demo: bool = True) -> tuple[ModelConfig, Workload, str]:
+    """The model, the step's shape of a twinplane run on `device` and the model's name, from its config (`saved`:
+    the run's own config.yaml). Without model.path the model is the demo's built-in one, or with `demo=False` an
+    error (a config written for a model given on the command line)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such config file")
-    cfg = load_config(path, [f"model.path={model}"] if model else [], saved=saved)
+    cfg = load_config(path, [*NO_DATA, *([f"model.path={model}"] if model else [])], saved=saved)
     if cfg.model.path:
-        mc = load_model_config(cfg.model.path)
+        mc, name = load_model_config(cfg.model.path), model_name(cfg.model.path)
+    elif demo:
+        mc, name = demo_model_config(cfg, build_char_tokenizer(ALPHABET)), "the demo's built-in model"
     else:
-        mc = demo_model_config(cfg, build_char_tokenizer(ALPHABET))
+        raise InputError(f"{path}: model.path is not set: give --model (a model folder, its config.json, or a "
+                         "published model by name) to plan this config")
     w = memory_inputs(cfg)[1]  # (the step's shape as `train`'s memory gate sees it)
-    return mc, replace(w, logprob_chunk_tokens=chunk_tokens(device, cfg.train.logprob_chunk_tokens))
+    return mc, replace(w, logprob_chunk_tokens=chunk_tokens(device, cfg.train.logprob_chunk_tokens)), name
 
 
 def chunk_tokens(device: devices.DeviceSpec, requested: int) -> int:
@@ -241,23 +254,22 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(bad[0])
     w = Workload(ns.prompts_per_step, ns.n, ns.prompt_len, ns.response_len, ns.micro_batch_size,
                  chunk_tokens(device, ns.logprob_chunk_tokens), ns.lora)
-    run_config, extra = None, ["cluster.max_staleness=1"] if ns.overlap else []
+    run_config, extra = None, [*NO_DATA, *(["cluster.max_staleness=1"] if ns.overlap else [])]
     saved = bool(ns.run_dir) and not ns.config
     try:
         if ns.run_dir or ns.config:
             run_config = str(Path(ns.config) if ns.config else Path(ns.run_dir) / "config.yaml")
-            cfg, w = from_run_config(Path(run_config), ns.model, device, saved)
+            cfg, w, name = from_run_config(Path(run_config), ns.model, device, saved, demo=saved)
             w = replace(w, lora_rank=ns.lora or w.lora_rank)
             extra += [f"model.path={ns.model}"] if ns.model else []
         elif ns.model:
-            cfg = load_model_config(ns.model)
+            cfg, name = load_model_config(ns.model), model_name(ns.model)
         else:
             raise InputError("give --model, --run-dir or --config")
     except (FileNotFoundError, ValueError) as e:
         raise InputError(str(e)) from None
     cluster = Cluster(device, ns.gpus, ns.nodes, ns.price_per_gpu_hour, ns.overlap)
     check = TrainCheck.for_workload(w, run_config, tuple(extra), saved)
-    name = (preset_name(ns.model) if ns.model and not Path(ns.model).exists() else None) or ""
     print(json.dumps(plan(cfg, cluster, w, check, name), indent=2) if ns.json
           else format_plan(cfg, cluster, w, check=check, name=name))
     return 0
