@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -166,11 +167,17 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         if ns.delete_old and not ns.overwrite:
             raise ConfigError("--delete-old: only with --overwrite")
         path = args.pop(0) if args and "=" not in args[0] else None
+        if path and not Path(path).exists() and re.fullmatch(r"[a-z_]+\.[a-z_.]+", path):  # `train.steps 10`
+            value = args[0] if args and "=" not in args[0] else "VALUE"
+            raise ConfigError(f"config file {path} not found (a key is set as key=value: did you mean "
+                              f"{path}={value}?)")
         if ns.run_dir is not None:
             args.append(f"run_dir={ns.run_dir}")
     else:
         if ns.n < 1 or ns.temperature < 0:
             raise ConfigError(f"--n must be >= 1 and --temperature >= 0, got {ns.n} and {ns.temperature}")
+        if ns.data and not Path(ns.data).exists():
+            raise InputError(f"--data {ns.data}: no such file or directory")
         _check_writable(Path(ns.out))
         data = [f"data.train_file={ns.data}", f"data.val_file={ns.data}"] if ns.data else []
         args = [f"model.path={ns.model}", *data, f"reward.name={ns.reward}", f"eval.n={ns.n}",

@@ -410,6 +410,12 @@ CASES = [
          "is a folder"),
     Case("cli/eval --n 0", lambda fx: ["eval", "--model", str(fx.model), "--n", "0"], "--n must be >= 1"),
     Case("cli/eval missing model", lambda fx: ["eval", "--model", str(fx.tmp / "nomodel")], "no such folder"),
+    Case("cli/eval --data missing", lambda fx: ["eval", "--model", str(fx.model), "--data", "nope.jsonl"],
+         "--data nope.jsonl: no such file or directory"),
+    Case("cli/eval --model a run dir", lambda fx: ["eval", "--model", str(fx.ck)],
+         "no config.json (a run dir: its model is "),
+    Case("cli/train key without =", lambda fx: ["train", "train.steps", "10"],
+         "config file train.steps not found (a key is set as key=value: did you mean train.steps=10?)"),
 ]
 
 

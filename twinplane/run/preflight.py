@@ -34,7 +34,9 @@ def model_config(path: str) -> ModelConfig:
     try:
         mc = ModelConfig.from_file(folder)
     except FileNotFoundError as e:
-        raise InputError(str(e)) from None
+        final = folder / "final" / "config.json"
+        hint = f" (a run dir: its model is {final.parent})" if final.is_file() else ""
+        raise InputError(f"{e}{hint}") from None
     except ValueError as e:  # (from_file names the file)
         raise InputError(first_line(e)) from None
     return mc
