@@ -410,6 +410,10 @@ CASES = [
          "is a folder"),
     Case("cli/eval --n 0", lambda fx: ["eval", "--model", str(fx.model), "--n", "0"], "--n must be >= 1"),
     Case("cli/eval missing model", lambda fx: ["eval", "--model", str(fx.tmp / "nomodel")], "no such folder"),
+    Case("config/a Ray layout bigger than this machine, refused before any work",
+         T("cluster.backend=ray", "cluster.cpus_per_worker=100000"),
+         "cluster: 2 workers (cluster.train_devices + rollout_devices + critic_devices) of "
+         "cluster.cpus_per_worker=100000 need 200000 CPUs; this machine has"),
     Case("cli/eval --data missing", lambda fx: ["eval", "--model", str(fx.model), "--data", "nope.jsonl"],
          "--data nope.jsonl: no such file or directory"),
     Case("cli/eval --model a run dir", lambda fx: ["eval", "--model", str(fx.ck)],

@@ -85,8 +85,8 @@ class RayPlanes:
         have = ray.cluster_resources()
         n = spec.num_workers
         short = {k: v * n for k, v in bundle.items() if v * n > have.get(k, 0)}
-        if short:  # a placement group that can never fit would wait forever: say so now
-            raise WorkerError(f"cluster: {n} workers of {bundle} need {short}, the Ray cluster has "
+        if short:  # a placement group that can never fit would wait forever: say so now (the layout's fault: exit 2)
+            raise ConfigError(f"cluster: {n} workers of {bundle} need {short}, the Ray cluster has "
                               f"{ {k: have.get(k, 0) for k in short} } in all (cluster.train_devices + "
                               f"rollout_devices + critic_devices, or cluster.cpus_per_worker, too large)")
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")

