@@ -305,7 +305,7 @@ def test_silent_worker_times_out_with_its_name():
 def test_unplaceable_cluster_is_a_clear_error_and_releases_resources(tmp_path, capsys):
     before = ray.available_resources().get("CPU")
     t0 = time.monotonic()
-    assert cluster_train(tmp_path / "too_big", *RAY, "cluster.train_devices=2", "cluster.rollout_devices=2") == 1
+    assert cluster_train(tmp_path / "too_big", *RAY, "cluster.train_devices=2", "cluster.rollout_devices=2") == 2
     assert "4 workers of {'CPU': 1} need {'CPU': 4}, the Ray cluster has {'CPU': 2.0}" in capsys.readouterr().err
     assert time.monotonic() - t0 < 30  # at once, not after cluster.timeout_s
     # resources exist but are taken: wait up to cluster.timeout_s, then say so

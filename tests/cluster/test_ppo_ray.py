@@ -139,5 +139,5 @@ def test_bad_critic_devices_is_a_one_line_config_error(override, message, tmp_pa
 
 def test_unplaceable_critic_ranks_are_counted(tmp_path, capsys):
     """The placement check counts critic ranks with the trainers and engines (3 + 2 workers > 3 CPUs)."""
-    assert cluster_train(tmp_path, *PPO, *RAY, "cluster.critic_devices=3") == 1
+    assert cluster_train(tmp_path, *PPO, *RAY, "cluster.critic_devices=3") == 2
     assert "5 workers of {'CPU': 1} need {'CPU': 5}" in capsys.readouterr().err

@@ -130,10 +130,15 @@ def check_memory(cfg: Config, mc: ModelConfig, memory_bytes: int, where: str, de
 
 
 def check_ray_layout(cfg: Config) -> None:
-    """A Ray layout a local Ray (no cluster.address: this machine, all its CPUs and GPUs) cannot hold is refused
-    before any work. A joined cluster's resources are known once Ray is up: the Ray planes check them then."""
+    """A Ray layout that the local Ray twinplane starts (no cluster.address: this machine, all its CPUs and GPUs)
+    cannot hold is refused before any work. A joined cluster's resources, or those of a Ray this process already
+    runs, are known once Ray is up: the Ray planes check them then."""
     c = cfg.cluster
     if c.backend != "ray" or c.address:
+        return
+    import ray  # (only with cluster.backend=ray, which needs it)
+
+    if ray.is_initialized():
         return
     n = c.train_devices + (0 if c.colocate else c.rollout_devices) + c.critic_devices
     what = (f"cluster: {n} workers (cluster.train_devices + rollout_devices{'' if not c.colocate else ', colocated'}"
