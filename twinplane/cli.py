@@ -162,7 +162,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         return supervise([sys.executable, "-m", "twinplane.cli", *child], ns.max_restarts,
                          received=(stop.signum,) if stop.requested else ())
     args = list(ns.args)
-    path = None
+    path, saved = None, False
     if ns.command == "train":
         if ns.delete_old and not ns.overwrite:
             raise ConfigError("--delete-old: only with --overwrite")
@@ -173,6 +173,11 @@ def _main(argv: list[str], stop: StopRequests) -> int:
                               f"{path}={value}?)")
         if ns.run_dir is not None:
             args.append(f"run_dir={ns.run_dir}")
+        own = Path(ns.run_dir or "", "config.yaml")
+        if ns.resume and path is None and ns.run_dir and own.is_file():  # the run's own settings, not the defaults
+            path, saved = str(own), True
+            print(f"twinplane: resuming with the run's own settings ({own})"
+                  + (f" and {len(args) - 1} given here" if len(args) > 1 else ""), flush=True)
     else:
         if ns.n < 1 or ns.temperature < 0:
             raise ConfigError(f"--n must be >= 1 and --temperature >= 0, got {ns.n} and {ns.temperature}")
@@ -182,7 +187,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         data = [f"data.train_file={ns.data}", f"data.val_file={ns.data}"] if ns.data else []
         args = [f"model.path={ns.model}", *data, f"reward.name={ns.reward}", f"eval.n={ns.n}",
                 f"eval.temperature={ns.temperature}", *args]
-    cfg = load_config(path, args)
+    cfg = load_config(path, args, saved=saved)
     # (a command's imports: see the module docstring)
     from twinplane.run import loop
     from twinplane.run.prepare import prepare

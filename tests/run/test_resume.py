@@ -34,6 +34,17 @@ def test_sigterm_then_resume_is_bitwise_identical(fault, tmp_path, reference_run
 
 
 @pytest.mark.slow
+def test_resume_takes_the_runs_own_settings(tmp_path, reference_run, capsys):
+    """`--run-dir X --resume auto` alone continues the run with its config.yaml, not the defaults (which would
+    refuse: warmstart.steps cannot change on resume), says so, and ends as the uninterrupted run."""
+    assert train(tmp_path, fault="train@3") == 75
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(tmp_path), "--resume", "auto"]) == 0
+    assert f"twinplane: resuming with the run's own settings ({tmp_path / 'config.yaml'})\n" in capsys.readouterr().out
+    assert outcome(tmp_path) == reference_run
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, sig, code", [
     ("load@0", "TERM", 75), ("warmstart@3", "INT", 75), ("eval@0", "TERM", 75), ("eval@3", "INT", 75),
     ("final@6", "TERM", 0)])
