@@ -289,3 +289,28 @@ def test_a_config_plans_without_its_data_and_names_its_model(monkeypatch, capsys
     assert cli(["plan", "--config", example, "--model", "Qwen2.5-7B", "--gpu", "h100", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("model: Qwen2.5-7B, 7.62B params") and "recommendation: " in out
+
+
+@pytest.mark.parametrize("model, gpu, gpus", [("Llama-3.1-8B", "h200", 1), ("Qwen2.5-7B", "h100", 8),
+                                              ("Qwen2.5-7B", "mi300x", 8)])
+def test_every_layout_fits_and_the_tables_are_the_recommended_layouts(model, gpu, gpus):
+    """Each plane's peak of every layout is within the usable memory, the engines hold as many sequences as fit
+    (one more would not), and the memory tables count what the recommendation says: offload moves only the AdamW
+    moments (the master weights stay on the device)."""
+    from twinplane.model.memory import Dtypes, rollout_memory
+    from twinplane.model.presets import preset
+    from twinplane.tools.layouts import GB, HEADROOM, max_in_flight
+
+    cfg, dev = preset(model), devices.BY_KEY[gpu]
+    usable, dt = dev.memory_gb * GB * (1 - HEADROOM), Dtypes.for_device(dev)
+    for x in layouts(cfg, Cluster(dev, gpus, 1, 2.0), W):
+        assert x.train_mem <= usable and x.rollout_mem <= usable, x
+    for tp in (1, 2):
+        n = max_in_flight(cfg, dev, W, tp, usable / 2)
+        assert rollout_memory(cfg, dt, W, tp, n).total <= usable / 2 < rollout_memory(cfg, dt, W, tp, n + 1).total
+    p = plan(cfg, Cluster(dev, gpus, 1, 2.0), W)
+    best, tm = p["recommended"], p["training_memory"]
+    assert tm["master"] > 0 and (tm["moments"] == 0) == best["offload"]
+    assert "master weights" not in p["reason"]
+    text = format_plan(cfg, Cluster(dev, gpus, 1, 2.0), W)
+    assert ("AdamW moments offloaded to host memory):" in text) == best["offload"]

@@ -248,13 +248,21 @@ def cost_per_million(cluster: Cluster, step_s: float, w: Workload) -> float:
 
 
 def max_in_flight(cfg: ModelConfig, device: devices.DeviceSpec, w: Workload, tp: int, budget: float) -> int:
-    """Most sequences one engine rank can hold within `budget` bytes (weights, KV and workspace)."""
+    """Most sequences one engine rank can hold within `budget` bytes (weights, KV and workspace): a search over
+    `rollout_memory` itself, which grows with the count but not in proportion (the prefill workspace counts whole
+    prompts)."""
     dt = Dtypes.for_device(device)
-    fixed = rollout_memory(cfg, dt, w, tp, seqs=0).total
-    per_seq = rollout_memory(cfg, dt, w, tp, seqs=w.n).total - fixed
-    if budget <= fixed + per_seq / w.n:
-        return 0
-    return int((budget - fixed) / (per_seq / w.n))
+
+    def fits(seqs: int) -> bool:
+        return rollout_memory(cfg, dt, w, tp, seqs=seqs).total <= budget
+
+    lo, hi = 0, 1
+    while fits(hi):  # (the KV cache alone bounds it: this ends)
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _layout(cfg: ModelConfig, cluster: Cluster, w: Workload, colocated: bool, train_gpus: int, rollout_gpus: int,
@@ -356,7 +364,7 @@ def recommend(cfg: ModelConfig, cluster: Cluster, w: Workload,
         reasons.append("activation checkpointing: the micro-batch's activations don't fit otherwise (+33% "
                        "training FLOPs)")
     if best.offload:
-        reasons.append("optimizer offload: master weights and AdamW moments live in host memory, as the "
+        reasons.append("optimizer offload: the AdamW moments live in host memory between updates, as the "
                        "training state, the micro-batch's activations and the engine's weights don't fit together "
                        "on the device otherwise")
     share = math.ceil(w.sequences / best.dp)

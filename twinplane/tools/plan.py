@@ -54,6 +54,13 @@ def _unit(largest: float) -> tuple[float, str]:
     return (1e6, "MB") if largest < GB else (GB, "GB")
 
 
+def _switches(best: dict | None) -> str:
+    """The recommended layout's memory switches, which the memory tables are computed with."""
+    on = [name for key, name in (("checkpointing", "activation checkpointing"), ("offload", "AdamW moments offloaded "
+                                 "to host memory")) if best and best[key]]
+    return "".join(f", {x}" for x in on)
+
+
 def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -141,7 +148,7 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
              f"training at {MFU:.0%} MFU (measured on one GPU eagerly, and compiled where Inductor's cache was "
              "warm; compiled into a fresh cache it reached 51%)",
              "",
-             f"training memory per device ({unit}, FSDP={tm['fsdp']}):"]
+             f"training memory per device ({unit}, FSDP={tm['fsdp']}{_switches(best)}):"]
     for k in ("params", "grads", "master", "moments", "reference", "activations", "logits", "total"):
         lines.append(f"  {k:<12}{tm[k] / div:8.2f}")
     ck = p["checkpoint"]
