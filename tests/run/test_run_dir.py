@@ -69,3 +69,12 @@ def test_damaged_checkpoints_are_quarantined_not_overwritten(tmp_path, capsys):
     assert len(names) == 3 and steps(run) == [1, 2, 3]
     modes = {stat.S_IMODE(p.stat().st_mode) for p in run.rglob("*") if p.is_file()}
     assert len(modes) == 1  # every file the run writes has the umask's mode (safetensors' 0600 included)
+
+
+def test_the_start_up_line_says_what_the_data_files_left_out():
+    from twinplane.run.loop import data_note
+
+    assert data_note({}) == "" and data_note({"train": {"loaded": 64, "skipped": 0, "too_long": 0}}) == ""
+    assert data_note({"train": {"loaded": 64, "skipped": 2, "too_long": 1}, "val": {"loaded": 5, "too_long": 3}}) == (
+        " (train: 2 unreadable records skipped (data.on_error=skip), 1 prompts over data.max_prompt_tokens left out; "
+        "val: 3 prompts over data.max_prompt_tokens left out)")

@@ -36,6 +36,14 @@ from twinplane.run.signals import Faults, StopRequests
 from twinplane.train.sft import greedy_match, warm_start
 
 
+def data_note(stats: dict) -> str:
+    """What loading the data files left out, for the start-up line ("" when nothing was)."""
+    parts = [f"{split}: " + ", ".join(f"{n} {what}" for n, what in ((st.get("skipped", 0), "unreadable records "
+             "skipped (data.on_error=skip)"), (st.get("too_long", 0), "prompts over data.max_prompt_tokens left out"))
+             if n) for split, st in stats.items() if st.get("skipped") or st.get("too_long")]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def run_eval(s: Setup, rollout, n: int = 1, temperature: float = 0.0) -> dict[str, float]:
     return evaluate(rollout, s.tokenizer, s.val_prompts, s.scorer, s.cfg.rollout.max_new_tokens, n, temperature,
                     s.cfg.seed)
@@ -131,8 +139,8 @@ class Run:
             self.write_config()
         self.console.print(f"[bold]twinplane[/] run dir {self.run_dir} | device {s.device} | model "
                            f"{s.model.config.model_type} {s.model.config.num_params / 1e6:.2f}M params | {dtype} | "
-                           f"{len(s.train_prompts)} train prompts, {len(s.val_prompts)} validation prompts "
-                           f"{s.data_stats or ''}")
+                           f"{len(s.train_prompts)} train prompts, {len(s.val_prompts)} validation prompts"
+                           f"{data_note(s.data_stats)}")
         if self.warm and s.resume_from is None:
             self.warm_start()
         self.lora_base = attach_lora(s, self.console) if cfg.train.lora.rank > 0 else None
