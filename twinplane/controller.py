@@ -26,7 +26,6 @@ import torch
 from twinplane.algos import Algorithm
 from twinplane.cluster import Planes
 from twinplane.cluster.sync import SyncReport
-from twinplane.config import AlgoSection
 from twinplane.data.prompts import Prompt
 from twinplane.model.flops import forward_flops_per_token, train_flops
 from twinplane.platform import hardware
@@ -72,11 +71,11 @@ class Controller:
                  mini_batches: int = 1, recompute_old_logprobs: bool = False, algo: Algorithm | None = None,
                  critic_warmup: int = 0, more_prompts=None, on_phase=None, peak_flops: float | None = None,
                  producer: Producer | None = None):
-        """`algo`: the algorithm (default: the grpo preset); the critic plane (when the algorithm needs one) trains
-        alone for the first `critic_warmup` steps; `more_prompts()` gives the next prompt batch for dynamic
-        sampling; `on_phase(phase)` is called as each phase starts (fault injection)."""
+        """`algo`: the run's algorithm (default: the in-process trainer's); the critic plane (when the algorithm
+        needs one) trains alone for the first `critic_warmup` steps; `more_prompts()` gives the next prompt batch for
+        dynamic sampling; `on_phase(phase)` is called as each phase starts (fault injection)."""
         self.planes, self.trainer, self.reference, self.critic = planes, planes.trainer, planes.reference, planes.critic
-        self.algo = algo or Algorithm(AlgoSection(), sampling.max_new_tokens)
+        self.algo = algo if algo is not None else planes.trainer.algo
         self.critic_warmup, self.more_prompts = critic_warmup, more_prompts
         self.producer = producer
         self.draws: dict[str, list[int]] = {}  # asynchronous: the data-order places of the step's prompts

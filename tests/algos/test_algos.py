@@ -6,7 +6,17 @@ import math
 import pytest
 import torch
 
-from twinplane.algos import advantages, aggregate, kl_penalty, normaliser, policy_loss, token_policy_loss, value_loss
+from twinplane.algos import (
+    AdvantageSettings,
+    LossSettings,
+    advantages,
+    aggregate,
+    kl_penalty,
+    normaliser,
+    policy_loss,
+    token_policy_loss,
+    value_loss,
+)
 from twinplane.algos.dapo import informative, overlong_penalty
 from twinplane.algos.ppo import KLController, outcome_token_rewards
 
@@ -36,7 +46,7 @@ def test_grpo_and_rloo_by_label_with_ties():
     for i, v in want.items():
         torch.testing.assert_close(adv[i], v * MASK[i])
     assert torch.equal(adv[5], torch.zeros(4)) and torch.equal(ret, adv)
-    dr, _ = advantages("grpo", tr, MASK, group_ids=GROUPS, norm_by_std=False)
+    dr, _ = advantages("grpo", tr, MASK, AdvantageSettings(norm_by_std=False), group_ids=GROUPS)
     torch.testing.assert_close(dr[0], (1 - 2 / 3) * MASK[0])
     rloo, _ = advantages("rloo", tr, MASK, group_ids=GROUPS)
     # s - mean(others): row 0 (group 7, others 0 and 1) = 1 - 0.5; row 2 = 0 - 1; row 1 (group 3) = 0 - 1
@@ -63,7 +73,7 @@ def test_reinforce_pp_brute_force():
     g = torch.Generator().manual_seed(0)
     tr = torch.randn(6, 4, generator=g) * MASK
     gamma = 0.9
-    adv, ret = advantages("reinforce_pp", tr, MASK, gamma=gamma)
+    adv, ret = advantages("reinforce_pp", tr, MASK, AdvantageSettings(gamma=gamma))
     # brute force: walk each row backwards over its masked tokens only (gaps carry G through)
     want = torch.zeros(6, 4)
     for i in range(6):
@@ -87,7 +97,7 @@ def test_gae_brute_force_and_returns_before_whitening():
     tr = torch.randn(6, 4, generator=g) * MASK
     values = torch.randn(6, 4, generator=g)
     gamma, lam = 0.95, 0.8
-    adv, ret = advantages("gae", tr, MASK, values=values, gamma=gamma, lam=lam)
+    adv, ret = advantages("gae", tr, MASK, AdvantageSettings(gamma=gamma, lam=lam), values=values)
     want = torch.zeros(6, 4)
     for i in range(6):
         steps = [t for t in range(4) if MASK[i, t]]  # the MDP's steps: masked tokens only
@@ -109,19 +119,20 @@ def test_ppo_loss_by_hand_with_dual_clip_and_clamps():
     lp[0, 5] = 50.0  # an extreme log-ratio: clamped to 20 before exp
     adv = torch.tensor([[1.0, -1.0, -2.0, 1.0, -1.0, -1.0]])
     m = torch.ones(1, 6)
-    loss, clipped, ratio = token_policy_loss("ppo", lp, old, adv, m, clip_low=0.2, clip_high=0.3)
+    loss, clipped, ratio = token_policy_loss("ppo", lp, old, adv, m, LossSettings(clip_low=0.2, clip_high=0.3))
     # 0: A>0, r=1.5 -> 1.3: max(-1.5, -1.3) = -1.3 (clipped); 1: A<0, r=0.5 -> 0.8: max(0.5, 0.8) = 0.8 (clipped)
     # 2: A<0, r=1.1 in range: 2.2; 3: A>0, r=0.7: max(-0.7, -0.8) = -0.7; 4: A<0, r=5: 5; 5: A<0, r=e^20
     torch.testing.assert_close(loss, torch.tensor([[-1.3, 0.8, 2.2, -0.7, 5.0, math.exp(20.0)]]))
     assert clipped.tolist() == [[True, True, False, False, False, False]]
     assert ratio[0, 5] == pytest.approx(math.exp(20.0), rel=1e-5)
-    dual, clipped, _ = token_policy_loss("ppo", lp, old, adv, m, clip_low=0.2, clip_high=0.3, clip_c=3.0)
+    dual, clipped, _ = token_policy_loss("ppo", lp, old, adv, m, LossSettings(clip_low=0.2, clip_high=0.3, clip_c=3.0))
     torch.testing.assert_close(dual, torch.tensor([[-1.3, 0.8, 2.2, -0.7, 3.0, 3.0]]))  # A<0 capped at -A c
     assert clipped.tolist() == [[True, True, False, False, True, True]]
     w = torch.tensor([[0.5, 1.0, 1.0, 1.0, 1.0, 2.0]])
-    weighted, _, _ = token_policy_loss("ppo", lp, old, adv, m, clip_low=0.2, clip_high=0.3, clip_c=3.0, is_weights=w)
+    dual_clip = LossSettings(clip_low=0.2, clip_high=0.3, clip_c=3.0)
+    weighted, _, _ = token_policy_loss("ppo", lp, old, adv, m, dual_clip, is_weights=w)
     torch.testing.assert_close(weighted, dual * w)
-    total, metrics = policy_loss("ppo", lp, old, adv, m, clip_low=0.2, clip_high=0.3, clip_c=3.0)
+    total, metrics = policy_loss("ppo", lp, old, adv, m, LossSettings(clip_low=0.2, clip_high=0.3, clip_c=3.0))
     torch.testing.assert_close(total, dual.mean())
     assert float(metrics["clip_frac"]) == pytest.approx(4 / 6)
 
@@ -131,7 +142,7 @@ def test_gspo_sequence_ratio_and_gradient():
     lp = torch.tensor([[0.3, -0.1, 9.0], [30.0, 30.0, 0.0]], requires_grad=True)
     m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # row 0's last token is masked: its 9.0 must not count
     adv = torch.tensor([[1.0], [-1.0]]).expand(2, 3)
-    loss, clipped, ratio = token_policy_loss("gspo", lp, old, adv, m, clip_low=0.2, clip_high=0.2)
+    loss, clipped, ratio = token_policy_loss("gspo", lp, old, adv, m, LossSettings(clip_low=0.2, clip_high=0.2))
     s0 = math.exp((0.3 - 0.1) / 2)  # 1.105: within [0.8, 1.2]
     torch.testing.assert_close(ratio[0], torch.full((3,), s0))
     torch.testing.assert_close(ratio[1], torch.full((3,), math.exp(10.0)))  # mean 20 clamped at 10
@@ -150,7 +161,7 @@ def test_policy_loss_gradient_matches_finite_differences():
     seq_adv = adv[:, :1].expand(3, 4)  # gspo's stop-gradient form is the true gradient for sequence advantages
     for name, a in (("ppo", adv), ("gspo", seq_adv)):
         for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-            kw = dict(clip_low=0.3, clip_high=0.3, agg=agg)
+            kw = dict(settings=LossSettings(clip_low=0.3, clip_high=0.3), agg=agg)
             f = functools.partial(policy_loss, name, old_logprobs=old, advantages=a, mask=m, **kw)
             assert torch.autograd.gradcheck(lambda x, f=f: f(x)[0], (lp,)), (name, agg)
     v = torch.randn(3, 4, generator=g).double().requires_grad_()

@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import make_batch, tiny_model
 
-from twinplane.algos import Algorithm, policy_loss, truncated_is_weights
+from twinplane.algos import Algorithm, LossSettings, policy_loss, truncated_is_weights
 from twinplane.algos.off_policy import (
+    CorrectionSettings,
     band_keep,
     correction,
     correction_metrics,
@@ -83,7 +84,8 @@ def test_truncated_weights_equal_verl(level):
     else:
         verl = torch.exp((log_ratio * m).sum(-1, keepdim=True).clamp(-20, 20)).expand_as(log_ratio)
     verl = (verl * m).clamp(max=2.0)
-    w, keep = correction(old, rollout, m, weight=level, keep="off", cap=2.0, low=0.5, high=2.0)
+    w, keep = correction(old, rollout, m, weight=level, keep="off",
+                         settings=CorrectionSettings(cap=2.0, low=0.5, high=2.0))
     assert keep is None and 0 < int(((w == 2.0) & (m > 0)).sum()) < int(m.sum())  # some truncated, not all
     torch.testing.assert_close(w * m, verl)
     if level == "token":
@@ -127,8 +129,9 @@ def test_decoupled_objective_equals_verl():
     clip1 = torch.maximum(l1, l2)
     pg = torch.where(adv < 0, torch.min(-adv * 3.0, clip1), clip1) * w_verl
     want = (pg * m).sum() / m.sum()
-    w, _ = correction(prox, behaviour, m, weight="token", keep="off", cap=2.0, low=0.5, high=2.0)
-    got, _ = policy_loss("ppo", lp, prox, adv, m, clip_low=0.2, clip_high=0.28, clip_c=3.0, is_weights=w)
+    w, _ = correction(prox, behaviour, m, weight="token", keep="off",
+                      settings=CorrectionSettings(cap=2.0, low=0.5, high=2.0))
+    got, _ = policy_loss("ppo", lp, prox, adv, m, LossSettings(clip_low=0.2, clip_high=0.28, clip_c=3.0), is_weights=w)
     torch.testing.assert_close(got, want)
     (g_got,) = torch.autograd.grad(got, lp)
     (g_want,) = torch.autograd.grad(want, lp)
@@ -153,7 +156,8 @@ def test_correction_metrics_by_hand():
     old = _log([[0.4, 1.0, 2.0, 4.0, 9.0]])
     rollout = torch.zeros_like(old)
     m = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
-    w, keep = correction(old, rollout, m, weight="icepop", keep="token", cap=2.0, low=0.5, high=3.0)
+    w, keep = correction(old, rollout, m, weight="icepop", keep="token",
+                         settings=CorrectionSettings(cap=2.0, low=0.5, high=3.0))
     out = {k: float(v) for k, v in correction_metrics(old, rollout, m, w, keep, 2.0, num_tokens=8.0,
                                                       ranks=2).items()}
     # the global batch has 8 tokens (this rank's 4 and another's); the quantiles are halved (mean over 2 ranks)

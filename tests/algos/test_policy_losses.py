@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from twinplane.algos import aggregate, normaliser, policy_loss, token_policy_loss, value_loss
+from twinplane.algos import LossSettings, aggregate, normaliser, policy_loss, token_policy_loss, value_loss
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]]).float()  # row 2 has a gap
 
@@ -29,7 +29,7 @@ def test_cispo_by_hand():
     lp = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, 2.0]])
     m = torch.ones(1, 3)
-    loss, clipped, ratio = token_policy_loss("cispo", lp, old, adv, m, clip_low=0.2, clip_high=0.3)
+    loss, clipped, ratio = token_policy_loss("cispo", lp, old, adv, m, LossSettings(clip_low=0.2, clip_high=0.3))
     # ratios 1.5, 0.5, 1.1 -> weights 1.3, 0.8, 1.1 (clipped, clipped, inside); loss = -w A log pi
     want = [-1.3 * 1.0 * math.log(1.5), -0.8 * -1.0 * math.log(0.5), -1.1 * 2.0 * math.log(1.1)]
     torch.testing.assert_close(loss, torch.tensor([want]))
@@ -45,7 +45,7 @@ def test_cispo_equals_verl():
     ratio = torch.exp((lp - old).clamp(-20, 20))
     pg = -ratio.clamp(1 - 0.2, 1 + 0.28).detach() * adv * lp
     want = (pg * m).sum() / m.sum()
-    got, metrics = policy_loss("cispo", lp, old, adv, m, clip_low=0.2, clip_high=0.28)
+    got, metrics = policy_loss("cispo", lp, old, adv, m, LossSettings(clip_low=0.2, clip_high=0.28))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(_grad(got, lp), _grad(want, lp))
     verl_clipfrac = ((ratio != ratio.clamp(0.8, 1.28)).double() * m).sum() / m.sum()
@@ -57,7 +57,8 @@ def test_sapo_by_hand():
     lp = torch.log(torch.tensor([[1.0, 1.5, 1.0]])).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, -2.0]])
     m = torch.ones(1, 3)
-    loss, clipped, _ = token_policy_loss("sapo", lp, old, adv, m, clip_low=0.2, clip_high=0.2, sapo_tau=(1.0, 1.05))
+    s = LossSettings(clip_low=0.2, clip_high=0.2, sapo_tau=(1.0, 1.05))
+    loss, clipped, _ = token_policy_loss("sapo", lp, old, adv, m, s)
     # gate(r) = sigmoid(tau (r - 1)) * 4 / tau; loss = -A gate. r = 1: 4 sigmoid(0) / tau = 2 / tau
     sig = 1 / (1 + math.exp(-1.05 * 0.5))
     torch.testing.assert_close(loss, torch.tensor([[-2.0, sig * 4 / 1.05, 2 * 2 / 1.05]]))
@@ -75,7 +76,7 @@ def test_sapo_equals_verl():
     pg = -torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus) * adv
     seq = (pg * m).sum(-1) / (m.sum(-1) + 1e-8)
     want = seq.mean()  # every row has tokens
-    got, _ = policy_loss("sapo", lp, old, adv, m, clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean")
+    got, _ = policy_loss("sapo", lp, old, adv, m, LossSettings(clip_low=0.2, clip_high=0.2), agg="seq-mean-token-mean")
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(_grad(got, lp), _grad(want, lp))
 
@@ -85,7 +86,7 @@ def test_gmpo_by_hand():
     lp = torch.tensor([[0.5, -0.1, 9.0], [0.5, -0.4, 0.0]]).requires_grad_()
     m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the 9.0 is padding
     adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, 0.0]])
-    loss, clipped, ratio = token_policy_loss("gmpo", lp, old, adv, m, clip_low=0.2, clip_high=0.2)
+    loss, clipped, ratio = token_policy_loss("gmpo", lp, old, adv, m, LossSettings(clip_low=0.2, clip_high=0.2))
     # A > 0: min(x, clip(x, -0.2, 0.2)) = 0.2, -0.1 -> mean 0.05; A < 0: max(x, clip(x)) = 0.5, -0.2 -> mean 0.15
     torch.testing.assert_close(ratio[:, 0], torch.tensor([math.exp(0.05), math.exp(0.15)]))
     torch.testing.assert_close(loss[:, 0], torch.tensor([-math.exp(0.05), math.exp(0.15)]))
@@ -112,7 +113,7 @@ def test_gmpo_equals_verl_with_is_weights():
     pg = -((adv * m).sum(-1) / (n + 1e-8)) * ratio
     pg = pg * torch.exp((torch.log(w + 1e-10) * m).sum(-1) / (n + 1e-8))
     want = pg.mean()
-    got, _ = policy_loss("gmpo", lp, old, adv, m, clip_low=0.4, clip_high=0.4, agg="seq-mean-token-mean",
+    got, _ = policy_loss("gmpo", lp, old, adv, m, LossSettings(clip_low=0.4, clip_high=0.4), agg="seq-mean-token-mean",
                          is_weights=w)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(_grad(got, lp), _grad(want, lp))
@@ -129,7 +130,7 @@ def test_token_sum_aggregation_policy_value_and_plain():
     parts = sum(aggregate(loss[i:i + 1], m[i:i + 1], "token-sum", norm=1.0) for i in range(3))
     assert float(parts) == 10.0  # additive over micro-batches and ranks
     adv = torch.tensor([[1.0, -2.0, 0.5], [3.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
-    pg, _ = policy_loss("ppo", torch.zeros(3, 3), torch.zeros(3, 3), adv, m, clip_low=0.2, clip_high=0.2,
+    pg, _ = policy_loss("ppo", torch.zeros(3, 3), torch.zeros(3, 3), adv, m, LossSettings(clip_low=0.2, clip_high=0.2),
                         agg="token-sum")
     assert float(pg) == pytest.approx(-(1.0 - 2.0 + 0.5 + 3.0))  # ratio 1: -A summed over the masked tokens
     v, old_v, ret = torch.tensor([[1.0, 0.0, 2.0]]), torch.tensor([[0.0, 0.0, 1.9]]), torch.tensor([[2.0, 1.0, 0.0]])
@@ -140,4 +141,4 @@ def test_token_sum_aggregation_policy_value_and_plain():
 def test_unknown_loss_is_refused():
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
         token_policy_loss("nope", torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
-                          clip_low=0.2, clip_high=0.2)
+                          LossSettings(clip_low=0.2, clip_high=0.2))

@@ -43,7 +43,7 @@ def test_malformed_range_fails_at_definition():
 
 def test_choices_come_from_the_types():
     types = {key: t for key, _, t, _ in SETTINGS}
-    assert choices(types["algo.kl_estimator"]) == KL_ESTIMATORS
+    assert choices(types["algo.kl_estimator"]) == tuple(KL_ESTIMATORS)  # (a registry's names: `OneOf`)
     assert choices(types["algo.name"]) == tuple(PRESETS)
     assert choices(types["model.rollout_dtype"]) == ("float32", "bfloat16", "float16")  # (`X | None`)
     assert choices(types["rollout.tools"]) == ("calculator", "python")  # (`list[X]`)
@@ -58,7 +58,7 @@ def test_choices_come_from_the_types():
     ("log.wandb_mode", "off", "log.wandb_mode: must be offline, online or disabled, got 'off'"),  # (not YAML's false)
     ("rollout.tools", "[calculator,shell]",
      "rollout.tools: must name calculator or python, got ['calculator', 'shell']"),
-    ("algo.name", "grpo2", f"algo.name: must be one of {', '.join(PRESETS)}, got 'grpo2'"),
+    ("algo.name", "grpo2", f"algo.name: must be one of {', '.join(PRESETS)}, got 'grpo2' (did you mean grpo?)"),
 ])
 def test_a_wrong_choice_names_the_key_the_value_and_the_choices(key, bad, message):
     with pytest.raises(ConfigError) as e:

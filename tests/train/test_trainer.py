@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_batch, tiny_model
 
-from twinplane.algos import PRESETS, aggregate, kl_penalty, token_policy_loss
+from twinplane.algos import PRESETS, LossSettings, aggregate, kl_penalty, token_policy_loss
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.train import Batch, Reference, Trainer
 from twinplane.train import trainer as trainer_module
@@ -83,7 +83,8 @@ def test_loss_is_token_mean_of_clipped_objective():
     model = tiny_model()
     lp, _ = response_logprobs(model, batch, 1.0)
     m = batch.response_mask
-    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, clip_low=0.1, clip_high=0.1)
+    s = LossSettings(clip_low=0.1, clip_high=0.1)
+    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, s)
     loss = ((pg + 0.1 * kl_penalty(lp, batch.ref_logprobs, "k2")) * m).sum() / m.sum()
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -116,7 +117,8 @@ def test_seq_mean_token_sum_norm_loss_by_hand():
     model = tiny_model()
     lp, _ = response_logprobs(model, batch, 1.0)
     m = batch.response_mask
-    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, clip_low=0.2, clip_high=0.28)
+    s = LossSettings(clip_low=0.2, clip_high=0.28)
+    pg, _, _ = token_policy_loss("ppo", lp, batch.rollout_logprobs, batch.advantages, m, s)
     loss = aggregate(pg, m, "seq-mean-token-sum-norm", horizon=8)
     assert float(loss.detach()) == pytest.approx(float(((pg.detach() * m).sum(-1) / 8).mean()), rel=1e-6)
     loss.backward()

@@ -1,14 +1,42 @@
 """Advantage estimators: pure functions from per-token rewards (and values) to per-token advantages and returns.
 
-Conventions follow verl 0.9's `core_algos` (the reference implementations the field compares against); every
-deviation is listed in the docstring of the function that makes it. Shapes: N sequences, R response columns.
+Each estimator is one function registered under its `algo.adv_estimator` name (`@register_adv_estimator("grpo")`)
+that takes its settings as one `AdvantageSettings`; `advantages` looks it up. Conventions follow verl 0.9's
+`core_algos` (the reference implementations the field compares against); every deviation is listed in the docstring
+of the function that makes it. Shapes: N sequences, R response columns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+from twinplane.algos.registry import Registry
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """An estimator's own settings, built once from the `algo` section (`from_algo`)."""
+    gamma: float = 1.0  # discount of token rewards (reinforce_pp, gae)
+    lam: float = 1.0  # GAE lambda
+    norm_by_std: bool = True  # grpo: divide by the group std (false: Dr.GRPO)
+    eps: float = 1e-6  # grpo: added to the group std
+
+    @classmethod
+    def from_algo(cls, algo) -> AdvantageSettings:
+        """From a resolved `algo` config section (duck-typed: this package never imports the config)."""
+        return cls(gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std)
+
+
+# (token_rewards [N, R], mask [N, R] in their dtype, group_ids [N] or None, values [N, R] or None, settings)
+#   -> (advantages [N, R], returns [N, R])
+Estimator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, AdvantageSettings],
+                     tuple[torch.Tensor, torch.Tensor]]
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+DEFAULTS = AdvantageSettings()
+register_adv_estimator = ESTIMATORS.register
 
 
 def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,51 +92,80 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     return adv * mask, (adv + values) * mask
 
 
-def advantages(name: str, token_rewards: torch.Tensor, mask: torch.Tensor, *, group_ids: torch.Tensor | None = None,
-               values: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0, norm_by_std: bool = True,
-               eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages [N, R], returns [N, R]) for estimator `name`; both are 0 where `mask` is 0.
+def advantages(name: str, token_rewards: torch.Tensor, mask: torch.Tensor, settings: AdvantageSettings = DEFAULTS,
+               *, group_ids: torch.Tensor | None = None,
+               values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [N, R], returns [N, R]) of the registered estimator `name`; both are 0 where `mask` is 0.
 
     token_rewards [N, R]: the outcome score on a sequence's last token, plus any per-token terms (a KL penalty in
     the reward). mask [N, R]: 1 = a token the policy produced. group_ids [N]: one label per prompt (any order, any
-    dtype torch.unique accepts). values [N, R]: the critic's V(s_t) for `gae`. The outcome score is
-    `token_rewards.sum(-1)`.
-
-      grpo                   (s - mean_g) / (std_g + eps), unbiased std (Shao et al. 2024); s - mean_g without std
-                             (Dr.GRPO, Liu et al. 2025)
-      rloo                   s - mean of the other samples of the group (Ahmadian et al. 2024)
-      reinforce_pp           G_t = r_t + gamma G_{t+1}, whitened over the batch's masked tokens, no baseline (Hu 2025)
-      reinforce_pp_baseline  s - mean_g on every token, then the same batch whitening
-      gae                    GAE from `values`, whitened; returns = A + V before whitening (PPO critic targets)
-
-    Deviations from verl: a group of one sample gets advantage 0 under grpo/rloo/reinforce_pp_baseline (verl
-    passes its raw score through: with no baseline there is no signal to compare against); reinforce_pp carries G
-    across mask-0 tokens inside a response (verl resets it after every mask-0 token, which cuts a multi-turn
-    response at its first tool output). Returns equal the advantages for the critic-free estimators.
+    dtype torch.unique accepts), for the group estimators. values [N, R]: the critic's V(s_t) for `gae`. The
+    outcome score is `token_rewards.sum(-1)`. Returns equal the advantages for the critic-free estimators.
     """
-    mask = mask.to(token_rewards.dtype)
-    if name in ("reinforce_pp", "gae"):
-        if name == "reinforce_pp":
-            ret = discounted_returns(token_rewards, mask, gamma)
-            return masked_whiten(ret, mask), ret
-        if values is None:
-            raise ValueError("the gae estimator needs values (a critic)")
-        adv, ret = gae(token_rewards, values.to(token_rewards.dtype), mask, gamma, lam)
-        return masked_whiten(adv, mask), ret
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r} (choose from {', '.join(ESTIMATORS)})")
+    estimator = ESTIMATORS.lookup(name)
+    return estimator(token_rewards, mask.to(token_rewards.dtype), group_ids, values, settings)
+
+
+def outcome_groups(name: str, token_rewards: torch.Tensor,
+                   group_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scores, group mean, unbiased group std, group size) [N] each, of the outcome scores `token_rewards.sum(-1)`,
+    for the group estimator `name`."""
     if group_ids is None:
         raise ValueError(f"the {name} estimator needs group_ids (one label per prompt)")
     s = token_rewards.sum(-1)  # [N]
-    mean, std, count = group_stats(s, group_ids.to(s.device))
-    alone = count < 2
-    if name == "grpo":
-        a = (s - mean) / (std + eps) if norm_by_std else s - mean
-    elif name == "rloo":
-        a = (s - mean) * count / (count - 1).clamp(min=1)  # = s - (sum - s) / (n - 1)
-    else:
-        a = s - mean
-    a = a.masked_fill(alone, 0.0)[:, None] * mask  # [N, R]
-    if name == "reinforce_pp_baseline":
-        a = masked_whiten(a, mask)
+    return s, *group_stats(s, group_ids.to(s.device))
+
+
+def on_tokens(a: torch.Tensor, count: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N, R]: each sequence's advantage a [N] on its masked tokens; 0 for a group of one sample.
+    Deviation from verl, which passes a lone sample's raw score through: with no baseline there is no signal to
+    compare against."""
+    return a.masked_fill(count < 2, 0.0)[:, None] * mask
+
+
+@register_adv_estimator("grpo")
+def grpo(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None,
+         values: torch.Tensor | None, s: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s - mean_g) / (std_g + eps), unbiased std (Shao et al. 2024); s - mean_g without std (`norm_by_std` false:
+    Dr.GRPO, Liu et al. 2025)."""
+    score, mean, std, count = outcome_groups("grpo", token_rewards, group_ids)
+    a = on_tokens((score - mean) / (std + s.eps) if s.norm_by_std else score - mean, count, mask)
     return a, a
+
+
+@register_adv_estimator("rloo")
+def rloo(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None,
+         values: torch.Tensor | None, s: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """s - the mean of the other samples of the group (Ahmadian et al. 2024)."""
+    score, mean, _, count = outcome_groups("rloo", token_rewards, group_ids)
+    a = on_tokens((score - mean) * count / (count - 1).clamp(min=1), count, mask)  # = s - (sum - s) / (n - 1)
+    return a, a
+
+
+@register_adv_estimator("reinforce_pp")
+def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None,
+                 values: torch.Tensor | None, s: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """G_t = r_t + gamma G_{t+1}, whitened over the batch's masked tokens, no baseline (Hu 2025); returns G.
+    Deviation: G carries across mask-0 tokens inside a response (verl resets it after every mask-0 token, which
+    cuts a multi-turn response at its first tool output)."""
+    ret = discounted_returns(token_rewards, mask, s.gamma)
+    return masked_whiten(ret, mask), ret
+
+
+@register_adv_estimator("reinforce_pp_baseline")
+def reinforce_pp_baseline(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None,
+                          values: torch.Tensor | None, s: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """s - mean_g on every token, then whitened over the batch's masked tokens (Hu 2025's baseline variant)."""
+    score, mean, _, count = outcome_groups("reinforce_pp_baseline", token_rewards, group_ids)
+    a = masked_whiten(on_tokens(score - mean, count, mask), mask)
+    return a, a
+
+
+@register_adv_estimator("gae", "critic")
+def gae_estimator(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None,
+                  values: torch.Tensor | None, s: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE from `values` (`gae`), whitened; returns = A + V before whitening (PPO's critic targets)."""
+    if values is None:
+        raise ValueError("the gae estimator needs values (a critic)")
+    adv, ret = gae(token_rewards, values.to(token_rewards.dtype), mask, s.gamma, s.lam)
+    return masked_whiten(adv, mask), ret

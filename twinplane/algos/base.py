@@ -4,26 +4,41 @@ rollout and an update: which groups train, how scores become per-token rewards, 
 
 The trainer keeps the mechanics (micro-batches, the global normaliser, backward, clipping, the optimizer step) and
 calls `Algorithm.loss`; the controller calls `keep_groups`, `shape_scores`, `token_rewards` and `advantages`, and
-imports no algorithm module. The methods call the pure functions of the algorithm modules (`dapo.py`, `ppo.py`, ...).
+imports no algorithm module. The methods call the pure functions of the algorithm modules (`dapo.py`, `ppo.py`, ...)
+and the registered policy loss, estimator, aggregation and correction the section names, with the settings objects
+built here once.
+
+A run builds its `Algorithm` once (`cluster.build_algorithm`, through `as_algorithm`) and hands the same object to
+the trainer, the controller and the producer; a Ray training worker, in a process of its own, rebuilds it from the
+run's config through the same function.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import torch
 
+from twinplane.algos.advantages import AdvantageSettings
 from twinplane.algos.advantages import advantages as compute_advantages
 from twinplane.algos.dapo import informative, overlong_buffer, overlong_penalty
-from twinplane.algos.losses import aggregate, kl_penalty, normaliser, policy_loss, token_sum
-from twinplane.algos.off_policy import correction, correction_metrics
+from twinplane.algos.losses import LossSettings, aggregate, kl_penalty, normaliser, policy_loss, token_sum
+from twinplane.algos.off_policy import CorrectionSettings, correction, correction_metrics
 from twinplane.algos.ppo import KLController, kl_in_reward, outcome_token_rewards
 
 
 class Algorithm:
     """The algorithm a resolved `AlgoSection` describes (duck-typed: this module never imports the config)."""
 
-    def __init__(self, algo, horizon: int):
-        """`horizon`: the constant of seq-mean-token-sum-norm (`algo.loss_agg_horizon`, else the generation cap)."""
-        self.cfg, self.horizon = algo, horizon
+    def __init__(self, algo, max_new_tokens: int = 0):
+        """`max_new_tokens`: the generation cap (`rollout.max_new_tokens`), seq-mean-token-sum-norm's constant unless
+        `algo.loss_agg_horizon` sets one (both 0: each batch's padded response width, see `loss_horizon`)."""
+        self.cfg, self.horizon = algo, algo.loss_agg_horizon or max_new_tokens
+        # the registered functions' settings, each one object
+        self.loss_settings = LossSettings.from_algo(algo)
+        self.adv_settings = AdvantageSettings.from_algo(algo)
+        self.correction_settings = CorrectionSettings.from_algo(algo)
         # PPO-RLHF's KL-in-reward coefficient: the one piece of state an algorithm carries from step to step
         self.kl_ctrl = KLController(algo.kl_reward_coef, algo.kl_ctrl == "adaptive", algo.kl_target, algo.kl_horizon)
 
@@ -78,9 +93,8 @@ class Algorithm:
 
     def advantages(self, token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
                    values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.cfg
-        return compute_advantages(a.adv_estimator, token_rewards, mask, group_ids=group_ids, values=values,
-                                  gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std)
+        return compute_advantages(self.cfg.adv_estimator, token_rewards, mask, self.adv_settings,
+                                  group_ids=group_ids, values=values)
 
     def normaliser(self, mask: torch.Tensor) -> float:
         """This mask's share of the loss denominator (summed over micro-batches and ranks by the trainer)."""
@@ -96,11 +110,17 @@ class Algorithm:
         `off_policy.correction_metrics` over the global batch's `num_tokens` and `ranks` (none when `num_tokens` is
         None: the weights of one micro-batch, whose metrics the trainer takes over the whole batch)."""
         a = self.cfg
-        w, keep = correction(old_logprobs, rollout_logprobs, mask, weight=a.is_weight, keep=a.is_mask, cap=cap,
-                             low=a.is_low, high=a.is_high)
+        w, keep = correction(old_logprobs, rollout_logprobs, mask, weight=a.is_weight, keep=a.is_mask,
+                             settings=replace(self.correction_settings, cap=cap))
         if num_tokens is None:
             return w, keep, {}
         return w, keep, correction_metrics(old_logprobs, rollout_logprobs, mask, w, keep, cap, num_tokens, ranks)
+
+    def loss_horizon(self, width: Callable[[], int] | None = None) -> int | None:
+        """seq-mean-token-sum-norm's constant: `algo.loss_agg_horizon`, else the generation cap, else `width()` (the
+        global batch's padded response width, asked for only then: a collective); None leaves it to `aggregate`
+        (the micro-batch's own width)."""
+        return self.horizon or (width() if width is not None else 0) or None
 
     def loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
              *, entropy: torch.Tensor, ref_logprobs: torch.Tensor | None, is_weights: torch.Tensor | None,
@@ -109,16 +129,15 @@ class Algorithm:
         """One micro-batch's share of the step's loss, and its metrics' shares. All inputs [n, R].
 
         `norm` is the global batch's aggregation denominator and `num_tokens` its response-token count, so each
-        term and each metric summed over micro-batches (and ranks) is the value of the whole batch; `horizon`
-        replaces the constant of seq-mean-token-sum-norm for this call. The policy
-        loss, the KL-to-reference term and the entropy bonus share the aggregation mode, as in verl.
+        term and each metric summed over micro-batches (and ranks) is the value of the whole batch; `horizon` is
+        the constant of seq-mean-token-sum-norm for this call (the trainer's `loss_horizon`; None: `loss_horizon()`).
+        The policy loss, the KL-to-reference term and the entropy bonus share the aggregation mode, as in verl.
         """
         a = self.cfg
-        horizon = horizon or self.horizon or None
+        horizon = horizon or self.loss_horizon()
         agg = dict(agg=a.loss_agg, norm=norm, horizon=horizon)
-        pg, stats = policy_loss(a.policy_loss, logprobs, old_logprobs, advantages, mask, clip_low=a.clip_low,
-                                clip_high=a.clip_high, clip_c=a.clip_c or None, is_weights=is_weights,
-                                sapo_tau=(a.sapo_tau_pos, a.sapo_tau_neg), **agg)
+        pg, stats = policy_loss(a.policy_loss, logprobs, old_logprobs, advantages, mask, self.loss_settings,
+                                is_weights=is_weights, **agg)
         # policy_loss's metrics are means over this micro-batch (its share of the tokens: on the device, no host read)
         share = (mask.sum(dtype=torch.float64) / max(num_tokens, 1.0)).to(stats["clip_frac"].dtype)
         out = {"pg_loss": pg.detach(), "clip_frac": stats["clip_frac"] * share, "ratio": stats["ratio"] * share,
@@ -131,3 +150,10 @@ class Algorithm:
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, norm=norm, horizon=horizon)
         return loss, out
+
+
+def as_algorithm(algo, max_new_tokens: int = 0) -> Algorithm:
+    """`algo` itself if it is an `Algorithm`, else the one its `algo` config section describes with generation cap
+    `max_new_tokens`: the one place an `Algorithm` is built (a run's, by `cluster.build_algorithm`; a trainer's
+    given only its section)."""
+    return algo if isinstance(algo, Algorithm) else Algorithm(algo, max_new_tokens)

@@ -5,21 +5,47 @@ optimization"; AReaL) keeps the two apart: the policy loss clips pi / pi_old, an
 a correction of the behaviour ratio r = pi_old / pi_rollout, made here: truncated (TIS), masked to a band (drop the
 token or its whole sequence), or IcePop's in-band ratio. `Algorithm.off_policy` picks them from `algo.is_*`.
 
-Each function maps log-probs and the response mask, all [N, R], to detached tensors. Log-ratios are clamped to
-[-20, 20] before exp, as in verl's `rollout_corr_helper`, except in the token TIS weight, whose overflow goes to the
-cap. Deviation from verl: the bands bound r itself; verl's `*_k1` rejection statistics are log(pi_rollout / pi_old),
-so verl's threshold "lo_hi" is the band [1 / hi, 1 / lo] here.
+Each importance weight and each band mask is one function registered under its `algo.is_weight` / `algo.is_mask`
+name (`@register_is_weight("token")`, `@register_is_mask("geometric")`) that maps log-probs and the response mask,
+all [N, R], and one `CorrectionSettings` to detached tensors (or None: off). Log-ratios are clamped to [-20, 20]
+before exp, as in verl's `rollout_corr_helper`, except in the token TIS weight, whose overflow goes to the cap.
+Deviation from verl: the bands bound r itself; verl's `*_k1` rejection statistics are log(pi_rollout / pi_old), so
+verl's threshold "lo_hi" is the band [1 / hi, 1 / lo] here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-IS_WEIGHTS = ("token", "sequence", "icepop", "off")
-IS_MASKS = ("off", "token", "sequence", "geometric")
+from twinplane.algos.registry import Registry
+
 BOUND = 20.0  # |log-ratio| limit before exp: e^20 ~ 4.9e8
+
+
+@dataclass(frozen=True)
+class CorrectionSettings:
+    """The correction's own settings (`algo.tis_cap`, `algo.is_low`, `algo.is_high`), built once from the `algo`
+    section (`from_algo`)."""
+    cap: float = 2.0  # truncation of the token and sequence weights
+    low: float = 0.5  # the ratio band [low, high] of the masks and icepop
+    high: float = 2.0
+
+    @classmethod
+    def from_algo(cls, algo) -> CorrectionSettings:
+        """From a resolved `algo` config section (duck-typed: this package never imports the config)."""
+        return cls(cap=algo.tis_cap, low=algo.is_low, high=algo.is_high)
+
+
+# (old_logprobs, rollout_logprobs, mask, settings), all [N, R] -> detached [N, R] (weights; keep, bool) or None
+Correction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, CorrectionSettings], torch.Tensor | None]
+IS_WEIGHTS: Registry[Correction] = Registry("importance weight")
+IS_MASKS: Registry[Correction] = Registry("mask level")
+register_is_weight = IS_WEIGHTS.register
+register_is_mask = IS_MASKS.register
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
@@ -51,39 +77,89 @@ def icepop_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, l
     return torch.where((r >= low) & (r <= high), r, torch.zeros_like(r)).detach()
 
 
-def band_keep(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, level: str,
-              low: float, high: float) -> torch.Tensor:
-    """[N, R] bool, masked importance sampling: False where the ratio leaves [low, high]. `level`: token (r_t:
-    drop the token), sequence (prod_t r_t over the row's masked tokens: drop the row) or geometric (the
-    geometric mean (prod_t r_t)^(1/|y|): drop the row; independent of the length, so one band suits short and
-    long answers). As verl's `compute_rollout_rejection_mask` with token_k1, seq_sum_k1, seq_mean_k1."""
-    x = (old_logprobs - rollout_logprobs).clamp(-BOUND, BOUND)
+@register_is_weight("token")
+def token_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                 s: CorrectionSettings) -> torch.Tensor:
+    """min(r_t, cap) (`truncated_is_weights`)."""
+    return truncated_is_weights(old_logprobs, rollout_logprobs, s.cap)
+
+
+@register_is_weight("sequence", "prod r")
+def sequence_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                    s: CorrectionSettings) -> torch.Tensor:
+    """min(prod_t r_t, cap) on every token of the row (`sequence_is_weights`)."""
+    return sequence_is_weights(old_logprobs, rollout_logprobs, mask, s.cap)
+
+
+@register_is_weight("icepop", "r in [is_low, is_high], else 0")
+def icepop_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                  s: CorrectionSettings) -> torch.Tensor:
+    """r_t inside the band [low, high], 0 outside (`icepop_weights`)."""
+    return icepop_weights(old_logprobs, rollout_logprobs, s.low, s.high)
+
+
+@register_is_weight("off")
+def no_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+              s: CorrectionSettings) -> None:
+    """No importance weight."""
+    return None
+
+
+def in_band(x: torch.Tensor, like: torch.Tensor, s: CorrectionSettings) -> torch.Tensor:
+    """[N, R] bool: the log-ratio statistic x ([N, R], or [N, 1] per row) within [log low, log high], on every
+    column of `like`."""
+    return ((x >= math.log(s.low)) & (x <= math.log(s.high))).expand_as(like)
+
+
+def _log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+    return (old_logprobs - rollout_logprobs).clamp(-BOUND, BOUND)  # [N, R]
+
+
+@register_is_mask("off")
+def no_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+            s: CorrectionSettings) -> None:
+    """No band mask."""
+    return None
+
+
+@register_is_mask("token", "the token's r")
+def token_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+               s: CorrectionSettings) -> torch.Tensor:
+    """Drop the tokens whose r_t leaves the band (verl's token_k1)."""
+    return in_band(_log_ratio(old_logprobs, rollout_logprobs), old_logprobs, s)
+
+
+@register_is_mask("sequence", "the row's prod r")
+def sequence_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                  s: CorrectionSettings) -> torch.Tensor:
+    """Drop the rows whose prod_t r_t over their masked tokens leaves the band (verl's seq_sum_k1)."""
+    x = _log_ratio(old_logprobs, rollout_logprobs)
+    return in_band(_row_sum(x, mask.to(x.dtype)), old_logprobs, s)
+
+
+@register_is_mask("geometric", "the row's geometric mean")
+def geometric_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                   s: CorrectionSettings) -> torch.Tensor:
+    """Drop the rows whose geometric mean (prod_t r_t)^(1/|y|) leaves the band: independent of the length, so one
+    band suits short and long answers (verl's seq_mean_k1)."""
+    x = _log_ratio(old_logprobs, rollout_logprobs)
     m = mask.to(x.dtype)
-    if level == "sequence":
-        x = _row_sum(x, m)
-    elif level == "geometric":
-        x = _row_sum(x, m) / (m.sum(-1, keepdim=True) + 1e-8)
-    elif level != "token":
-        raise ValueError(f"unknown mask level {level!r} (choose from {', '.join(IS_MASKS[1:])})")
-    return ((x >= math.log(low)) & (x <= math.log(high))).expand_as(old_logprobs)
+    return in_band(_row_sum(x, m) / (m.sum(-1, keepdim=True) + 1e-8), old_logprobs, s)
+
+
+def band_keep(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, level: str,
+              low: float, high: float) -> torch.Tensor | None:
+    """[N, R] bool, masked importance sampling: False where the ratio of the registered mask `level` (token,
+    sequence, geometric) leaves [low, high]; None for off."""
+    return IS_MASKS.lookup(level)(old_logprobs, rollout_logprobs, mask, CorrectionSettings(low=low, high=high))
 
 
 def correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *, weight: str,
-               keep: str, cap: float, low: float, high: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weights [N, R] or None, keep [N, R] bool or None): the importance weight `weight` (`IS_WEIGHTS`; token and
-    sequence truncated at `cap`, icepop in the band [low, high]) and the band mask `keep` (`IS_MASKS`)."""
-    if weight == "token":
-        w = truncated_is_weights(old_logprobs, rollout_logprobs, cap)
-    elif weight == "sequence":
-        w = sequence_is_weights(old_logprobs, rollout_logprobs, mask, cap)
-    elif weight == "icepop":
-        w = icepop_weights(old_logprobs, rollout_logprobs, low, high)
-    elif weight == "off":
-        w = None
-    else:
-        raise ValueError(f"unknown importance weight {weight!r} (choose from {', '.join(IS_WEIGHTS)})")
-    kept = None if keep == "off" else band_keep(old_logprobs, rollout_logprobs, mask, keep, low, high)
-    return w, kept
+               keep: str, settings: CorrectionSettings) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weights [N, R] or None, keep [N, R] bool or None): the registered importance weight `weight` and band mask
+    `keep` (None: off)."""
+    return (IS_WEIGHTS.lookup(weight)(old_logprobs, rollout_logprobs, mask, settings),
+            IS_MASKS.lookup(keep)(old_logprobs, rollout_logprobs, mask, settings))
 
 
 def masked_quantiles(x: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:

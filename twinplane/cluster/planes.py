@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from twinplane.algos import Algorithm
+from twinplane.algos import Algorithm, as_algorithm
 from twinplane.cluster.sync import SyncReport, sync_in_process
 from twinplane.config import Config
 from twinplane.model import ModelConfig, Transformer, iter_safetensors
@@ -127,7 +127,9 @@ class Planes(Protocol):
 
 
 def build_algorithm(cfg: Config) -> Algorithm:
-    return Algorithm(cfg.algo, cfg.algo.loss_agg_horizon or cfg.rollout.max_new_tokens)
+    """The run's algorithm: built once by the run, which hands it to the planes, the controller and the producer; a
+    Ray training worker, in a process of its own, rebuilds it from the same config here."""
+    return as_algorithm(cfg.algo, cfg.rollout.max_new_tokens)
 
 
 def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_offset: int = 0,
@@ -170,9 +172,10 @@ def build_critic(cfg: Config, model_config: ModelConfig, weights: Iterable[tuple
                   c.grad_clip, t.micro_batch_size, t.max_tokens_per_micro_batch, group, c.loss_agg)
 
 
-def reference_is_base(cfg: Config) -> bool:
-    """LoRA with a KL term: the reference is the policy's own base with the adapters off (no second model)."""
-    return cfg.train.lora.rank > 0 and build_algorithm(cfg).needs_reference
+def reference_is_base(cfg: Config, algo: Algorithm | None = None) -> bool:
+    """LoRA with a KL term: the reference is the policy's own base with the adapters off (no second model).
+    `algo`: the run's algorithm (None: `build_algorithm(cfg)`)."""
+    return cfg.train.lora.rank > 0 and (algo or build_algorithm(cfg)).needs_reference
 
 
 def engine_model(cfg: Config, model: Transformer) -> Transformer:
@@ -199,18 +202,18 @@ class LocalPlanes:
 
     @classmethod
     def build(cls, cfg: Config, model: Transformer, reference: Transformer | None, tokenizer: Tokenizer,
-              total_steps: int, tis_cap: float | None) -> LocalPlanes:
+              total_steps: int, tis_cap: float | None, algo: Algorithm) -> LocalPlanes:
         r, t = cfg.rollout, cfg.train
         engine = build_engine(cfg, engine_model(cfg, model), tokenizer, shared=True)
         rollout = build_rollout(cfg, engine, tokenizer)
-        trainer = Trainer(model, t, cfg.algo, r.temperature, total_steps, tis_cap=tis_cap, horizon=r.max_new_tokens)
-        if reference_is_base(cfg):
+        trainer = Trainer(model, t, algo, r.temperature, total_steps, tis_cap=tis_cap)
+        if reference_is_base(cfg, algo):
             reference = model
         ref = None if reference is None else Reference(
             reference, r.temperature, t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, train=t,
             routing_replay=cfg.algo.routing_replay)
         critic = build_critic(cfg, model.config, critic_weights(cfg, model), model.output_weight().device) \
-            if build_algorithm(cfg).needs_critic else None
+            if algo.needs_critic else None
         return cls(engine, trainer, ref, critic, rollout)
 
     @property

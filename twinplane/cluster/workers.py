@@ -22,7 +22,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from twinplane.cluster.planes import build_critic, build_engine, build_rollout, reference_is_base, restore_generator
+from twinplane.cluster.planes import (
+    build_algorithm,
+    build_critic,
+    build_engine,
+    build_rollout,
+    reference_is_base,
+    restore_generator,
+)
 from twinplane.cluster.sync import broadcast_bucket, bucket_plan
 from twinplane.config import Config, LoraSection
 from twinplane.model import ModelConfig, Transformer, load_weights
@@ -222,10 +229,10 @@ class TrainWorker(_CriticCalls, _Worker):
         dtype = runtime.resolve_dtype(cfg.model.dtype)
         t = cfg.train
         model = shard_over(build_model(s.model_config, policy, self.device, dtype, t.lora), group, t.compute_dtype)
-        self.trainer = Trainer(model, t, cfg.algo, cfg.rollout.temperature, s.total_steps, group, tis_cap=s.tis_cap,
-                               horizon=cfg.rollout.max_new_tokens)
+        algo = build_algorithm(cfg)  # (a process of its own: the run's algorithm, rebuilt from the run's config)
+        self.trainer = Trainer(model, t, algo, cfg.rollout.temperature, s.total_steps, group, tis_cap=s.tis_cap)
         self.reference = None
-        if reference_is_base(cfg):  # LoRA: the policy's base, adapters off
+        if reference_is_base(cfg, algo):  # LoRA: the policy's base, adapters off
             self.reference = Reference(model, cfg.rollout.temperature, t.micro_batch_size, group=group,
                                        max_tokens=t.max_tokens_per_micro_batch, train=t)
         elif reference is not None:

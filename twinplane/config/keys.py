@@ -1,10 +1,12 @@
 """What a config key is: a dataclass field with its help text and range (`opt`), a type whose `Literal` gives its
-choices, and a section's `rules` across keys; the checks every key goes through (`value_problem`) and the walks
-over a config's keys and sections."""
+choices (or, for a key naming a registered function, `Annotated[str, OneOf(registry)]`: the registry's names when
+asked), and a section's `rules` across keys; the checks every key goes through (`value_problem`) and the walks over
+a config's keys and sections."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import re
@@ -12,7 +14,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import field
-from typing import Literal
+from typing import Annotated, Literal
 
 Rule = tuple[bool, str, str]  # (holds, the key it is about, what the key must be)
 
@@ -56,10 +58,42 @@ def opt(default=None, help: str = "", *, bounds: str | None = None, check: Calla
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class OneOf:
+    """The choices of a key that names something registered (`Annotated[str, OneOf(registry)]`), read from the
+    registry each time they are asked for: a name registered after the config was defined (a plugin's policy loss)
+    is a valid value, listed in the help and offered as a hint. `source`: a mapping (its keys; its `notes`, where it
+    has them, go into the help) or a function returning the names; `also`: what else the key takes, as the help and
+    the errors write it, and `accepts` says whether a value is such a one."""
+    source: typing.Any
+    also: tuple[str, ...] = ()
+    accepts: Callable[[str], bool] | None = None
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.source() if callable(self.source) else self.source)
+
+    def describe(self) -> str:
+        """"a (note) | b | ...": the names with their notes, then `also`."""
+        notes = getattr(self.source, "notes", {})
+        return " | ".join([f"{n} ({notes[n]})" if notes.get(n) else n for n in self.names()] + list(self.also))
+
+
+def one_of(t) -> OneOf | None:
+    """The `OneOf` of an `Annotated[str, OneOf(...)]` type (also as `... | None`), else None."""
+    if typing.get_origin(t) is Annotated:
+        return next((m for m in t.__metadata__ if isinstance(m, OneOf)), None)
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        return next((o for a in typing.get_args(t) if (o := one_of(a))), None)
+    return None
+
+
 def choices(t) -> tuple | None:
-    """The values a `Literal` type allows (also as `Literal[...] | None` or `list[Literal[...]]`), else None."""
+    """The values a `Literal` type allows (also as `Literal[...] | None` or `list[Literal[...]]`), or those of a
+    `OneOf` now, else None."""
     if typing.get_origin(t) is Literal:
         return typing.get_args(t)
+    if (registered := one_of(t)) is not None:
+        return registered.names() + registered.also
     if typing.get_origin(t) in (typing.Union, types.UnionType, list):
         return next((c for a in typing.get_args(t) if (c := choices(a))), None)
     return None
@@ -79,13 +113,28 @@ def value_problem(value, t, meta: typing.Mapping) -> str | None:
     items, many = (value, True) if isinstance(value, list) else ([value], False)
     if not many and isinstance(value, float) and not math.isfinite(value):
         return "must be a finite number"  # no setting means anything at inf or NaN (limits that can be off use 0)
-    allowed = choices(t)
-    if allowed and not all(v in allowed for v in items if v is not None):
+    allowed, accepts = choices(t), getattr(one_of(t), "accepts", None)
+    if allowed and not all(v in allowed or (accepts and accepts(v)) for v in items if v is not None):
         return f"must {'name' if many else 'be'} {_one_of(allowed)}"
     bounds = meta.get("bounds")
     if bounds and not all(within(v, bounds) for v in items if v is not None):
         return f"must {'each be' if many else 'be'}{'' if bounds[0] in '<>' else ' in'} {bounds}"
     return None
+
+
+def value_hint(value, t) -> str:
+    """" (did you mean X?)" for a name close to one of the key's choices, else ""."""
+    allowed = choices(t)
+    if not allowed or not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [str(c) for c in allowed], n=1, cutoff=0.7)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def help_text(t, meta: typing.Mapping) -> str:
+    """A key's help: a `OneOf` key's choices as its registry describes them, then the key's own text."""
+    registered = one_of(t)
+    return f"{registered.describe()}: {meta['help']}" if registered is not None else meta["help"]
 
 
 class Section:
@@ -115,7 +164,7 @@ def _sections(cfg) -> list:
 @functools.cache
 def _fields(cls, prefix: str = "") -> tuple[tuple[str, str, typing.Any, typing.Mapping], ...]:
     """(key, attribute path, type, metadata) of every setting under `cls`."""
-    out, hints = [], typing.get_type_hints(cls)  # (resolving the hints is the slow part: once per class)
+    out, hints = [], typing.get_type_hints(cls, include_extras=True)  # (the slow part: once per class)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
         if dataclasses.is_dataclass(t):

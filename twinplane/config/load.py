@@ -14,7 +14,7 @@ from typing import Literal
 
 import yaml
 
-from twinplane.config.keys import _all_keys, _fields, _settings, choices
+from twinplane.config.keys import _all_keys, _fields, _settings, choices, help_text
 from twinplane.config.sections import Config, ConfigError
 from twinplane.errors import first_line
 
@@ -273,5 +273,5 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 def config_help() -> str:
     """Every key with its default and help text."""
     defaults = Config()
-    return "\n".join(f"  {key} = {value!r}" + (f"  # {meta['help']}" if meta.get("help") else "")
-                     for key, value, _, meta in _settings(defaults))
+    return "\n".join(f"  {key} = {value!r}" + (f"  # {help_text(t, meta)}" if meta.get("help") else "")
+                     for key, value, t, meta in _settings(defaults))

@@ -6,21 +6,25 @@ import dataclasses
 import re
 import string
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from twinplane.algos import AGG_MODES, ESTIMATORS, IS_MASKS, IS_WEIGHTS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
-from twinplane.config.keys import Rule, Section, _get, _sections, _settings, opt, value_problem
+from twinplane.config.keys import OneOf, Rule, Section, _get, _sections, _settings, opt, value_hint, value_problem
 from twinplane.errors import InputError
 from twinplane.model.lora import TARGETS as LORA_TARGETS
+from twinplane.rewards.registry import builtin_rewards, is_user_spec
 
-# The choices the algorithm registry defines, as the types of the keys that name them.
-AlgoName = Literal[tuple(PRESETS)]
-Estimator = Literal[ESTIMATORS]
-PolicyLoss = Literal[POLICY_LOSSES]
-LossAgg = Literal[AGG_MODES]
-KLEstimator = Literal[KL_ESTIMATORS]
-ISWeight = Literal[IS_WEIGHTS]
-ISMask = Literal[IS_MASKS]
+# Keys naming a registered thing: their choices are the registry's names whenever they are read (a name registered
+# later, by a plugin or a test, is valid, in `--help` and in the hints), their help starts with the registry's notes.
+AlgoName = Annotated[str, OneOf(PRESETS)]
+Estimator = Annotated[str, OneOf(ESTIMATORS)]
+PolicyLoss = Annotated[str, OneOf(POLICY_LOSSES)]
+LossAgg = Annotated[str, OneOf(AGG_MODES)]
+KLEstimator = Annotated[str, OneOf(KL_ESTIMATORS)]
+ISWeight = Annotated[str, OneOf(IS_WEIGHTS)]
+ISMask = Annotated[str, OneOf(IS_MASKS)]
+RewardName = Annotated[str, OneOf(builtin_rewards, also=("module:function", "path/file.py:function"),
+                                  accepts=is_user_spec)]
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -109,7 +113,7 @@ class DataSection(Section):
 
 @dataclass
 class RewardSection(Section):
-    name: str = opt("exact_int", "gsm8k | math | exact_match | exact_int | module:function | path/file.py:function")
+    name: RewardName = opt("exact_int", "the reward: a built-in verifier or your function")
     options: dict = opt(help="keyword options for the function, e.g. {mode: strict}", factory=dict)
     format_weight: float = opt(0.0, "bonus for a well-formatted answer ('#### N', \\boxed{})")
     timeout_s: float = opt(10.0, "per sample (per call for batched functions); late samples score 0, in reward/errors",
@@ -278,16 +282,12 @@ class TrainSection(Section):
 
 @dataclass
 class AlgoSection(Section):
-    name: AlgoName = opt(
-        "grpo", "grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gspo | dapo | ppo: a preset")
-    adv_estimator: Estimator | None = opt(
-        None, "grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (critic); unset=preset")
+    name: AlgoName = opt("grpo", "a preset (the algo.* values it sets stay overridable)")
+    adv_estimator: Estimator | None = opt(None, "the advantage estimator; unset = preset")
     norm_adv_by_std: bool | None = opt(
         None, "grpo estimator: divide by the group std (false = Dr.GRPO); unset = preset")
-    policy_loss: PolicyLoss | None = opt(None, "ppo (token ratio) | gspo (sequence ratio) | cispo (clipped ratio as "
-        "a weight) | sapo (smooth gate) | gmpo (geometric-mean ratio, log-space clip); unset = preset")
-    loss_agg: LossAgg | None = opt(
-        None, "token-mean | seq-mean-token-mean | seq-mean-token-sum[-norm] | token-sum (no divisor); unset = preset")
+    policy_loss: PolicyLoss | None = opt(None, "the per-token policy loss; unset = preset")
+    loss_agg: LossAgg | None = opt(None, "how the token losses make the loss; unset = preset")
     loss_agg_horizon: int = opt(0, "seq-mean-token-sum-norm's constant divisor (0 = rollout.max_new_tokens)",
         bounds=">= 0")
     clip_low: float | None = opt(None, "ratio clip below 1: 1 - clip_low (unset = preset: 0.2; gspo 3e-4)",
@@ -300,7 +300,7 @@ class AlgoSection(Section):
     gamma: float = opt(1.0, "discount of token rewards (reinforce_pp, gae)", bounds="[0, 1]")
     lam: float = opt(1.0, "GAE lambda", bounds="[0, 1]")
     kl_coef: float = opt(0.0, "KL-to-reference loss weight (0 = no reference model unless kl_in_reward)", bounds=">= 0")
-    kl_estimator: KLEstimator = opt("k3", "k1 | k2 | k3 (low_var_kl) | abs, for the KL loss term")
+    kl_estimator: KLEstimator = opt("k3", "the KL loss term's estimator")
     kl_in_reward: bool = opt(False, "PPO-RLHF: subtract kl_reward_coef * (log pi_old - log pi_ref) from token rewards")
     kl_reward_coef: float = opt(0.001, "(initial) coefficient of the KL in the reward", bounds=">= 0")
     kl_ctrl: Literal["fixed", "adaptive"] = opt(
@@ -314,10 +314,9 @@ class AlgoSection(Section):
         "they are the training forward's own (no separate forward) unless kl_in_reward or is_mask needs them first")
     tis_cap: float = opt(2.0, "off-policy correction (cluster.max_staleness >= 1, is_sync, or rollout.backend=vllm "
         "with recompute_old_logprobs): cap of the importance weight pi_old / pi_rollout", bounds=">= 1")
-    is_weight: ISWeight = opt("token", "off-policy correction's weight on r = pi_old / pi_rollout: token | sequence "
-        "(prod r; both truncated at tis_cap) | icepop (r in [is_low, is_high], else 0) | off")
-    is_mask: ISMask = opt("off", "off-policy correction: drop tokens (token) or whole sequences (sequence: prod r; "
-        "geometric: its geometric mean) whose ratio leaves [is_low, is_high] | off")
+    is_weight: ISWeight = opt("token", "the off-policy correction's weight on r = pi_old / pi_rollout (token and "
+        "sequence truncated at tis_cap)")
+    is_mask: ISMask = opt("off", "the off-policy correction's band mask, dropping what leaves [is_low, is_high]")
     is_low: float = opt(0.5, "lower bound of the ratio band of is_mask and icepop", bounds="(0, 1]")
     is_high: float = opt(2.0, "upper bound of the ratio band of is_mask and icepop", bounds=">= 1")
     is_sync: bool = opt(False, "also correct synchronous runs (engine kernels/dtype) when old log-probs are recomputed")
@@ -482,7 +481,7 @@ class Config(Section):
         may count on every key being in range); the first problem is a ConfigError naming its key."""
         for key, value, t, meta in _settings(self):
             if (problem := value_problem(value, t, meta)) is not None:
-                raise ConfigError(f"{key}: {problem}, got {value!r}")
+                raise ConfigError(f"{key}: {problem}, got {value!r}{value_hint(value, t)}")
             if meta.get("check") and (problem := meta["check"](value)) is not None:
                 raise ConfigError(f"{key}: {problem}")
         for section in _sections(self):

@@ -22,6 +22,11 @@ RESERVED = ("batched", "format_weight")
 BATCHED = {"code": code}
 
 
+def builtin_rewards() -> tuple[str, ...]:
+    """The built-in rewards' names (`reward.name`'s choices besides a user function)."""
+    return (*VERIFIERS, *BATCHED)
+
+
 def to_reward(value: object) -> float:
     """A reward function's return value as a finite float. None, NaN, inf and non-numbers raise ValueError:
     they mean the function failed, and the caller scores the sample 0 rather than train on garbage."""
@@ -125,7 +130,7 @@ def resolve(name: str, options: dict | None = None) -> tuple[Callable, bool, dic
         if (options or {}).get("batched"):
             raise ValueError(f"reward {name!r}: 'batched' applies to user functions only")
     else:
-        raise ValueError(f"unknown reward {name!r} (available: {', '.join([*VERIFIERS, *BATCHED])}, "
+        raise ValueError(f"unknown reward {name!r} (available: {', '.join(builtin_rewards())}, "
                          "module:function, path/to/file.py:function)")
     try:
         probe = ([""], [""]) if batched else ("", "")

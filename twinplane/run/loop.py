@@ -146,11 +146,11 @@ class Run:
         self.lora_base = attach_lora(s, self.console) if cfg.train.lora.rank > 0 else None
         # Taken before a restore, so without a warm start the reference is the unchanged source; after a warm start
         # its weights are in the checkpoint. With LoRA the reference is the policy's own base (adapters off).
-        algo = build_algorithm(cfg)
+        algo = build_algorithm(cfg)  # the run's one algorithm: the planes, the producer and the controller share it
         self.reference = copy.deepcopy(s.model) if algo.needs_reference and self.lora_base is None else None
         if s.resume_from is not None:
             self.read_checkpoint()
-        self.planes = build_planes(cfg, s.model, self.reference, s.tokenizer, log=self.console.print)
+        self.planes = build_planes(cfg, s.model, self.reference, s.tokenizer, log=self.console.print, algo=algo)
         self.faults.planes = self.planes
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, n=r.n)

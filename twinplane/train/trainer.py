@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from twinplane.algos import Algorithm, token_sum
+from twinplane.algos import Algorithm, as_algorithm, token_sum
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.model import ModelConfig, Transformer
 from twinplane.model.checksum import tensor_checksum
@@ -57,17 +57,17 @@ class Reference:
 
 
 class Trainer:
-    def __init__(self, model: Transformer, train: TrainSection, algo: AlgoSection, temperature: float,
+    def __init__(self, model: Transformer, train: TrainSection, algo: Algorithm | AlgoSection, temperature: float,
                  total_steps: int, group=None, *, tis_cap: float | None = None, horizon: int = 0):
-        """`group`: the data-parallel process group when `model` is FSDP-sharded (`twinplane.train.fsdp`) and each
+        """`algo`: the run's algorithm, or its config section alone (a trainer built by itself).
+        `group`: the data-parallel process group when `model` is FSDP-sharded (`twinplane.train.fsdp`) and each
         rank passes its own rows to `train_step`; token means and metrics are then over the global batch.
         `tis_cap`: the off-policy correction (`Algorithm.off_policy`, truncating at `tis_cap`) for batches that
         carry both `old_logprobs` and `rollout_logprobs`, i.e. when the engine's weights may lag the trainer's;
         None = off.
-        `horizon`: seq-mean-token-sum-norm's constant (the generation cap; `algo.loss_agg_horizon` overrides it;
-        0 = the global batch's padded response width)."""
+        `horizon`: with `algo` a section, the generation cap (`Algorithm`'s `max_new_tokens`)."""
         self.model, self.cfg, self.temperature = model, train, temperature
-        self.algo = Algorithm(algo, algo.loss_agg_horizon or horizon)
+        self.algo = as_algorithm(algo, horizon)
         self.group, self.tis_cap = group, tis_cap
         model.activation_checkpointing = train.activation_checkpointing
         self.opt, self.sched = build_optimizer(
@@ -150,9 +150,7 @@ class Trainer:
         self.model.train()
         num_tokens = max(self._global(batch.num_response_tokens), 1)  # for token-mean metrics
         norm = max(self._global(self.algo.normaliser(batch.response_mask)), 1)  # the loss's global denominator
-        horizon = self.algo.horizon
-        if not horizon:
-            horizon = int(self._global(batch.response_mask.shape[1], dist.ReduceOp.MAX))
+        horizon = self.algo.loss_horizon(lambda: int(self._global(batch.response_mask.shape[1], dist.ReduceOp.MAX)))
         sums = dict.fromkeys(["pg_loss", "kl", "entropy", "clip_frac", "logprob_gap", "ratio"], 0.0) | corrected
         c = self.cfg
         moe = RoutingStats(self.config, self.device) if self.config.num_experts else None
