@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import field
 from typing import Annotated, Literal
 
-Rule = tuple[bool, str, str]  # (holds, the key it is about, what the key must be)
+# (holds, the key it is about, what the key must be[, (another key it is as much about, what that one must be)]):
+# a rule across two keys blames the one the user set
+Rule = tuple[bool, str, str] | tuple[bool, str, str, tuple[str, str]]
 
 _BOUNDS = re.compile(r"(?P<op>>=|>) (?P<x>\S+)"  # >= 0, > 0
                      r"|(?P<l>[\[(])(?P<lo>\S+), (?P<hi>\S+)(?P<r>[\])])"  # [0, 1), (0, 1]

@@ -266,7 +266,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     if path is not None:  # the file's own paths (an overridden one may name an unset variable: it is not used)
         _absolute_paths(data, path.parent.absolute(), skip=overridden)
     cfg = _build(Config, data)
-    cfg.validate()
+    cfg.validate(given={f"{s}.{k}" for s, v in data.items() if isinstance(v, dict) for k in v} | set(data))
     return cfg
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import string
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -74,10 +75,15 @@ class ModelSection(Section):
     def rules(self, cfg: Config) -> list[Rule]:
         return [
             (self.path is None or self.path.strip() != "", "model.path", "must not be empty"),
-            (self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", "must divide model.num_heads"),
-            (self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be a multiple of model.num_heads"),
+            (self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", f"must divide model.num_heads "
+             f"({self.num_heads})",
+             ("model.num_heads", f"must be a multiple of model.num_kv_heads ({self.num_kv_heads})")),
+            (self.hidden_size % self.num_heads == 0, "model.hidden_size", f"must be a multiple of model.num_heads "
+             f"({self.num_heads})", ("model.num_heads", f"must divide model.hidden_size ({self.hidden_size})")),
             (self.hidden_size // self.num_heads % 2 == 0, "model.hidden_size",
-             "/ model.num_heads (the head size) must be even for rotary embeddings"),
+             "/ model.num_heads (the head size) must be even for rotary embeddings",
+             ("model.num_heads", "must leave an even head size (model.hidden_size / model.num_heads) for rotary "
+              "embeddings")),
             (self.num_experts == 0 or self.num_experts_per_tok <= self.num_experts, "model.num_experts_per_tok",
              "must be <= model.num_experts"),
         ]
@@ -476,16 +482,19 @@ class Config(Section):
             (self.run_dir is None or self.run_dir.strip() != "", "run_dir", "must not be empty"),
         ]
 
-    def validate(self) -> None:
+    def validate(self, given: Collection[str] = ()) -> None:
         """Every key against its type's choices and its metadata, then each section's rules across keys (those
-        may count on every key being in range); the first problem is a ConfigError naming its key."""
+        may count on every key being in range); the first problem is a ConfigError naming its key: of a rule's
+        two keys, the one the user set (`given`: the dotted keys of the config file and the overrides)."""
         for key, value, t, meta in _settings(self):
             if (problem := value_problem(value, t, meta)) is not None:
                 raise ConfigError(f"{key}: {problem}, got {value!r}{value_hint(value, t)}")
             if meta.get("check") and (problem := meta["check"](value)) is not None:
                 raise ConfigError(f"{key}: {problem}")
         for section in _sections(self):
-            for ok, key, msg in section.rules(self):
+            for ok, key, msg, *other in section.rules(self):
+                if not ok and other and other[0][0] in given and key not in given:
+                    key, msg = other[0]
                 if not ok:
                     value = _get(self, key)
                     raise ConfigError(f"{key}: {msg}" + ("" if dataclasses.is_dataclass(value) else f", got {value!r}"))
