@@ -191,12 +191,12 @@ def code_metrics(results: Sequence[CodeResult]) -> dict[str, float]:
     return out
 
 
-def code(completions: Sequence[str], answers: Sequence[str], partial: bool = False, sandbox: str = "bwrap",
-         timeout_s: float = 10.0, test_timeout_s: float = 4.0, memory_mb: int = 1024, workers: int | None = None
-         ) -> list[float]:
+def unit_tests_pass(completions: Sequence[str], answers: Sequence[str], partial: bool = False,
+                    sandbox: str = "bwrap", timeout_s: float = 10.0, test_timeout_s: float = 4.0, memory_mb: int = 1024,
+                    workers: int | None = None) -> list[float]:
     """Batched reward function for `score("code", ...)`: 1.0 when every test passes (or the fraction passed)."""
     scorer = CodeScorer(sandbox, partial, timeout_s, test_timeout_s, memory_mb, workers=workers)
     return [r.reward for r in scorer(completions, answers)]
 
 
-code.batched = True
+unit_tests_pass.batched = True

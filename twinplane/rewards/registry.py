@@ -12,14 +12,14 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from twinplane.rewards.code import code
+from twinplane.rewards.code import unit_tests_pass
 from twinplane.rewards.verifiers import VERIFIERS, format_ok
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], list[float]]  # batched: (completions, answers) -> rewards
 # Options the framework reads itself; every other option is passed to the reward function as a keyword.
 RESERVED = ("batched", "format_weight")
 # Built-ins that score a whole batch at once: `code` runs its programs concurrently in the sandbox.
-BATCHED = {"code": code}
+BATCHED = {"code": unit_tests_pass}
 
 
 def builtin_rewards() -> tuple[str, ...]:
