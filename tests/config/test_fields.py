@@ -108,8 +108,9 @@ def test_the_defaults_keep_every_rule_and_every_rule_names_a_key():
         getattr(cfg, f.name))] + [cfg.train.lora]
     rules = [rule for section in sections for rule in section.rules(cfg)]
     assert len(rules) >= 30
-    for ok, key, msg in rules:
+    for ok, key, msg, *other in rules:  # (a rule across two keys also names the other and its message)
         assert ok and key in keys and msg, (key, msg)
+        assert all(k in keys and m for k, m in other), other
 
 
 def test_a_rule_across_sections_names_its_key():

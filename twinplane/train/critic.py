@@ -16,11 +16,10 @@ from torch import nn
 from twinplane.algos import value_loss
 from twinplane.model import ModelConfig, Transformer, load_weights
 from twinplane.model.export import export_weights
-from twinplane.train import fsdp
+from twinplane.train import fsdp, trainer
 from twinplane.train.batch import Batch
 from twinplane.train.logprobs import device_micro_batches
 from twinplane.train.optim import build_optimizer, load_named_optimizer_state, named_optimizer_state
-from twinplane.train.trainer import clip_and_step, step_readback
 
 
 class ValueModel(Transformer):
@@ -111,8 +110,8 @@ class Critic:
             (loss * weight).backward()
             sums["vf_loss"] = sums["vf_loss"] + weight * loss.detach().double()
             sums["vf_clipfrac"] = sums["vf_clipfrac"] + weight * frac.double() * m.sum(dtype=torch.float64) / num_tokens
-        grad_norm = clip_and_step(self.model, self.opt, self.sched, self.grad_clip, self.device, readback=False)
-        sums, grad_norm = step_readback(sums, grad_norm, self.group, self.device)
+        grad_norm = trainer.clip_and_step(self.model, self.opt, self.sched, self.grad_clip, self.device, readback=False)
+        sums, grad_norm = trainer.step_readback(sums, grad_norm, self.group, self.device)
         return {f"critic/{k}": v for k, v in sums.items()} | {"critic/grad_norm": grad_norm}
 
     def named_weights(self):
