@@ -143,8 +143,8 @@ def test_resume_of_a_finished_run_leaves_it_and_extending_adds_up(tmp_path, monk
     before = snapshot(run)
     capsys.readouterr()
     assert train(run, "train.steps=4", "--resume", "auto") == 0
-    assert capsys.readouterr().out == (f"twinplane: {run}: the run finished at step 4 (summary.json); nothing to do "
-                                       "(a larger train.steps continues it)\n")
+    assert capsys.readouterr().out.endswith(f"\ntwinplane: {run}: the run finished at step 4 (summary.json); nothing "
+                                            "to do (a larger train.steps continues it)\n")
     assert train(run, "train.steps=3", "--resume", "auto") == 2
     assert f"train.steps: the run in {run} finished at step 4; 3 cannot shorten it" in capsys.readouterr().err
     assert snapshot(run) == before

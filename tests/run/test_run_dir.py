@@ -35,10 +35,10 @@ def test_rerun_refused_then_overwrite_moves_old_run_aside_and_resume_continues_t
     assert len(aside) == 1 and tree(aside[0]) == before  # the earlier run, intact, where the log said
     assert str(aside[0]) in capsys.readouterr().out
     assert steps(run) == [1] and [c.name for c in checkpoint.list_checkpoints(run)] == ["step_00000001"]
-    # the old run's longer config cannot continue in the new run's folder; the new one's can
-    assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=2", "--resume", "auto"]) == 2
+    # the old run's config cannot continue in the new run's folder; the new one's own settings can
+    assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=2", "seed=0", "--resume", "auto"]) == 2
     assert "seed cannot change" in capsys.readouterr().err
-    assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=2", "seed=1", "--resume", "auto"]) == 0
+    assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=2", "--resume", "auto"]) == 0
     assert steps(run) == [1, 2]
     assert main(["train", "--run-dir", str(run), *ARGS, "train.steps=1", "seed=1", "--overwrite",
                  "--delete-old"]) == 0
