@@ -269,3 +269,28 @@ def test_flash_paged_backend_equals_portable():
 def test_batch_invariant_needs_the_cpu_float32_engine():
     with pytest.raises(InputError, match="rollout.batch_invariant: needs the CPU float32 engine"):
         RolloutEngine(tiny_model().to(torch.bfloat16), None, batch_invariant=True)
+
+
+@pytest.mark.parametrize("graphs", ["eager", "static"])
+def test_requests_with_their_own_sampling_share_steps_and_sample_as_alone(graphs):
+    """A server's requests each bring their own temperature, top-p/top-k, cap and stop tokens: batched together they
+    sample exactly what each samples alone (rows sharing a sampling are sampled in one call)."""
+    model = tiny_model()
+    kinds = [SamplingParams(temperature=0.0, max_new_tokens=10),
+             SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=14, n=2),
+             SamplingParams(temperature=1.0, top_k=5, max_new_tokens=8, stop_token_ids=[7]),
+             SamplingParams(temperature=1.3, max_new_tokens=12, min_new_tokens=4)]
+
+    def run(pairs):
+        e = RolloutEngine(copy.deepcopy(model), eos_token_id=EOS)
+        e.graph_backend = graphs
+        seqs = [e.sequence(p, i, sp, [100 * i + j for j in range(sp.n)]) for i, (p, sp) in pairs]
+        return e.run(seqs)
+
+    pairs = list(enumerate(zip(PROMPTS, kinds, strict=True)))
+    together = run(pairs)
+    alone = [s for pair in pairs for s in run([pair])]
+    assert [s.token_ids for s in together] == [s.token_ids for s in alone]
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert len(together[0].token_ids) == 10 and all(len(s.token_ids) >= 5 for s in together[4:])

@@ -262,6 +262,7 @@ class RolloutEngine:
         appended), so nothing runs ahead of it."""
         finished = []
         if self._pending is not None:
+            ahead = ahead and shares_sampling(sched.running, sampling)
             batch = sched.schedule_ahead(self.decoder.max_blocks) if ahead else None
             step = None
             if batch is not None:
@@ -373,7 +374,7 @@ class RolloutEngine:
         """One forward over `batch`; sample for the sequences whose pending tokens all ran. Returns the finished."""
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
-        if self.decoder is not None and self.decoder.fits(batch):
+        if self.decoder is not None and self.decoder.fits(batch) and shares_sampling(batch.seqs, sp):
             step = self.decoder.launch(batch.seqs, sp)  # None: a capture failed, the step runs eagerly below
             if step is not None:
                 self._pending = step, batch.seqs
@@ -422,34 +423,31 @@ class RolloutEngine:
         if len(rows) < T:  # (in a decode-only step every token's row is sampled)
             h = h[torch.tensor(rows, device=dev)]
         logits = lm_head(h, self.model.output_weight(), self.head)  # [R, V]
-        return self._sample(logits, ready, sched, sp)
+        return self._sample(logits, ready, sched)
 
-    def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler, sp: SamplingParams) -> list[Seq]:
-        """Sample the next token of each of `ready` from its logits row; returns the sequences that finished."""
+    def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler) -> list[Seq]:
+        """Sample the next token of each of `ready` from its logits row; returns the sequences that finished. Each
+        sequence samples with its own `SamplingParams` (a server's requests differ): rows that share them are
+        sampled together."""
         widths = [s.width for s in ready]
         forks = max(widths) > 1
         if forks:  # a prompt just prefilled: its n samples all draw from its last position
             logits = logits.repeat_interleave(torch.tensor(widths, device=logits.device), dim=0)
-        # Triton kernels: the token and its log-prob in one kernel, without the [R, V] fp32 log-probs (no top-k/p)
-        fused = self.kernels == "triton" and sp.top_k == 0 and sp.top_p == 1.0
-        lp = None if fused else policy_logprobs(logits, sp.temperature)  # [R, V]
-        banned = rows = None
-        if sp.min_new_tokens and ready[0].stop_ids:  # stop tokens are banned in the rows short of min_new_tokens
-            early = [s.num_generated < sp.min_new_tokens for s in ready]
-            if any(early):
-                banned = _id_tensor(ready[0].stop_ids, logits.device)  # [K]
-                if not all(early):  # [R] (None: all of them)
-                    per_row = [e for e, w in zip(early, widths, strict=True) for _ in range(w)] if forks else early
-                    rows = torch.tensor(per_row, device=logits.device)
         # (float32 as `sample` uses them; Python's doubles rounded once, as .to(float32) would)
         u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32).to(logits.device)
-        if fused:
-            from twinplane.rollout.kernels.sampler import sample_tokens  # (imports Triton)
-
-            tok, chosen = sample_tokens(logits, sp.temperature, u, banned, rows)  # [R], [R]
+        first = ready[0].sampling
+        keys = None if all(s.sampling is first for s in ready) else [row_key(s) for s in ready]
+        if keys is None or len(set(keys)) == 1:
+            tok, chosen = self._choose(logits, ready, widths, u)
         else:
-            tok = sample(lp, sp, u, banned, rows)  # [R]
-            chosen = lp.gather(-1, tok[:, None]).squeeze(-1)
+            tok = torch.empty(len(u), dtype=torch.long, device=logits.device)
+            chosen = torch.empty(len(u), dtype=torch.float32, device=logits.device)
+            row_keys = [k for k, w in zip(keys, widths, strict=True) for _ in range(w)]
+            for key in dict.fromkeys(keys):
+                rows = torch.tensor([r for r, k in enumerate(row_keys) if k == key], device=logits.device)
+                part = [i for i, k in enumerate(keys) if k == key]
+                tok[rows], chosen[rows] = self._choose(logits[rows], [ready[i] for i in part],
+                                                       [widths[i] for i in part], u[rows])
         # one read back to the host for both (float64 holds every token id and each fp32 log-prob exactly)
         tok, chosen = torch.stack([tok.double(), chosen.double()]).tolist()
         tok = [int(t) for t in tok]
@@ -467,6 +465,27 @@ class RolloutEngine:
             ready = rows_of
         return self._take(ready, tok, chosen, sched)
 
+    def _choose(self, logits: torch.Tensor, ready: list[Seq], widths: list[int], u: torch.Tensor):
+        """Tokens [R] and their policy log-probs [R] for rows of sequences that share one sampling (`row_key`)."""
+        sp = ready[0].sampling
+        # Triton kernels: the token and its log-prob in one kernel, without the [R, V] fp32 log-probs (no top-k/p)
+        fused = self.kernels == "triton" and sp.top_k == 0 and sp.top_p == 1.0
+        lp = None if fused else policy_logprobs(logits, sp.temperature)  # [R, V]
+        banned = rows = None
+        if sp.min_new_tokens and ready[0].stop_ids:  # stop tokens are banned in the rows short of min_new_tokens
+            early = [s.num_generated < sp.min_new_tokens for s in ready]
+            if any(early):
+                banned = _id_tensor(ready[0].stop_ids, logits.device)  # [K]
+                if not all(early):  # [R] (None: all of them)
+                    rows = torch.tensor([e for e, w in zip(early, widths, strict=True) for _ in range(w)],
+                                        device=logits.device)
+        if fused:
+            from twinplane.rollout.kernels.sampler import sample_tokens  # (imports Triton)
+
+            return sample_tokens(logits, sp.temperature, u, banned, rows)  # [R], [R]
+        tok = sample(lp, sp, u, banned, rows)  # [R]
+        return tok, lp.gather(-1, tok[:, None]).squeeze(-1)
+
     def _take(self, ready: list[Seq], tokens: list[int], logprobs: list[float], sched: Scheduler) -> list[Seq]:
         """Append each sampled token with its log-prob; returns the sequences that finished (out of the batch)."""
         finished, version = [], self.weight_version
@@ -476,6 +495,23 @@ class RolloutEngine:
                 finished.append(seq)
         sched.finish(finished)
         return finished
+
+
+def row_key(seq: Seq) -> tuple:
+    """What a sequence's token choice depends on besides its logits and uniform: sequences with equal keys are
+    sampled in one call (and share a captured decode graph)."""
+    return *decode_graphs.sampling_key(seq.sampling, seq.stop_ids), seq.sampling.min_new_tokens
+
+
+def shares_sampling(seqs: list[Seq], sp: SamplingParams) -> bool:
+    """Every one of `seqs` samples as `sp` does (the decode graphs' one sampling per step)."""
+    key = None
+    for s in seqs:
+        if s.sampling is not sp:
+            key = key or (*decode_graphs.sampling_key(sp, s.stop_ids), sp.min_new_tokens)
+            if row_key(s) != key:
+                return False
+    return True
 
 
 def call_seed(generator: torch.Generator, sampling: SamplingParams) -> int:
