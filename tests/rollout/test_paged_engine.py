@@ -2,6 +2,7 @@
 
 import copy
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -294,3 +295,21 @@ def test_requests_with_their_own_sampling_share_steps_and_sample_as_alone(graphs
     for a, b in zip(together, alone, strict=True):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     assert len(together[0].token_ids) == 10 and all(len(s.token_ids) >= 5 for s in together[4:])
+
+
+def test_top_logprobs_are_the_policy_distributions_most_likely_tokens():
+    model = tiny_model()
+    e = RolloutEngine(copy.deepcopy(model), eos_token_id=None)
+    sp = SamplingParams(temperature=0.8, max_new_tokens=6, n=2, seed=3, top_logprobs=4)
+    got = e.generate(PROMPTS[:2], sp)
+    plain = RolloutEngine(copy.deepcopy(model), eos_token_id=None).generate(PROMPTS[:2], replace(sp, top_logprobs=0))
+    assert [s.token_ids for s in got] == [s.token_ids for s in plain] and plain[0].top_logprobs is None
+    for s in got:  # against a full forward over prompt + response: log_softmax(logits / T), its 4 largest
+        ids = torch.tensor([s.prompt_ids + s.token_ids])
+        logits = model(ids)[0, len(s.prompt_ids) - 1:-1].float()
+        want = torch.log_softmax(logits / 0.8, -1).topk(4, -1)
+        assert len(s.top_logprobs) == len(s.token_ids)
+        for pairs, ids_k, vals_k, lp in zip(s.top_logprobs, want.indices, want.values, s.logprobs, strict=True):
+            assert [t for t, _ in pairs] == ids_k.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in pairs]), vals_k, atol=1e-5, rtol=0)
+            assert pairs[0][1] >= lp - 1e-6

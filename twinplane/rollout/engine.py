@@ -437,17 +437,23 @@ class RolloutEngine:
         u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32).to(logits.device)
         first = ready[0].sampling
         keys = None if all(s.sampling is first for s in ready) else [row_key(s) for s in ready]
+        top: list = [None] * len(u)  # per row, the most likely (token, log-prob) pairs where asked for
         if keys is None or len(set(keys)) == 1:
-            tok, chosen = self._choose(logits, ready, widths, u)
+            tok, chosen, best = self._choose(logits, ready, widths, u)
+            if best is not None:
+                top = best
         else:
             tok = torch.empty(len(u), dtype=torch.long, device=logits.device)
             chosen = torch.empty(len(u), dtype=torch.float32, device=logits.device)
             row_keys = [k for k, w in zip(keys, widths, strict=True) for _ in range(w)]
             for key in dict.fromkeys(keys):
-                rows = torch.tensor([r for r, k in enumerate(row_keys) if k == key], device=logits.device)
+                rows = [r for r, k in enumerate(row_keys) if k == key]
+                at = torch.tensor(rows, device=logits.device)
                 part = [i for i, k in enumerate(keys) if k == key]
-                tok[rows], chosen[rows] = self._choose(logits[rows], [ready[i] for i in part],
-                                                       [widths[i] for i in part], u[rows])
+                tok[at], chosen[at], best = self._choose(logits[at], [ready[i] for i in part],
+                                                         [widths[i] for i in part], u[at])
+                for r, pairs in zip(rows, best or (), strict=False):
+                    top[r] = pairs
         # one read back to the host for both (float64 holds every token id and each fp32 log-prob exactly)
         tok, chosen = torch.stack([tok.double(), chosen.double()]).tolist()
         tok = [int(t) for t in tok]
@@ -463,13 +469,17 @@ class RolloutEngine:
                 else:
                     rows_of.append(seq)
             ready = rows_of
+        for seq, pairs in zip(ready, top, strict=True):
+            if pairs is not None:
+                seq.top.append(pairs)
         return self._take(ready, tok, chosen, sched)
 
     def _choose(self, logits: torch.Tensor, ready: list[Seq], widths: list[int], u: torch.Tensor):
-        """Tokens [R] and their policy log-probs [R] for rows of sequences that share one sampling (`row_key`)."""
+        """Tokens [R], their policy log-probs [R] and, with `top_logprobs`, each row's most likely (token, log-prob)
+        pairs (else None), for rows of sequences that share one sampling (`row_key`)."""
         sp = ready[0].sampling
         # Triton kernels: the token and its log-prob in one kernel, without the [R, V] fp32 log-probs (no top-k/p)
-        fused = self.kernels == "triton" and sp.top_k == 0 and sp.top_p == 1.0
+        fused = self.kernels == "triton" and sp.top_k == 0 and sp.top_p == 1.0 and not sp.top_logprobs
         lp = None if fused else policy_logprobs(logits, sp.temperature)  # [R, V]
         banned = rows = None
         if sp.min_new_tokens and ready[0].stop_ids:  # stop tokens are banned in the rows short of min_new_tokens
@@ -482,9 +492,13 @@ class RolloutEngine:
         if fused:
             from twinplane.rollout.kernels.sampler import sample_tokens  # (imports Triton)
 
-            return sample_tokens(logits, sp.temperature, u, banned, rows)  # [R], [R]
+            return *sample_tokens(logits, sp.temperature, u, banned, rows), None  # [R], [R]
         tok = sample(lp, sp, u, banned, rows)  # [R]
-        return tok, lp.gather(-1, tok[:, None]).squeeze(-1)
+        best = None
+        if sp.top_logprobs:
+            values, ids = lp.topk(min(sp.top_logprobs, lp.shape[-1]), dim=-1)  # [R, k]
+            best = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        return tok, lp.gather(-1, tok[:, None]).squeeze(-1), best
 
     def _take(self, ready: list[Seq], tokens: list[int], logprobs: list[float], sched: Scheduler) -> list[Seq]:
         """Append each sampled token with its log-prob; returns the sequences that finished (out of the batch)."""
@@ -499,16 +513,20 @@ class RolloutEngine:
 
 def row_key(seq: Seq) -> tuple:
     """What a sequence's token choice depends on besides its logits and uniform: sequences with equal keys are
-    sampled in one call (and share a captured decode graph)."""
-    return *decode_graphs.sampling_key(seq.sampling, seq.stop_ids), seq.sampling.min_new_tokens
+    sampled in one call."""
+    sp = seq.sampling
+    return *decode_graphs.sampling_key(sp, seq.stop_ids), sp.min_new_tokens, sp.top_logprobs
 
 
 def shares_sampling(seqs: list[Seq], sp: SamplingParams) -> bool:
-    """Every one of `seqs` samples as `sp` does (the decode graphs' one sampling per step)."""
+    """Every one of `seqs` samples as `sp` does, without top log-probs: what a decode graph, which samples one way
+    per step, can run."""
+    if sp.top_logprobs:
+        return False
     key = None
     for s in seqs:
         if s.sampling is not sp:
-            key = key or (*decode_graphs.sampling_key(sp, s.stop_ids), sp.min_new_tokens)
+            key = key or (*decode_graphs.sampling_key(sp, s.stop_ids), sp.min_new_tokens, 0)
             if row_key(s) != key:
                 return False
     return True

@@ -21,14 +21,15 @@ class SamplingParams:
     # token, a sequence only counts when its last token is at index >= min_new_tokens. Last field, so
     # positional construction is unchanged.
     stop_sequences: list[list[int]] = field(default_factory=list)
+    top_logprobs: int = 0  # per generated token, also the k most likely tokens and their log-probs (a server's)
 
     def __post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or self.n < 1 or self.max_new_tokens < 1:
-            raise ValueError("top_k must be >= 0, n >= 1 and max_new_tokens >= 1")
+        if self.top_k < 0 or self.n < 1 or self.max_new_tokens < 1 or self.top_logprobs < 0:
+            raise ValueError("top_k and top_logprobs must be >= 0, n >= 1 and max_new_tokens >= 1")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens} > max_new_tokens={self.max_new_tokens}")
         if any(len(s) == 0 for s in self.stop_sequences):

@@ -36,6 +36,8 @@ class Sample:
     # Per generated token, the weights' version it was sampled with (a stream's partial rollouts change weights
     # mid-sample); None: all `weight_version`.
     versions: list[int] | None = None
+    # Per generated token, the `sampling.top_logprobs` most likely (token, log-prob) pairs; None when not asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -107,6 +109,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.routes: list[tuple[int, torch.Tensor]] = []  # MoE record: (first position, experts [T, M, k] int16)
         self.turns = Turns()  # multi-turn tool rollouts driven by a stream (rollout.stream); else unused
+        self.top: list[list[tuple[int, float]]] = []  # per generated token, with `sampling.top_logprobs`
 
     @property
     def width(self) -> int:
@@ -129,7 +132,7 @@ class Sequence:
             c = Sequence.__new__(Sequence)
             c.__dict__.update(self.__dict__)
             c.tokens, c.block_table, c.logprobs = list(self.tokens), list(self.block_table), list(self.logprobs)
-            c.versions = list(self.versions)
+            c.versions, c.top = list(self.versions), list(self.top)
             c.routes, c.turns = list(self.routes), replace(self.turns, loss_mask=list(self.turns.loss_mask))
             c.rngs, c.sample_indices, c.seeds = [rng], [index], [seed]
             children.append(c)
@@ -167,7 +170,7 @@ class Sequence:
                       list(self.logprobs), self.finish_reason or "length", weight_version, routing=routing,
                       versions=list(self.versions), loss_mask=self.turns.mask(self.num_generated),
                       num_turns=max(self.turns.count, 1), num_tool_calls=self.turns.calls,
-                      num_tool_errors=self.turns.errors)
+                      num_tool_errors=self.turns.errors, top_logprobs=list(self.top) if self.top else None)
 
     def add_tool_output(self, ids: list[int], version: int) -> None:
         """Append a tool's output: tokens the model did not sample (log-prob 0, loss mask 0); the next model turn
@@ -182,7 +185,7 @@ class Sequence:
         """Back to its prompt (blocks already released), the same random streams from their start: the sample is
         generated again (a stream's aborted partial rollout)."""
         del self.tokens[self.prompt_len:]
-        self.logprobs, self.versions, self.finish_reason, self.routes = [], [], None, []
+        self.logprobs, self.versions, self.finish_reason, self.routes, self.top = [], [], None, [], []
         self.turns = Turns()
         self.rngs = [random.Random(s) for s in self.seeds]
 
