@@ -18,6 +18,8 @@ LAYERS = [
     "config",
     "data",
     "rollout train",
+    "serving",
+    "agents",
     "cluster",
     "producer",
     "controller",

@@ -35,7 +35,8 @@ teacher, then GRPO with an exact-match verifier, evaluated on held-out problems)
 """ + RUN_FILES + "\n\n" + EXIT_CODES
 TOOLS = {"report": "PNG charts and report.md of a finished or running run (twinplane report RUN_DIR)",
          "doctor": "one-screen report of this machine: torch build, devices, backends, measured GEMM/bandwidth",
-         "plan": "memory, layouts and cost for a model on N GPUs (twinplane plan --model DIR --gpu mi300x --gpus 8)"}
+         "plan": "memory, layouts and cost for a model on N GPUs (twinplane plan --model DIR --gpu mi300x --gpus 8)",
+         "serve": "an OpenAI-compatible server over the engine (twinplane serve MODEL_DIR [--port 8000])"}
 EVAL_HELP = """Evaluate a model folder: greedy accuracy, and with --n K also pass@k (unbiased estimator) and mean@k
 over K samples per prompt; mean response length and truncation rate. Prints and writes JSON. Without --data,
 the built-in task's held-out problems (task.* keys and seed as in training: the demo's own evaluation)."""

@@ -1,0 +1,37 @@
+"""A tiny random chat model folder for the server's tests: a character tokenizer with ChatML's special tokens, the
+Qwen2.5 chat template (tools section, `<tool_call>` JSON), and twinplane's decoder saved as a HF folder."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+from template_texts import QWEN25
+
+from twinplane.model import ModelConfig, Transformer
+from twinplane.model.weights import save_pretrained
+from twinplane.tokenizer import build_char_tokenizer, load_tokenizer
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+
+def chat_model_dir(out: Path, seed: int = 0, max_len: int = 2048) -> Path:
+    tok = build_char_tokenizer(string.printable)
+    tok.tok.add_special_tokens(SPECIALS)
+    tok.tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.config |= {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN25}
+    tok.save(out)
+    vocab = tok.vocab_size
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
+                                    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=max_len))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.2)
+    save_pretrained(model, out)
+    assert load_tokenizer(out).eos_token_id == tok.token_id("<|im_end|>")
+    json.loads((out / "config.json").read_text())
+    return out

@@ -1,0 +1,160 @@
+"""The engine behind a server: one thread runs engine steps; requests from any thread join the batch at the next
+step (continuous batching), each with its own sampling, and come back as futures.
+
+An HTTP server's requests arrive one by one, from many clients at once. Serving them one `generate` call at a time
+would leave the engine mostly idle; instead every request is a sequence added to ONE scheduler that the loop
+steps as long as anything is waiting or running, so concurrent requests share every forward, as in an RL
+rollout. Streaming requests get their new tokens after each step.
+
+The loop owns the engine while it has work. A training run uses the same engine between rollouts (validation,
+weight syncs): it calls `idle()` first, which waits until nothing is in flight; nothing may be submitted until
+the rollout phase starts again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from twinplane.rollout.engine import RolloutEngine
+from twinplane.rollout.sampling import SamplingParams
+from twinplane.rollout.scheduler import Scheduler
+from twinplane.rollout.sequence import Sample, sample_seed
+from twinplane.rollout.sequence import Sequence as Seq
+
+# on_tokens(sample_index, new token ids, their log-probs): called from the loop's thread after each step
+TokenCallback = Callable[[int, list[int], list[float]], None]
+
+
+@dataclass
+class _Request:
+    n: int
+    future: Future
+    on_tokens: TokenCallback | None
+    done: dict[int, Sample] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)  # streamed: tokens sent per sample index
+
+
+class EngineLoop:
+    """`submit(prompt_ids, sampling, seed)` -> a Future of the request's `sampling.n` samples."""
+
+    def __init__(self, engine: RolloutEngine, max_model_len: int):
+        """`max_model_len`: prompt plus new tokens of one request at most (sizes the KV pool)."""
+        self.engine, self.max_model_len = engine, max_model_len
+        self.requests: dict[int, _Request] = {}
+        self.incoming: list[tuple[Seq, _Request]] = []
+        self.ids = itertools.count()
+        self.cond = threading.Condition()
+        self.sched: Scheduler | None = None
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="twinplane-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt_ids: list[int], sampling: SamplingParams, seed: int,
+               on_tokens: TokenCallback | None = None) -> Future:
+        """Queue one request (its samples seeded from `seed`, one stream each); raises ValueError for a prompt
+        that is empty or leaves no room for `sampling.max_new_tokens`."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(f"the prompt's {len(prompt_ids)} tokens plus max_tokens={sampling.max_new_tokens} pass "
+                             f"the model's context of {self.max_model_len} tokens")
+        rid = next(self.ids)
+        req = _Request(sampling.n, Future(), on_tokens)
+        stops = frozenset(t for t in [self.engine.eos_token_id, *sampling.stop_token_ids] if t is not None)
+        seq = Seq(list(prompt_ids), rid, sampling, [sample_seed(seed, 0, j) for j in range(sampling.n)], stops)
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("the engine loop is closed")
+            self.incoming.append((seq, req))
+            self.cond.notify_all()
+        return req.future
+
+    def idle(self) -> None:
+        """Wait until no request is queued or running (the engine is then free for other calls)."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.requests and not self.incoming)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join()
+
+    # --- the loop's thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.closed or self.incoming or self.requests)
+                if self.closed:
+                    break
+                incoming, self.incoming = self.incoming, []
+            try:
+                self._steps(incoming)
+            except Exception as e:  # a failed step fails the requests in flight, not the server
+                self._fail_all(e)
+
+    @torch.no_grad()
+    def _steps(self, incoming: list[tuple[Seq, _Request]]) -> None:
+        """Admit `incoming`, then step until nothing is in flight or more requests arrive."""
+        e = self.engine
+        if self.sched is None or self.sched.blocks is not e.blocks or e.kv is None:  # another call replaced the pool
+            bs, seqs = e.block_size, e.max_num_seqs
+            e.allocate(self.max_model_len, seqs * (-(-self.max_model_len // bs) + 1), seqs)
+            self.sched = Scheduler(e.blocks, e.max_num_seqs, e.max_num_batched_tokens)
+        for seq, req in incoming:
+            self.requests[seq.request_index] = req
+            self.sched.add(seq)
+        sched, t0 = self.sched, time.perf_counter()
+        try:
+            while sched.has_work():
+                first = (sched.running or sched.waiting)[0].sampling  # (the decode graphs' sampling, if all share it)
+                self._book(e.engine_step(sched, first, ahead=False))
+                self._stream()
+                with self.cond:
+                    if self.incoming or self.closed:
+                        break
+        finally:
+            e.end_steps(sched, t0)
+
+    def _book(self, finished: list[Seq]) -> None:
+        for seq in finished:
+            req = self.requests[seq.request_index]
+            j = seq.sample_indices[0]
+            req.done[j] = seq.to_sample(self.engine.weight_version)
+            if req.on_tokens is not None:
+                self._send(req, j, seq)
+            if len(req.done) == req.n:
+                with self.cond:
+                    del self.requests[seq.request_index]
+                    self.cond.notify_all()
+                req.future.set_result([req.done[i] for i in range(req.n)])
+
+    def _stream(self) -> None:
+        for seq in self.sched.running:
+            req = self.requests.get(seq.request_index)
+            if req is not None and req.on_tokens is not None and seq.num_generated:
+                for j in seq.sample_indices if seq.width == 1 else ():  # (a prompt not forked yet has no tokens)
+                    self._send(req, j, seq)
+
+    @staticmethod
+    def _send(req: _Request, j: int, seq: Seq) -> None:
+        start, end = req.sent.get(j, 0), seq.num_generated
+        if end > start:
+            req.sent[j] = end
+            req.on_tokens(j, seq.tokens[seq.prompt_len + start:], seq.logprobs[start:end])
+
+    def _fail_all(self, error: Exception) -> None:
+        with self.cond:
+            requests, self.requests = self.requests, {}
+            self.sched = None
+            self.cond.notify_all()
+        for req in requests.values():
+            if not req.future.done():
+                req.future.set_exception(error)

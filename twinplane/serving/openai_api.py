@@ -1,0 +1,347 @@
+"""The OpenAI-compatible HTTP API over the own engine (FastAPI): `/v1/models`, `/v1/completions`,
+`/v1/chat/completions`, and the same routes under `/sessions/<id>/v1` for an agent episode whose tokens are
+recorded (twinplane.serving.sessions).
+
+Every request becomes one engine request of `n` samples, batched with all others in flight (`EngineLoop`). Chat
+prompts are rendered by the model's chat template with the request's `tools`; the reply's tool calls are parsed
+by the template's format (`tool_parsers`) and returned with their arguments exactly as sampled. Inside a session
+the run's sampling is used whatever the request asks (the trainer scores the policy the run samples), with the
+session's token budget as the cap. Errors are OpenAI's JSON with 400 (bad body, prompt over the context), 401
+(key), 404 (model, session); the server stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from twinplane.data.records import DataError
+from twinplane.rollout.sampling import SamplingParams
+from twinplane.rollout.sequence import Sample
+from twinplane.serving.engine_loop import EngineLoop
+from twinplane.serving.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    cut_at_stop,
+    message_text,
+    shown_text,
+)
+from twinplane.serving.sessions import Session, SessionError, SessionStore
+from twinplane.serving.templates import ChatTemplate
+from twinplane.serving.tool_parsers import resolve_tool_parser
+from twinplane.tokenizer import Tokenizer
+
+
+@dataclass
+class Served:
+    """What the routes serve: the engine loop, the model's tokenizer and chat template, and the sessions."""
+    loop: EngineLoop
+    tokenizer: Tokenizer
+    model_name: str
+    template: ChatTemplate | None = None  # None: no chat route (a base model)
+    tool_parser: str = "auto"
+    api_key: str | None = None
+    sessions: SessionStore | None = None
+    session_sampling: SamplingParams | None = None  # sessions sample as the run does (temperature, top-p, top-k)
+    seed: int = 0
+
+    def __post_init__(self):
+        self.rng = random.Random(self.seed)  # requests without a seed get one from here
+        self.stop_ids = frozenset(t for t in [self.tokenizer.eos_token_id] if t is not None)
+
+
+def build_app(served: Served) -> FastAPI:
+    app = FastAPI(title="twinplane", docs_url=None, redoc_url=None)
+    app.state.served = served
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request body"))
+        return JSONResponse(APIError(400, msg, where or None).body(), status_code=400)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if served.api_key is not None:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip() or \
+                request.headers.get("x-api-key", "")
+            if given != served.api_key:
+                e = APIError(401, "a valid API key is required (Authorization: Bearer KEY)", kind="authentication_error")
+                return JSONResponse(e.body(), status_code=401)
+        return await call_next(request)
+
+    def session_of(sid: str | None) -> Session | None:
+        if sid is None:
+            return None
+        s = served.sessions.get(sid) if served.sessions is not None else None
+        if s is None:
+            raise APIError(404, f"session {sid!r} not found", kind="not_found_error")
+        return s
+
+    def models():
+        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": 0,
+                                            "owned_by": "twinplane"}]}
+
+    async def completions(body: CompletionRequest, sid: str | None = None):
+        return await _completions(served, body, session_of(sid))
+
+    async def chat(body: ChatRequest, sid: str | None = None):
+        return await _chat(served, body, session_of(sid))
+
+    for prefix in ("/v1", "/sessions/{sid}/v1"):
+        app.get(prefix + "/models")(models)
+        app.post(prefix + "/completions")(completions)
+        app.post(prefix + "/chat/completions")(chat)
+    return app
+
+
+# --- the routes' work -------------------------------------------------------------------------------------------
+def _check_model(served: Served, body, session: Session | None) -> None:
+    if session is None and body.model != served.model_name:
+        raise APIError(404, f"model {body.model!r} not found (this server serves {served.model_name!r})", "model",
+                       "not_found_error")
+
+
+def _sampling(served: Served, body, max_tokens: int, session: Session | None, top: int = 0) -> SamplingParams:
+    if session is not None and body.n != 1:
+        raise APIError(400, "a session samples one completion per call (n=1)", "n")
+    base = served.session_sampling if session is not None and served.session_sampling is not None else \
+        SamplingParams(temperature=body.temperature, top_p=body.top_p)
+    stops = [served.tokenizer.encode(s) for s in body.stops]  # (ends the engine's work early; text decides)
+    return replace(base, n=body.n, max_new_tokens=max_tokens, seed=None, min_new_tokens=0,
+                   stop_sequences=[s for s in stops if s], top_logprobs=top)
+
+
+async def _generate(served: Served, session: Session | None, prompt_ids: list[int], sp: SamplingParams,
+                    body, on_tokens=None) -> list[Sample]:
+    seed = body.seed if body.seed is not None else served.rng.getrandbits(62)
+    try:
+        future = served.loop.submit(prompt_ids, sp, seed, on_tokens)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages" if isinstance(body, ChatRequest) else "prompt") from None
+    samples = await asyncio.wrap_future(future)
+    out = []
+    for s in samples:  # a stop string ends the sample at the token that completes it
+        keep = cut_at_stop(served.tokenizer, s.token_ids, body.stops)
+        if keep is not None and keep < len(s.token_ids):
+            s = replace(s, token_ids=s.token_ids[:keep], logprobs=s.logprobs[:keep], finish_reason="stop",
+                        versions=s.versions[:keep] if s.versions else None, loss_mask=None,
+                        top_logprobs=s.top_logprobs[:keep] if s.top_logprobs else None)
+        elif keep is not None:
+            s = replace(s, finish_reason="stop")
+        out.append(s)
+    return out
+
+
+def _texts(served: Served, s: Sample, stops: list[str]) -> tuple[str, str]:
+    """(shown, full): what the client sees, and the exact text of the sample's tokens."""
+    shown, _ = shown_text(served.tokenizer, s.token_ids, served.stop_ids, stops)
+    return shown, served.tokenizer.decode(s.token_ids, skip_special_tokens=False)
+
+
+def _record(session: Session | None, s: Sample, shown: str, full: str) -> None:
+    if session is not None:
+        session.record(s, full, full[len(shown):] if full.startswith(shown) else "")
+
+
+def _usage(prompt_ids: list[int], samples: list[Sample]) -> dict:
+    done = sum(len(s.token_ids) for s in samples)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": done, "total_tokens": len(prompt_ids) + done}
+
+
+def _token_text(served: Served, t: int) -> str:
+    return served.tokenizer.decode([t], skip_special_tokens=False)
+
+
+async def _completions(served: Served, body: CompletionRequest, session: Session | None):
+    _check_model(served, body, session)
+    if body.echo:
+        raise APIError(400, "echo is not supported", "echo")
+    if body.stream:
+        raise APIError(400, "stream is supported on /chat/completions only", "stream")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "one prompt per request (send several requests: they are batched)", "prompt")
+        prompt = prompt[0]
+    async with session.lock if session is not None else _nothing():
+        ids, left = _prompt(served, session, text=prompt if isinstance(prompt, str) else None,
+                            ids=None if isinstance(prompt, str) else prompt)
+        sp = _sampling(served, body, min(body.max_tokens or 16, left or 1 << 30), session, body.logprobs or 0)
+        samples = await _generate(served, session, ids, sp, body)
+        choices = []
+        for i, s in enumerate(samples):
+            shown, full = _texts(served, s, body.stops)
+            _record(session, s, shown, full)
+            lp = None
+            if body.logprobs is not None:
+                tokens = [_token_text(served, t) for t in s.token_ids]
+                lp = {"tokens": tokens, "token_logprobs": s.logprobs,
+                      "top_logprobs": [{_token_text(served, t): v for t, v in pairs} for pairs in s.top_logprobs]
+                      if s.top_logprobs else None,
+                      "text_offset": [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]}
+            choices.append({"index": i, "text": shown, "finish_reason": s.finish_reason, "logprobs": lp})
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model, "choices": choices, "usage": _usage(ids, samples)}
+
+
+def _prompt(served: Served, session: Session | None, text: str | None = None, ids: list[int] | None = None):
+    if ids is not None and any(not 0 <= t < served.tokenizer.vocab_size for t in ids):
+        raise APIError(400, f"prompt token ids must be in 0..{served.tokenizer.vocab_size - 1}", "prompt")
+    try:
+        if session is not None:
+            return session.prompt(text=text, ids=ids)
+        return (served.tokenizer.encode(text) if text is not None else list(ids)), None
+    except (SessionError, ValueError) as e:
+        raise APIError(400, str(e), "prompt") from None
+
+
+class _nothing:
+    async def __aenter__(self):
+        return None
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+def _chat_messages(served: Served, body: ChatRequest) -> list[dict]:
+    """The messages as the template reads them: text content, tool-call arguments as the template expects."""
+    strings_ok = "arguments is string" in served.template.tools_source  # (else the template dumps a mapping as JSON)
+    out = []
+    for m in body.messages:
+        if not isinstance(m.get("role"), str):
+            raise APIError(400, "every message needs a role", "messages")
+        m = dict(m) | {"content": message_text(m.get("content"))}
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                f = dict(c.get("function", c))
+                if isinstance(f.get("arguments"), str) and not strings_ok:
+                    try:
+                        f["arguments"] = json.loads(f["arguments"])
+                    except json.JSONDecodeError:
+                        raise APIError(400, f"tool call arguments are not JSON: {f['arguments'][:80]!r}",
+                                       "messages") from None
+                calls.append({**c, "function": f})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+async def _chat(served: Served, body: ChatRequest, session: Session | None):
+    _check_model(served, body, session)
+    if served.template is None:
+        raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+    if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
+        raise APIError(400, "tool_choice must be auto or none (forcing a call needs constrained decoding, which "
+                       "the engine does not do)", "tool_choice")
+    tools = body.tools if body.tool_choice != "none" else None
+    parse = None
+    if tools:
+        try:
+            parser = resolve_tool_parser(served.tool_parser, served.template.tools_source, served.template.origin)
+        except ValueError as e:
+            raise APIError(400, str(e), "tools") from None
+        parse = lambda text: parser(text, tools)  # noqa: E731
+    try:
+        text = served.template.render(_chat_messages(served, body), tools=body.tools, add_generation_prompt=True)
+    except DataError as e:
+        raise APIError(400, str(e), "messages") from None
+    top = (body.top_logprobs or 0) if body.logprobs else 0
+    async with session.lock if session is not None else _nothing():
+        ids, left = _prompt(served, session, text=text)
+        want = body.max_completion_tokens or body.max_tokens or served.loop.max_model_len - len(ids)
+        sp = _sampling(served, body, max(1, min(want, left or 1 << 30)), session, top)
+        if body.stream:
+            return StreamingResponse(_chat_stream(served, body, session, ids, sp, parse), media_type="text/event-stream")
+        samples = await _generate(served, session, ids, sp, body)
+        choices = [_chat_choice(served, body, session, i, s, parse) for i, s in enumerate(samples)]
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.model, "choices": choices, "usage": _usage(ids, samples)}
+
+
+def _chat_choice(served: Served, body: ChatRequest, session: Session | None, i: int, s: Sample, parse) -> dict:
+    shown, full = _texts(served, s, body.stops)
+    _record(session, s, shown, full)
+    message: dict = {"role": "assistant", "content": shown}
+    finish = s.finish_reason
+    if parse is not None:
+        parsed = parse(shown)
+        message["content"] = parsed.content
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in parsed.tool_calls]
+            finish = "tool_calls"
+    lp = None
+    if body.logprobs:
+        lp = {"content": [{"token": _token_text(served, t), "logprob": v,
+                           "bytes": list(_token_text(served, t).encode()),
+                           "top_logprobs": [{"token": _token_text(served, a), "logprob": b,
+                                             "bytes": list(_token_text(served, a).encode())} for a, b in pairs]}
+                          for t, v, pairs in zip(s.token_ids, s.logprobs, s.top_logprobs or [[]] * len(s.token_ids),
+                                                 strict=True)]}
+    return {"index": i, "message": message, "finish_reason": finish, "logprobs": lp}
+
+
+async def _chat_stream(served: Served, body: ChatRequest, session: Session | None, ids: list[int],
+                       sp: SamplingParams, parse):
+    """Server-sent events: the text as it is generated (with tools, the whole parsed message at the end, once its
+    calls can be parsed), then the finish reasons, the usage when asked for, and [DONE]."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+               "choices": choices} | ({"usage": usage} if usage is not None else {})
+        return f"data: {json.dumps(out)}\n\n"
+
+    def on_tokens(j: int, new: list[int], _lps) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (j, new))
+
+    task = asyncio.ensure_future(_generate(served, session, ids, sp, body, None if parse else on_tokens))
+    sent = {j: "" for j in range(sp.n)}
+    got: dict[int, list[int]] = {j: [] for j in range(sp.n)}
+    yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                 for j in range(sp.n)])
+    while not task.done() or not queue.empty():
+        try:
+            j, new = await asyncio.wait_for(queue.get(), timeout=0.05)
+        except asyncio.TimeoutError:
+            continue
+        got[j] += new
+        text, _ = shown_text(served.tokenizer, got[j], frozenset(), body.stops)
+        text = text.rstrip("\ufffd")  # (a character whose bytes are not all generated yet waits)
+        if len(text) > len(sent[j]) and text.startswith(sent[j]):
+            yield chunk([{"index": j, "delta": {"content": text[len(sent[j]):]}, "finish_reason": None}])
+            sent[j] = text
+    try:
+        samples = task.result()
+    except APIError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+        return
+    for i, s in enumerate(samples):
+        choice = _chat_choice(served, body, session, i, s, parse)
+        msg = choice["message"]
+        delta = {k: v for k, v in msg.items() if k != "role"} if parse else \
+            {"content": (msg["content"] or "")[len(sent[i]):]}
+        yield chunk([{"index": i, "delta": delta, "finish_reason": choice["finish_reason"]}])
+    if (body.stream_options or {}).get("include_usage"):
+        yield chunk([], _usage(ids, samples))
+    yield "data: [DONE]\n\n"

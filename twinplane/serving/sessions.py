@@ -1,0 +1,140 @@
+"""Sessions that own their tokens: an agent episode's calls become training samples of exactly the tokens sampled.
+
+An agent talks to its session's base URL (`.../sessions/<id>/v1`) over many calls. Each call's prompt is text
+rendered by the server (the chat template over the request's messages, or the completion's prompt). The session
+keeps its trajectory's exact token ids and the exact text they stand for:
+
+- a request whose rendered text starts with the trajectory's text EXTENDS it: its prompt is the trajectory's own
+  ids plus the tokenized rest (tool results, user turns, the template's markup). Earlier tokens are never decoded
+  and encoded again, so what the model sees at each call is exactly what it sampled before;
+- any other request (the template stripped an earlier `<think>`, the client re-serialised tool arguments or
+  compacted its context) starts a NEW trajectory from its own prompt, counted in `splits`: a sample is never
+  trained on tokens the model did not see.
+
+A trajectory is one training sample: the first call's prompt, then every later token, with loss mask 1 and the
+engine's log-prob on the tokens the model sampled and 0 on the rest. Token-id prompts (the completions route) are
+matched as ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from twinplane.rollout.sequence import Sample
+from twinplane.tokenizer import Tokenizer
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    text: str  # the exact text of prompt_ids + token_ids
+    hidden: str = ""  # the end of `text` a client never sees: the stop token that ended the last call
+    token_ids: list[int] = field(default_factory=list)  # after the prompt: sampled and appended tokens
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1: sampled by the model
+    versions: list[int] = field(default_factory=list)  # the weights' version of each token
+    finish_reason: str = "stop"
+    calls: int = 0
+    routing: object = None  # the last call's MoE record: it ran every token of the trajectory
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.token_ids
+
+    def to_sample(self, request_index: int) -> Sample:
+        version = max(self.versions, default=0)
+        return Sample(request_index, list(self.prompt_ids), list(self.token_ids), list(self.logprobs),
+                      self.finish_reason, version, loss_mask=list(self.loss_mask), num_turns=max(self.calls, 1),
+                      routing=self.routing, versions=list(self.versions))
+
+
+class SessionError(ValueError):
+    """A request the session cannot serve (its budget is spent); the server answers 400."""
+
+
+class Session:
+    """One episode's record. `budget`: tokens after a trajectory's first prompt at most (the run's
+    `rollout.max_new_tokens`, so that a trajectory trains like one sample); None: no cap (serving)."""
+
+    def __init__(self, sid: str, tokenizer: Tokenizer, budget: int | None = None):
+        self.id, self.tok, self.budget = sid, tokenizer, budget
+        self.trajectories: list[Trajectory] = []
+        self.splits = 0  # requests that did not extend the trajectory before them
+        self.lock = asyncio.Lock()  # (an agent may send calls of one session concurrently: they are serialised)
+
+    @property
+    def current(self) -> Trajectory | None:
+        return self.trajectories[-1] if self.trajectories else None
+
+    def prompt(self, text: str | None = None, ids: list[int] | None = None) -> tuple[list[int], int | None]:
+        """The prompt ids of a request rendered as `text` (or given as `ids`), and its cap on new tokens from the
+        budget (None: uncapped). Extends the current trajectory when the request starts with it, else starts a
+        new one (counted in `splits` when there was one)."""
+        t = self.current
+        if t is not None and (text is not None and (text.startswith(t.text) or t.hidden and
+                                                    text.startswith(t.text[:-len(t.hidden)]))
+                              or ids is not None and ids[:len(t.ids)] == t.ids):
+            if text is not None:  # (the stop token the client did not see stays: the model did see it)
+                suffix = text[len(t.text) if text.startswith(t.text) else len(t.text) - len(t.hidden):]
+                rest = self.tok.encode(suffix)
+            else:
+                rest = ids[len(t.ids):]
+                suffix = self.tok.decode(rest, skip_special_tokens=False)
+            t.text, t.hidden = t.text + suffix, ""
+            t.token_ids += rest
+            t.logprobs += [0.0] * len(rest)
+            t.loss_mask += [0] * len(rest)
+            t.versions += [max(t.versions, default=0)] * len(rest)
+        else:
+            if t is not None:
+                self.splits += 1
+            prompt = self.tok.encode(text) if text is not None else list(ids)
+            t = Trajectory(prompt, text if text is not None else self.tok.decode(prompt, skip_special_tokens=False))
+            self.trajectories.append(t)
+        left = None if self.budget is None else self.budget - len(t.token_ids)
+        if left is not None and left < 1:
+            raise SessionError(f"session {self.id}: its budget of {self.budget} tokens after the first prompt is "
+                               "used up")
+        return t.ids, left
+
+    def record(self, sample: Sample, text: str, hidden: str = "") -> None:
+        """The call's sampled tokens (`text`: their exact text, ending with `hidden`, the text of a stop token
+        that the client is not shown) extend the current trajectory."""
+        t = self.current
+        t.hidden = hidden
+        t.token_ids += sample.token_ids
+        t.logprobs += sample.logprobs
+        t.loss_mask += [1] * len(sample.token_ids)
+        t.versions += sample.versions or [sample.weight_version] * len(sample.token_ids)
+        t.text += text
+        t.finish_reason, t.calls = sample.finish_reason, t.calls + 1
+        t.routing = sample.routing
+
+    def samples(self, request_index: int) -> list[Sample]:
+        """The trajectories that the model generated in, as training samples."""
+        return [t.to_sample(request_index) for t in self.trajectories if t.calls]
+
+
+class SessionStore:
+    """The sessions a server knows, by id (thread-safe: the server's event loop and the trainer share it)."""
+
+    def __init__(self):
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def open(self, session: Session) -> Session:
+        with self._lock:
+            if session.id in self._sessions:
+                raise ValueError(f"session {session.id} is already open")
+            self._sessions[session.id] = session
+        return session
+
+    def get(self, sid: str) -> Session | None:
+        with self._lock:
+            return self._sessions.get(sid)
+
+    def close(self, sid: str) -> Session | None:
+        with self._lock:
+            return self._sessions.pop(sid, None)

@@ -1,0 +1,79 @@
+"""`twinplane serve MODEL_DIR`: an OpenAI-compatible server over the own engine (twinplane.serving), for agents,
+evaluation harnesses and a trained model's first users. Binds to 127.0.0.1 unless --host says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from twinplane.errors import InputError
+
+
+def build_served(model_dir: str, name: str | None = None, device: str = "auto", dtype: str | None = None,
+                 max_model_len: int = 0, max_num_seqs: int = 256, kv_cache_gb: float = 0.0,
+                 tool_parser: str = "auto", api_key: str | None = None, seed: int = 0):
+    """The engine loop and what the routes need, for a HF model folder."""
+    import torch
+
+    from twinplane.data.records import DataError
+    from twinplane.model.weights import load_model
+    from twinplane.platform import runtime
+    from twinplane.rollout.engine import RolloutEngine
+    from twinplane.serving.engine_loop import EngineLoop
+    from twinplane.serving.openai_api import Served
+    from twinplane.serving.sessions import SessionStore
+    from twinplane.serving.templates import ChatTemplate
+    from twinplane.tokenizer import load_tokenizer
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise InputError(f"{model_dir}: not a model folder (no config.json)")
+    tokenizer = load_tokenizer(path)
+    dev = runtime.default_device() if device == "auto" else torch.device(device)
+    model = load_model(path, dev, dtype or ("float32" if dev.type == "cpu" else "bfloat16"))
+    try:
+        template = ChatTemplate.from_model_dir(path)
+    except DataError:
+        template = None  # a base model: completions only
+    context = model.config.max_position_embeddings
+    if max_model_len > context:
+        raise InputError(f"--max-model-len {max_model_len}: the model's context is {context} tokens")
+    engine = RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id or 0, max_num_seqs=max_num_seqs,
+                           seed=seed, kv_cache_bytes=int(kv_cache_gb * 2**30))
+    loop = EngineLoop(engine, max_model_len or min(context, 8192))
+    return Served(loop, tokenizer, name or path.resolve().name, template, tool_parser, api_key, SessionStore(),
+                  seed=seed)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="twinplane serve", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="HF model folder (config.json, safetensors, tokenizer.json, chat template)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require this key on every request (Authorization: Bearer KEY)")
+    p.add_argument("--served-model-name", help="the model's name in requests (default: the folder's name)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=0, help="prompt + new tokens (default: the model's, "
+                                                                 "at most 8192)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences batched at once")
+    p.add_argument("--kv-cache-gb", type=float, default=0.0, help="KV cache size (0: automatic)")
+    p.add_argument("--tool-parser", default="auto", help="tool-call format: auto (from the chat template), hermes, "
+                                                        "qwen3_coder, llama3_json")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if not 0 <= a.port < 65536 or a.max_model_len < 0 or a.max_num_seqs < 1 or a.kv_cache_gb < 0:
+        raise InputError("--port must be in 0..65535, --max-model-len and --kv-cache-gb >= 0, --max-num-seqs >= 1")
+    served = build_served(a.model, a.served_model_name, a.device, a.dtype, a.max_model_len, a.max_num_seqs,
+                          a.kv_cache_gb, a.tool_parser, a.api_key, a.seed)
+    import uvicorn
+
+    from twinplane.serving.openai_api import build_app
+
+    print(f"twinplane serve: {served.model_name} on http://{a.host}:{a.port}/v1"
+          + ("" if served.template else " (no chat template: completions only)"), flush=True)
+    try:
+        uvicorn.run(build_app(served), host=a.host, port=a.port, log_level="warning")
+    finally:
+        served.loop.close()
+    return 0
