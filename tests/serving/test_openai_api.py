@@ -112,7 +112,8 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server):
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type"}
     r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer sekret"},
                    json={"model": "tiny", "messages": [], "temperature": 9})
-    assert r.status_code == 400 and r.json()["error"]["message"] == "temperature: Input should be less than or equal to 2"
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "temperature: Input should be less than or equal to 2"
     with pytest.raises(openai.NotFoundError, match="session 'ghost' not found"):
         openai.OpenAI(base_url=url + "/sessions/ghost/v1", api_key="sekret").chat.completions.create(
             model="tiny", messages=CHAT)
@@ -123,7 +124,7 @@ def test_a_session_extends_its_exact_tokens_and_splits_on_divergence(server):
     served, url = server
     session = served.sessions.open(Session("ep1", served.tokenizer, budget=200))
     c = openai.OpenAI(base_url=url + "/sessions/ep1/v1", api_key="sekret", max_retries=0)
-    messages, prompts, outputs = list(CHAT), [], []
+    messages = list(CHAT)
     engine = served.loop.engine
     calls = []
     submit = served.loop.submit
@@ -142,7 +143,7 @@ def test_a_session_extends_its_exact_tokens_and_splits_on_divergence(server):
                          {"role": "tool" if turn % 2 else "user", "content": f"result {turn}"}]
         assert session.splits == 0 and len(session.trajectories) == 1
         t = session.current
-        for k, (ids, fut) in enumerate(calls):  # call k's prompt = the trajectory so far; its output follows
+        for ids, fut in calls:  # each call's prompt = the trajectory so far; its output follows
             s: Sample = fut.result()[0]
             assert t.ids[:len(ids)] == ids and t.ids[len(ids):len(ids) + len(s.token_ids)] == s.token_ids
             assert t.logprobs[len(ids) - len(t.prompt_ids):][:len(s.token_ids)] == s.logprobs

@@ -80,7 +80,8 @@ def build_app(served: Served) -> FastAPI:
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip() or \
                 request.headers.get("x-api-key", "")
             if given != served.api_key:
-                e = APIError(401, "a valid API key is required (Authorization: Bearer KEY)", kind="authentication_error")
+                e = APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                             kind="authentication_error")
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
 
@@ -267,7 +268,8 @@ async def _chat(served: Served, body: ChatRequest, session: Session | None):
         want = body.max_completion_tokens or body.max_tokens or served.loop.max_model_len - len(ids)
         sp = _sampling(served, body, max(1, min(want, left or 1 << 30)), session, top)
         if body.stream:
-            return StreamingResponse(_chat_stream(served, body, session, ids, sp, parse), media_type="text/event-stream")
+            return StreamingResponse(_chat_stream(served, body, session, ids, sp, parse),
+                                     media_type="text/event-stream")
         samples = await _generate(served, session, ids, sp, body)
         choices = [_chat_choice(served, body, session, i, s, parse) for i, s in enumerate(samples)]
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
