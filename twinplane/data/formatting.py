@@ -3,8 +3,10 @@
 Chat templates are Jinja programs shipped with model folders. They are rendered the way transformers'
 `apply_chat_template(..., add_generation_prompt=True, tokenize=False)` renders them: a sandboxed environment
 with `trim_blocks`/`lstrip_blocks`, the `raise_exception`/`strftime_now` globals, a `tojson` filter that does not
-escape HTML, the special tokens (`bos_token`, `eos_token`, ...) in the context, and `tools`/`documents` set to
-None. The tests check the text is identical to transformers' for ChatML- and Llama-3-style templates.
+escape HTML, the special tokens (`bos_token`, `eos_token`, ...) in the context, `tools` (OpenAI-style function
+schemas, or None) and `documents` set to None. Messages are passed as given, as transformers passes them: keys whose
+value is None are dropped, and reasoning under `reasoning` or `thinking` is also offered as `reasoning_content`.
+The tests check the text is identical to transformers' for ChatML-, Llama-3- and Qwen-style templates.
 Nothing is ever `eval`ed: templates run in Jinja's sandbox, and plain templates only substitute named fields.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
 from twinplane.config import plain_template_problem
@@ -126,17 +129,10 @@ class PromptFormatter:
         which may be a string or a list of named templates (the one named "default" is used).
         """
         path = Path(path)
-        if not path.is_dir():
-            raise DataError(f"{path}: no such model folder")
-        config = _read_json(path / "tokenizer_config.json")
-        tokens = {k: v for k, v in _read_json(path / "special_tokens_map.json").items() if k in SPECIAL_TOKEN_KEYS}
-        tokens.update({k: config[k] for k in SPECIAL_TOKEN_KEYS if config.get(k) is not None})
-        tokens = {k: _token_text(v) for k, v in tokens.items() if _token_text(v) is not None}
+        template, tokens = read_model_template(path)
         kw["special_tokens"] = {**tokens, **(kw.get("special_tokens") or {})}
         if kw.get("chat_template") is None and mode == "chat":
-            jinja_file = path / "chat_template.jinja"
-            kw["chat_template"] = (jinja_file.read_text(encoding="utf-8") if jinja_file.is_file()
-                                   else _default_template(path, config.get("chat_template")))
+            kw["chat_template"] = template
         try:
             return cls(mode, **kw)
         except DataError as e:
@@ -165,15 +161,49 @@ class PromptFormatter:
             return self.plain_template.format(prompt=record.prompt + self.instruction_suffix,
                                               raw_prompt=record.prompt, suffix=self.instruction_suffix,
                                               system=system or "")
-        import jinja2
+        return render_chat(self._template, self.messages(record), special_tokens=self.special_tokens)
 
-        try:
-            return self._template.render(messages=self.messages(record), tools=None, documents=None,
-                                         add_generation_prompt=True, **self.special_tokens)
-        except jinja2.exceptions.TemplateError as e:
-            raise DataError(f"chat template error: {_one_line(str(e))}") from None
-        except (MemoryError, OverflowError, ValueError) as e:  # e.g. a format width such as "{:>99999999999}"
-            raise DataError(f"chat template error: {type(e).__name__}: {_one_line(str(e))}") from None
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is the one templates read
+
+
+def _as_transformers_passes(message):
+    """A message as transformers hands it to templates: None-valued keys dropped (OpenAI clients send
+    `content: null` beside `tool_calls`, which templates handle as a missing key), reasoning under every name."""
+    if not isinstance(message, dict):
+        return message
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def render_chat(template, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                add_generation_prompt: bool = True, special_tokens: dict[str, str] | None = None, **extra) -> str:
+    """The text transformers' `apply_chat_template(messages, tools=tools, tokenize=False, ...)` renders.
+
+    `template`: a template's source or `_compile_chat_template`'s result. `tools`: OpenAI-style function schemas
+    (`{"type": "function", "function": {"name", "description", "parameters"}}`), passed as they are. Tool calls in
+    assistant messages are passed as they are too: a template that prints `arguments | tojson` prints a JSON string
+    argument as a quoted string, exactly as transformers does. `extra`: further template variables
+    (`enable_thinking=False`, `date_string=...`), which override the special tokens as in transformers.
+    """
+    import jinja2
+
+    compiled = _compile_cached(template) if isinstance(template, str) else template
+    context = {**(special_tokens or {}), **extra}
+    try:
+        return compiled.render(messages=[_as_transformers_passes(m) for m in messages],
+                               tools=list(tools) if tools is not None else None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **context)
+    except jinja2.exceptions.TemplateError as e:
+        raise DataError(f"chat template error: {_one_line(str(e))}") from None
+    except (MemoryError, OverflowError, ValueError, TypeError) as e:  # "{:>99999999999}", `'a' + 1`, ...
+        raise DataError(f"chat template error: {type(e).__name__}: {_one_line(str(e))}") from None
+
+
+@lru_cache(maxsize=8)
+def _compile_cached(source: str):
+    return _compile_chat_template(source)
 
 
 def _one_line(text: str) -> str:
@@ -190,11 +220,33 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _default_template(path: Path, value) -> str | None:
-    """`chat_template` from tokenizer_config.json: a string, or named templates of which "default" is used."""
+def read_model_template(path: Path, tools: bool = False) -> tuple[str | None, dict[str, str]]:
+    """The chat template (None when there is none) and special tokens of a HF model folder. Like transformers,
+    `chat_template.jinja` takes priority over `chat_template` in tokenizer_config.json, and of named templates
+    (`additional_chat_templates/NAME.jinja`, or named in tokenizer_config.json) the one named "tool_use" is used
+    with `tools` when there is one."""
+    if not path.is_dir():
+        raise DataError(f"{path}: no such model folder")
+    config = _read_json(path / "tokenizer_config.json")
+    tokens = {k: v for k, v in _read_json(path / "special_tokens_map.json").items() if k in SPECIAL_TOKEN_KEYS}
+    tokens.update({k: config[k] for k in SPECIAL_TOKEN_KEYS if config.get(k) is not None})
+    tokens = {k: _token_text(v) for k, v in tokens.items() if _token_text(v) is not None}
+    tool_file, jinja_file = path / "additional_chat_templates" / "tool_use.jinja", path / "chat_template.jinja"
+    if tools and tool_file.is_file():
+        return tool_file.read_text(encoding="utf-8"), tokens
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8"), tokens
+    return _default_template(path, config.get("chat_template"), tools), tokens
+
+
+def _default_template(path: Path, value, tools: bool = False) -> str | None:
+    """`chat_template` from tokenizer_config.json: a string, or named templates of which "default" is used (or
+    "tool_use", with `tools`)."""
     if value is None or isinstance(value, str):
         return value
     named = value if isinstance(value, dict) else {t.get("name"): t.get("template") for t in value}
+    if tools and "tool_use" in named:
+        return named["tool_use"]
     if "default" not in named:
         raise DataError(f"{path}/tokenizer_config.json: no chat template named 'default' "
                         f"(named: {', '.join(map(str, named))}); pass chat_template explicitly")

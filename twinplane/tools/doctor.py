@@ -1,4 +1,5 @@
 """`twinplane doctor`: what this machine is and what it can do, on one screen (or as JSON with --json).
+`twinplane doctor --template MODEL_DIR`: whether a model's chat template is append-only for agent serving.
 
 Everything hardware-specific comes from `twinplane.platform`; this module only measures and formats.
 """
@@ -17,12 +18,16 @@ import time
 import torch
 
 import twinplane
+from twinplane.errors import InputError, first_line
 from twinplane.model.attention import torch_varlen_agrees
 from twinplane.model.memory import Dtypes
 from twinplane.platform import backends, hardware, runtime
 from twinplane.rollout.kernels import self_check as rollout_kernel_check
 from twinplane.rollout.paged_attention import flex_decode_agrees
 from twinplane.sandbox import SandboxUnavailable, get_sandbox
+from twinplane.serving.template_check import check_template
+from twinplane.serving.templates import ChatTemplate
+from twinplane.tokenizer import load_tokenizer
 from twinplane.tools.plan import CPU
 from twinplane.train.chunked_logprobs import kernel_self_check as logprob_kernel_check
 
@@ -216,11 +221,29 @@ def format_report(d: dict) -> str:
     return "\n".join(lines)
 
 
+def template_report(model_dir: str, as_json: bool) -> int:
+    """`doctor --template DIR`: the append-only check of the folder's chat template, with its tokenizer."""
+    template = ChatTemplate.from_model_dir(model_dir)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except FileNotFoundError as e:
+        raise InputError(first_line(e)) from None
+    except Exception as e:  # (tokenizers raises a bare Exception for a damaged tokenizer.json)
+        raise InputError(f"{model_dir}: tokenizer.json does not load ({first_line(e)})") from None
+    checked = check_template(template, tokenizer)
+    print(json.dumps(checked.to_dict(), indent=2) if as_json else checked.format())
+    return 0 if checked.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="twinplane doctor", description="Describe this machine's torch, devices and "
                                  "kernels, and measure its GEMM throughput and memory bandwidth.")
     ap.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    ap.add_argument("--template", metavar="MODEL_DIR", help="instead: check that the folder's chat template is "
+                    "append-only over a tool conversation (exit 0), or show where it is not (exit 1)")
     args = ap.parse_args(argv)
+    if args.template is not None:
+        return template_report(args.template, args.json)
     d = report()
     print(json.dumps(d, indent=2) if args.json else format_report(d))
     return 0
