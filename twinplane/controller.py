@@ -70,14 +70,15 @@ class Controller:
     def __init__(self, planes: Planes, scorer: Scorer, tokenizer: Tokenizer, sampling: SamplingParams,
                  mini_batches: int = 1, recompute_old_logprobs: bool = False, algo: Algorithm | None = None,
                  critic_warmup: int = 0, more_prompts=None, on_phase=None, peak_flops: float | None = None,
-                 producer: Producer | None = None):
+                 producer: Producer | None = None, agents=None):
         """`algo`: the run's algorithm (default: the in-process trainer's); the critic plane (when the algorithm
         needs one) trains alone for the first `critic_warmup` steps; `more_prompts()` gives the next prompt batch for
-        dynamic sampling; `on_phase(phase)` is called as each phase starts (fault injection)."""
+        dynamic sampling; `on_phase(phase)` is called as each phase starts (fault injection); `agents`: the rollout
+        and its rewards come from the user's agent instead (`agents.AgentRollout`)."""
         self.planes, self.trainer, self.reference, self.critic = planes, planes.trainer, planes.reference, planes.critic
         self.algo = algo if algo is not None else planes.trainer.algo
         self.critic_warmup, self.more_prompts = critic_warmup, more_prompts
-        self.producer = producer
+        self.producer, self.agents = producer, agents
         self.draws: dict[str, list[int]] = {}  # asynchronous: the data-order places of the step's prompts
         self.rollout_stats = EngineStats()  # the engines' counters for the samples of the current step
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
@@ -99,6 +100,11 @@ class Controller:
             if self.producer is not None:
                 with timer("rollout"):
                     samples, rewards, correct, groups, reward_metrics = self._take()
+            elif self.agents is not None:
+                with timer("rollout"):
+                    samples, rewards, correct, reward_metrics = self.agents.run(prompts, self.version)
+                self.rollout_stats = self.agents.stats
+                groups = torch.tensor([s.request_index for s in samples])
             else:
                 with timer("rollout"):
                     samples = self._rollout(prompts)
@@ -119,7 +125,7 @@ class Controller:
                 if self.producer is not None:
                     self.producer.weights_updated()
                     self.rollout_stats = self.producer.counts.stats  # (the engines ran on while training)
-        m = self._metrics(samples, rewards, batch, updates + critic_updates, timer.times)
+        m = self._metrics(samples, rewards, groups, batch, updates + critic_updates, timer.times)
         m |= reward_metrics | multi_turn_metrics(samples) | extra
         m |= self.rollout_stats.metrics()  # occupancy, preemptions, KV usage, tokens/s (and remote busy time)
         m |= {"sync/bytes": report.bytes, "sync/gb_per_s": report.bytes / max(timer.times["time/weight_sync"], 1e-9)
@@ -270,14 +276,15 @@ class Controller:
                                   f"{report.describe(bad[0])}; refusing to roll out with stale weights")
         return report
 
-    def _metrics(self, samples, rewards, batch: Batch, updates: list[dict], times: dict) -> dict[str, float]:
+    def _metrics(self, samples, rewards, labels: torch.Tensor, batch: Batch, updates: list[dict],
+                 times: dict) -> dict[str, float]:
         n = self.sampling.n
         # Remote engines report their own busy time: with an overlapped rollout the phase timer only saw the wait.
         # So does the in-process engine with a producer, whose steps also generate groups for later steps.
         remote = self.rollout_stats.seconds_min is not None
         rollout_s = self.rollout_stats.seconds if remote or self.producer else times["time/rollout"]
         lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
-        groups = rewards.view(-1, n)
+        spread = [rewards[labels == g] for g in labels.unique()]  # (an agent's groups may differ in size)
         gen_tokens = int(lengths.sum())
         train_tokens = int(batch.attention_mask.sum())
         computed = train_tokens - int(sum(u.get("actor/prompt_tokens_shared", 0) for u in updates))  # shared prompts
@@ -287,7 +294,7 @@ class Controller:
             "rollout/response_length_mean": lengths.mean().item(),
             "rollout/response_length_max": lengths.max().item(),
             "rollout/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "rollout/zero_var_groups": (groups.max(1).values == groups.min(1).values).float().mean().item(),
+            "rollout/zero_var_groups": sum(bool(r.max() == r.min()) for r in spread) / len(spread),
             "rollout/weight_version": samples[0].weight_version,
             "perf/rollout_tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
             "perf/train_tokens_per_s": train_tokens / max(times["time/train"], 1e-9),

@@ -9,6 +9,7 @@ section's rules. `load` reads YAML files and overrides into a validated `Config`
 from twinplane.config.keys import _all_keys
 from twinplane.config.load import ALIASES, PATH_KEYS, REMOVED, config_help, load_config, without_removed
 from twinplane.config.sections import (
+    AgentSection,
     AlgoSection,
     CheckpointSection,
     ClusterSection,
@@ -28,7 +29,7 @@ from twinplane.config.sections import (
     plain_template_problem,
 )
 
-__all__ = ["ALIASES", "PATH_KEYS", "REMOVED", "AlgoSection", "CheckpointSection", "ClusterSection", "Config",
-           "ConfigError", "CriticSection", "DataSection", "EvalSection", "LogSection", "LoraSection", "ModelSection",
-           "RewardSection", "RolloutSection", "TaskSection", "TrainSection", "WarmStartSection", "_all_keys",
-           "config_help", "load_config", "plain_template_problem", "without_removed"]
+__all__ = ["ALIASES", "PATH_KEYS", "REMOVED", "AgentSection", "AlgoSection", "CheckpointSection", "ClusterSection",
+           "Config", "ConfigError", "CriticSection", "DataSection", "EvalSection", "LogSection", "LoraSection",
+           "ModelSection", "RewardSection", "RolloutSection", "TaskSection", "TrainSection", "WarmStartSection",
+           "_all_keys", "config_help", "load_config", "plain_template_problem", "without_removed"]

@@ -450,6 +450,26 @@ class ClusterSection(Section):
 
 
 @dataclass
+class AgentSection(Section):
+    entrypoint: str | None = opt(
+        None, "your agent, FILE.py:function or module:function: run(base_url, task) (def or async def) talks to the "
+        "policy through the OpenAI API at base_url and returns its reward (docs/agents.md); unset = built-in rollout")
+    concurrency: int = opt(64, "episodes in flight at once", bounds=">= 1")
+    timeout_s: float = opt(300.0, "per episode: a later one is cancelled (its `abort(task)` runs if the agent's "
+        "module has one) and counted in agent/timeouts", bounds="> 0")
+    max_turns: int = opt(16, "model calls per episode; a call past them is refused", bounds=">= 1")
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        if self.entrypoint is None:
+            return []
+        return [(is_user_spec(self.entrypoint), "agent.entrypoint", "must be FILE.py:function or module:function"),
+                (cfg.cluster.backend == "local", "agent.entrypoint", "needs cluster.backend=local"),
+                (cfg.cluster.max_staleness == 0, "agent.entrypoint", "needs cluster.max_staleness=0"),
+                (cfg.rollout.backend == "twinplane", "agent.entrypoint", "needs rollout.backend=twinplane"),
+                (not cfg.algo.dynamic_sampling, "agent.entrypoint", "does not combine with algo.dynamic_sampling")]
+
+
+@dataclass
 class Config(Section):
     seed: int = opt(0, "seeds every RNG; a seeded CPU run is bitwise reproducible", bounds="[0, 2**32)")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N (ROCm GPUs are \"cuda\" too)")
@@ -470,6 +490,7 @@ class Config(Section):
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    agent: AgentSection = field(default_factory=AgentSection)
 
     @property
     def samples_per_mini_batch(self) -> int:

@@ -14,6 +14,7 @@ class Prompt:
     ids: list[int]  # token ids fed to the engine
     answer: str  # reference answer for the verifier
     text: str  # the formatted prompt (for reward models and logs)
+    row: dict | None = None  # the data row (prompt, answer, system, meta fields): an agent's task
 
 
 def encode_prompts(items: Sequence, format_fn: Callable[[object], str], tokenizer: Tokenizer,
@@ -23,4 +24,13 @@ def encode_prompts(items: Sequence, format_fn: Callable[[object], str], tokenize
     texts = [format_fn(item) for item in items]
     ids = [tokenizer.encode(t) for t in texts]
     kept, dropped = filter_by_length(ids, max_prompt_tokens)
-    return [Prompt(ids[i], items[i].answer, texts[i]) for i in kept], dropped
+    return [Prompt(ids[i], items[i].answer, texts[i], task_row(items[i])) for i in kept], dropped
+
+
+def task_row(record) -> dict:
+    """A record as an agent's task: its prompt (a string, or the chat's messages) and answer, its system prompt
+    when it has one, and its meta fields."""
+    row = {"prompt": record.prompt, "answer": record.answer}
+    if getattr(record, "system", None) is not None:
+        row["system"] = record.system
+    return row | dict(getattr(record, "meta", None) or {})

@@ -75,10 +75,10 @@ def _import_file(path: Path):
     return module
 
 
-def load_user_fn(spec: str) -> Callable:
+def load_user_fn(spec: str, what: str = "reward") -> Callable:
     """`module:function` (module importable from sys.path) or `path/to/file.py:function` -> the function.
-    Any failure is a config error: a one-line ValueError naming the spec."""
-    precheck_user_spec(spec)
+    Any failure is a config error: a one-line ValueError naming the spec (as `what`'s: a reward, an agent)."""
+    precheck_user_spec(spec, what)
     target, _, attr = spec.rpartition(":")
     try:
         obj = _import_file(Path(target)) if _is_file(target) else importlib.import_module(target)
@@ -87,23 +87,23 @@ def load_user_fn(spec: str) -> Callable:
     except BaseException as e:  # SystemExit from a module that exits on import is a config error too
         if isinstance(e, KeyboardInterrupt):
             raise
-        raise ValueError(f"reward {spec!r}: cannot load ({_one_line(e)})") from None
+        raise ValueError(f"{what} {spec!r}: cannot load ({_one_line(e)})") from None
     if not callable(obj):
-        raise ValueError(f"reward {spec!r}: {type(obj).__name__} is not callable")
+        raise ValueError(f"{what} {spec!r}: {type(obj).__name__} is not callable")
     return obj
 
 
-def precheck_user_spec(spec: str) -> None:
+def precheck_user_spec(spec: str, what: str = "reward") -> None:
     """The checks that need no user code run: the file exists, the top-level module can be found. The runner
     does these in the trainer's process to fail in milliseconds; the full load happens in its worker."""
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
-        raise ValueError(f"reward {spec!r}: expected module:function or path/to/file.py:function")
+        raise ValueError(f"{what} {spec!r}: expected module:function or path/to/file.py:function")
     if _is_file(target):
         if not Path(target).is_file():
-            raise ValueError(f"reward {spec!r}: cannot load (no such file {target!r})")
+            raise ValueError(f"{what} {spec!r}: cannot load (no such file {target!r})")
     elif importlib.util.find_spec(target.split(".")[0]) is None:
-        raise ValueError(f"reward {spec!r}: cannot load (no module named {target.split('.')[0]!r})")
+        raise ValueError(f"{what} {spec!r}: cannot load (no module named {target.split('.')[0]!r})")
 
 
 def absolute_spec(name: str) -> str:

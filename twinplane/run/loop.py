@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from twinplane.agents.runner import build_agent_rollout
 from twinplane.cluster import WorkerError, build_algorithm, build_planes
 from twinplane.cluster.planes import sharded_checkpoints
 from twinplane.config import ConfigError
@@ -125,7 +126,7 @@ class Run:
         self.first_step, self.wall_before = 1, 0.0  # the wall time of earlier invocations (checkpoints hold it)
         self.state: dict | None = None  # the checkpoint resumed from, until `restore` has put it back
         self.lora_base: dict | None = None
-        self.reference = self.planes = self.controller = self.log = None
+        self.reference = self.planes = self.controller = self.log = self.agents = None
         self.sinks: list = []
 
     # --- before the first RL step -------------------------------------------------------------------------------
@@ -161,11 +162,13 @@ class Run:
         producer = None if not c.max_staleness else Producer(
             self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.max_staleness,
             c.async_schedule, r.partial, cfg.seed)
+        if cfg.agent.entrypoint is not None:  # (the engine's; the config allows agents on local planes only)
+            self.agents = build_agent_rollout(cfg, self.planes.engine, s.tokenizer, sampling)
         self.controller = Controller(self.planes, s.scorer, s.tokenizer, sampling, cfg.train.mini_batches,
                                      recompute_old, algo=algo, critic_warmup=cfg.critic.warmup_steps,
                                      more_prompts=lambda: self.stream.next_batch(r.prompts_per_step),
                                      on_phase=self.faults, peak_flops=hardware.detect().peak_flops,
-                                     producer=producer)
+                                     producer=producer, agents=self.agents)
 
     def warm_start(self) -> None:
         """Supervised steps on the built-in task's imperfect-teacher answers, with live progress; the decay of its
@@ -343,6 +346,8 @@ class Run:
     def close(self) -> None:
         """The planes, the logs, the reward workers and the signal handlers this call installed."""
         self.live.done()
+        if self.agents is not None:
+            self.agents.close()
         if self.planes is not None:
             self.planes.close()
         if self.log is not None:

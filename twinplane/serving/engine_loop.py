@@ -41,6 +41,10 @@ class _Request:
     sent: dict[int, int] = field(default_factory=dict)  # streamed: tokens sent per sample index
 
 
+class NotServing(RuntimeError):
+    """The engine is another's for now (a training run between its rollouts): the server answers 503."""
+
+
 class EngineLoop:
     """`submit(prompt_ids, sampling, seed)` -> a Future of the request's `sampling.n` samples."""
 
@@ -53,6 +57,7 @@ class EngineLoop:
         self.cond = threading.Condition()
         self.sched: Scheduler | None = None
         self.closed = False
+        self.serving = True  # `shut`: submits are refused until `open`
         self.thread = threading.Thread(target=self._run, name="twinplane-engine", daemon=True)
         self.thread.start()
 
@@ -70,8 +75,8 @@ class EngineLoop:
         stops = frozenset(t for t in [self.engine.eos_token_id, *sampling.stop_token_ids] if t is not None)
         seq = Seq(list(prompt_ids), rid, sampling, [sample_seed(seed, 0, j) for j in range(sampling.n)], stops)
         with self.cond:
-            if self.closed:
-                raise RuntimeError("the engine loop is closed")
+            if self.closed or not self.serving:
+                raise NotServing("the engine is not serving now")
             self.incoming.append((seq, req))
             self.cond.notify_all()
         return req.future
@@ -80,6 +85,16 @@ class EngineLoop:
         """Wait until no request is queued or running (the engine is then free for other calls)."""
         with self.cond:
             self.cond.wait_for(lambda: not self.requests and not self.incoming)
+
+    def shut(self) -> None:
+        """Refuse new requests and wait for those in flight: the engine is free for others until `open`."""
+        with self.cond:
+            self.serving = False
+        self.idle()
+
+    def open(self) -> None:
+        with self.cond:
+            self.serving = True
 
     def close(self) -> None:
         with self.cond:

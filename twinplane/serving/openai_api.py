@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from twinplane.data.records import DataError
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.sequence import Sample
-from twinplane.serving.engine_loop import EngineLoop
+from twinplane.serving.engine_loop import EngineLoop, NotServing
 from twinplane.serving.protocol import (
     APIError,
     ChatRequest,
@@ -129,9 +129,13 @@ def _sampling(served: Served, body, max_tokens: int, session: Session | None, to
 
 async def _generate(served: Served, session: Session | None, prompt_ids: list[int], sp: SamplingParams,
                     body, on_tokens=None) -> list[Sample]:
-    seed = body.seed if body.seed is not None else served.rng.getrandbits(62)
+    seed = session.call_seed() if session is not None else None
+    if seed is None:
+        seed = body.seed if body.seed is not None else served.rng.getrandbits(62)
     try:
         future = served.loop.submit(prompt_ids, sp, seed, on_tokens)
+    except NotServing as e:
+        raise APIError(503, str(e), kind="service_unavailable") from None
     except ValueError as e:
         raise APIError(400, str(e), "messages" if isinstance(body, ChatRequest) else "prompt") from None
     samples = await asyncio.wrap_future(future)

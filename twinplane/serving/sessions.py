@@ -22,7 +22,7 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
-from twinplane.rollout.sequence import Sample
+from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.tokenizer import Tokenizer
 
 
@@ -56,10 +56,14 @@ class SessionError(ValueError):
 
 class Session:
     """One episode's record. `budget`: tokens after a trajectory's first prompt at most (the run's
-    `rollout.max_new_tokens`, so that a trajectory trains like one sample); None: no cap (serving)."""
+    `rollout.max_new_tokens`, so that a trajectory trains like one sample); None: no cap (serving). `max_turns`:
+    calls at most. `seed`: the calls' samples are seeded from it and the call's number, whatever the request says
+    (a training run's episodes are reproducible); None: the request's seed."""
 
-    def __init__(self, sid: str, tokenizer: Tokenizer, budget: int | None = None):
-        self.id, self.tok, self.budget = sid, tokenizer, budget
+    def __init__(self, sid: str, tokenizer: Tokenizer, budget: int | None = None, max_turns: int | None = None,
+                 seed: int | None = None):
+        self.id, self.tok, self.budget, self.max_turns, self.seed = sid, tokenizer, budget, max_turns, seed
+        self.calls = 0
         self.trajectories: list[Trajectory] = []
         self.splits = 0  # requests that did not extend the trajectory before them
         self.lock = asyncio.Lock()  # (an agent may send calls of one session concurrently: they are serialised)
@@ -72,6 +76,8 @@ class Session:
         """The prompt ids of a request rendered as `text` (or given as `ids`), and its cap on new tokens from the
         budget (None: uncapped). Extends the current trajectory when the request starts with it, else starts a
         new one (counted in `splits` when there was one)."""
+        if self.max_turns is not None and self.calls >= self.max_turns:
+            raise SessionError(f"session {self.id}: its {self.max_turns} calls (agent.max_turns) are used up")
         t = self.current
         if t is not None and (text is not None and (text.startswith(t.text) or t.hidden and
                                                     text.startswith(t.text[:-len(t.hidden)]))
@@ -110,7 +116,12 @@ class Session:
         t.versions += sample.versions or [sample.weight_version] * len(sample.token_ids)
         t.text += text
         t.finish_reason, t.calls = sample.finish_reason, t.calls + 1
+        self.calls += 1
         t.routing = sample.routing
+
+    def call_seed(self) -> int | None:
+        """The seed of the next call's samples (None: the request's)."""
+        return None if self.seed is None else sample_seed(self.seed, self.calls, 0)
 
     def samples(self, request_index: int) -> list[Sample]:
         """The trajectories that the model generated in, as training samples."""

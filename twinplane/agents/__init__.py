@@ -1,0 +1,1 @@
+"""Agents and environments the user brings, trained through the rollout plane's session endpoint."""

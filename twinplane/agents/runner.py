@@ -1,0 +1,186 @@
+"""A step's rollout through the user's agent: each prompt's `n` episodes talk to the policy through their own
+session of the OpenAI-compatible server, and come back as training samples with the agent's rewards.
+
+`agent.entrypoint` names `run(base_url, task)`, an `async def` (run as a task on the agents' event loop) or a plain
+`def` (run on a thread); `task` is the data row as a dict (the demo's: `prompt` and `answer`). It returns the
+episode's reward, a float, or a dict with `reward` and optional `metrics` (floats, averaged into `agent/<name>`).
+Its session records every call's tokens (twinplane.serving.sessions); the trajectories become the samples, each
+with the episode's reward, grouped by prompt for the advantages.
+
+An episode that raises, returns something else, or passes `agent.timeout_s` costs itself only: it is counted
+(`agent/errors`, `agent/timeouts`; a timed-out one is cancelled and the module's `abort(task)` runs if it has
+one) and trains nothing. A step where every episode failed stops the run with the first error (exit 2): the
+agent, not the run, needs fixing. Each session's calls are seeded from (run seed, step, prompt, episode, call),
+so a deterministic agent makes a seeded run reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from twinplane.data.prompts import Prompt
+from twinplane.errors import InputError, first_line
+from twinplane.rewards.registry import load_user_fn
+from twinplane.rollout.engine import RolloutEngine
+from twinplane.rollout.sampling import SamplingParams
+from twinplane.rollout.sequence import Sample, sample_seed
+from twinplane.serving.engine_loop import EngineLoop
+from twinplane.serving.openai_api import Served, build_app
+from twinplane.serving.server import BackgroundServer
+from twinplane.serving.sessions import Session, SessionStore
+from twinplane.serving.templates import ChatTemplate
+from twinplane.tokenizer import Tokenizer
+
+
+@dataclass
+class Episode:
+    prompt: int  # index of its prompt in the step
+    samples: list[Sample] = field(default_factory=list)
+    reward: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    timed_out: bool = False
+    splits: int = 0
+
+
+def episode_reward(value) -> tuple[float, dict[str, float]]:
+    """An agent's return value -> (reward, metrics); a ValueError for anything else."""
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise ValueError(f"the agent returned a dict without 'reward' (keys: {sorted(value)[:5]})")
+        metrics = value.get("metrics") or {}
+        if not isinstance(metrics, dict):
+            raise ValueError("the agent's 'metrics' must be a dict of numbers")
+        reward, _ = episode_reward(value["reward"])
+        return reward, {str(k): float(v) for k, v in metrics.items()}
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"the agent returned {type(value).__name__} {str(value)[:40]!r}, not a finite reward")
+    return float(value), {}
+
+
+class AgentRollout:
+    """The server over the run's engine, and the episodes of each step."""
+
+    def __init__(self, entrypoint: str, engine: RolloutEngine, tokenizer: Tokenizer, sampling: SamplingParams,
+                 max_prompt_len: int, template: ChatTemplate | None, concurrency: int, timeout_s: float,
+                 max_turns: int, seed: int):
+        try:
+            self.fn = load_user_fn(entrypoint, "agent")
+            target = entrypoint.rpartition(":")[0]
+            self.abort = load_user_fn(f"{target}:abort", "agent") if _has_abort(self.fn) else None
+        except ValueError as e:
+            raise InputError(f"agent.entrypoint: {e}") from None
+        self.tokenizer, self.sampling, self.seed = tokenizer, sampling, seed
+        self.concurrency, self.timeout_s, self.max_turns = concurrency, timeout_s, max_turns
+        self.loop = EngineLoop(engine, max_prompt_len + sampling.max_new_tokens)
+        self.sessions = SessionStore()
+        self.served = Served(self.loop, tokenizer, "policy", template, sessions=self.sessions,
+                             session_sampling=sampling, seed=seed)
+        self.server = BackgroundServer(build_app(self.served))
+        self.url = self.server.start()
+        self.events = asyncio.new_event_loop()  # the agents' own loop, on its own thread
+        self.events.set_default_executor(ThreadPoolExecutor(concurrency, "twinplane-agent"))  # (plain-def agents)
+        self.thread = threading.Thread(target=self.events.run_forever, name="twinplane-agents", daemon=True)
+        self.thread.start()
+
+    def run(self, prompts: Sequence[Prompt], step: int) -> tuple[list[Sample], torch.Tensor, torch.Tensor, dict]:
+        """(samples, rewards [N], correct [N] (reward >= 1), metrics) of `sampling.n` episodes per prompt."""
+        t0 = time.perf_counter()
+        self.loop.engine.pop_stats()
+        self.loop.open()
+        try:
+            episodes = asyncio.run_coroutine_threadsafe(self._episodes(prompts, step), self.events).result()
+        finally:
+            self.loop.shut()  # a late call of a cancelled episode is refused: the engine is the trainer's again
+        self.stats = self.loop.engine.pop_stats()
+        samples, rewards = [], []
+        for e in episodes:
+            samples += e.samples
+            rewards += [e.reward] * len(e.samples)
+        failed = [e for e in episodes if e.error is not None]
+        if not samples:
+            first = failed[0].error if failed else "no episode called the model"
+            raise InputError(f"agent.entrypoint: every episode of step {step} failed, the first with: {first}")
+        done = [e for e in episodes if e.error is None]
+        metrics = {"agent/episodes": len(episodes), "agent/errors": sum(not e.timed_out for e in failed),
+                   "agent/timeouts": sum(e.timed_out for e in failed), "agent/splits": sum(e.splits for e in episodes),
+                   "agent/turns_mean": sum(s.num_turns for s in samples) / len(samples),
+                   "agent/reward_mean": sum(e.reward for e in done) / max(len(done), 1),
+                   "agent/seconds": time.perf_counter() - t0}
+        keys = dict.fromkeys(k for e in done for k in e.metrics)
+        metrics |= {f"agent/{k}": sum(e.metrics[k] for e in done if k in e.metrics) / sum(k in e.metrics for e in done)
+                    for k in keys}
+        rewards = torch.tensor(rewards, dtype=torch.float32)
+        return samples, rewards, rewards >= 1.0, metrics
+
+    async def _episodes(self, prompts: Sequence[Prompt], step: int) -> list[Episode]:
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(i: int, j: int) -> Episode:
+            async with gate:
+                return await self._episode(prompts[i], i, j, step)
+
+        return list(await asyncio.gather(*[one(i, j) for i in range(len(prompts)) for j in range(self.sampling.n)]))
+
+    async def _episode(self, prompt: Prompt, i: int, j: int, step: int) -> Episode:
+        sid = f"s{step}-p{i}-e{j}"
+        session = self.sessions.open(Session(sid, self.tokenizer, self.sampling.max_new_tokens, self.max_turns,
+                                             seed=sample_seed(self.seed, step, i * 65_537 + j)))
+        task = dict(prompt.row) if prompt.row is not None else {"prompt": prompt.text, "answer": prompt.answer}
+        episode = Episode(i)
+        call = self.fn(f"{self.url}/sessions/{sid}/v1", task) if inspect.iscoroutinefunction(self.fn) else \
+            asyncio.to_thread(self.fn, f"{self.url}/sessions/{sid}/v1", task)
+        try:
+            episode.reward, episode.metrics = episode_reward(await asyncio.wait_for(call, self.timeout_s))
+            episode.samples = session.samples(i)
+        except asyncio.TimeoutError:
+            episode.error, episode.timed_out = f"timed out after {self.timeout_s:g} s (agent.timeout_s)", True
+            if self.abort is not None:
+                await asyncio.to_thread(_quietly, self.abort, task)
+        except Exception as e:  # the user's code: its failure costs this episode only
+            episode.error = first_line(e, typed=True)
+        finally:
+            self.sessions.close(sid)
+        episode.splits = session.splits
+        return episode
+
+    def close(self) -> None:
+        self.server.stop()
+        self.events.call_soon_threadsafe(self.events.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+def _has_abort(fn) -> bool:
+    module = inspect.getmodule(fn)
+    return module is not None and callable(getattr(module, "abort", None))
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # (an abort hook that fails changes nothing: the episode is already counted)
+        pass
+
+
+def build_agent_rollout(cfg, engine: RolloutEngine, tokenizer: Tokenizer, sampling: SamplingParams) -> AgentRollout:
+    """The run's agent rollout (`agent.*`), with the model folder's chat template when it has one (else the
+    completions route alone serves: the demo's character model has no template)."""
+    template = None
+    if cfg.model.path is not None:
+        try:
+            template = ChatTemplate.from_model_dir(cfg.model.path)
+        except ValueError:  # (DataError: no template in the folder)
+            template = None
+    a = cfg.agent
+    return AgentRollout(a.entrypoint, engine, tokenizer, sampling, cfg.data.max_prompt_tokens, template,
+                        a.concurrency, a.timeout_s, a.max_turns, cfg.seed)
