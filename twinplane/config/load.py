@@ -181,12 +181,14 @@ def _build(cls, data: dict, prefix: str = ""):
 # example runs from any directory), on the command line from the current one; ${VAR} is read from the environment.
 # They are kept absolute: errors, the run's config.yaml and a resume from elsewhere all name the same file.
 PATH_KEYS = ("model.path", "data.train_file", "data.val_file", "reward.model", "critic.model_path")
+SPEC_KEYS = ("reward.name", "agent.entrypoint")  # module:function or path/file.py:function
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def _absolute(value, key: str, base: Path):
     """An input path made absolute against `base`, after ${VAR} (a relative value of the variable counts from the
-    current directory) and ~; a reward.name file spec (path/file.py:function) has its path part made absolute."""
+    current directory) and ~; a file spec (path/file.py:function: reward.name, agent.entrypoint) has its path part
+    made absolute."""
     if not isinstance(value, str) or not value.strip():
         return value  # a wrong type or an empty path is `_coerce`'s and `validate`'s to report
 
@@ -196,15 +198,16 @@ def _absolute(value, key: str, base: Path):
         return os.path.abspath(os.path.expanduser(os.environ[m[1]]))
 
     text = _VAR.sub(env, value)
-    target, sep, function = text.rpartition(":") if key == "reward.name" else (text, "", "")
-    if key == "reward.name" and not (target.endswith(".py") or "/" in target):  # a built-in or module:function
+    spec = key in SPEC_KEYS
+    target, sep, function = text.rpartition(":") if spec else (text, "", "")
+    if spec and not (target.endswith(".py") or "/" in target):  # a built-in or module:function
         return text
     return os.path.normpath(base / os.path.expanduser(target)) + sep + function
 
 
 def _absolute_paths(data: dict, base: Path, skip: set[str]) -> None:
     """`_absolute` on the input paths of a config file's sections but `skip`, in place."""
-    for key in (*PATH_KEYS, "reward.name"):
+    for key in (*PATH_KEYS, *SPEC_KEYS):
         section, leaf = key.split(".")
         if key not in skip and isinstance(data.get(section), dict) and leaf in data[section]:
             data[section][leaf] = _absolute(data[section][leaf], key, base)
@@ -259,7 +262,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
                 value = yaml.safe_load(raw) if raw else ""
             except yaml.YAMLError:
                 value = raw
-        if key.strip() in (*PATH_KEYS, "reward.name"):
+        if key.strip() in (*PATH_KEYS, *SPEC_KEYS):
             value = _absolute(value, key.strip(), Path.cwd())
             overridden.add(key.strip())
         _merge(data, key.strip(), value)

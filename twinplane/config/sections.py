@@ -13,7 +13,7 @@ from twinplane.algos import AGG_MODES, ESTIMATORS, IS_MASKS, IS_WEIGHTS, KL_ESTI
 from twinplane.config.keys import OneOf, Rule, Section, _get, _sections, _settings, opt, value_hint, value_problem
 from twinplane.errors import InputError
 from twinplane.model.lora import TARGETS as LORA_TARGETS
-from twinplane.rewards.registry import builtin_rewards, is_user_spec
+from twinplane.rewards.registry import builtin_rewards, is_user_spec, precheck_user_spec
 
 # Keys naming a registered thing: their choices are the registry's names whenever they are read (a name registered
 # later, by a plugin or a test, is valid, in `--help` and in the hints), their help starts with the registry's notes.
@@ -449,11 +449,22 @@ class ClusterSection(Section):
         ]
 
 
+def agent_problem(spec: str | None) -> str | None:
+    """What is wrong with an agent spec that shows without running its code (the file, the module), or None."""
+    try:
+        if spec is not None:
+            precheck_user_spec(spec, "agent")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @dataclass
 class AgentSection(Section):
     entrypoint: str | None = opt(
         None, "your agent, FILE.py:function or module:function: run(base_url, task) (def or async def) talks to the "
-        "policy through the OpenAI API at base_url and returns its reward (docs/agents.md); unset = built-in rollout")
+        "policy through the OpenAI API at base_url and returns its reward (docs/agents.md); unset = built-in rollout",
+        check=agent_problem)
     concurrency: int = opt(64, "episodes in flight at once", bounds=">= 1")
     timeout_s: float = opt(300.0, "per episode: a later one is cancelled (its `abort(task)` runs if the agent's "
         "module has one) and counted in agent/timeouts", bounds="> 0")
@@ -462,8 +473,7 @@ class AgentSection(Section):
     def rules(self, cfg: Config) -> list[Rule]:
         if self.entrypoint is None:
             return []
-        return [(is_user_spec(self.entrypoint), "agent.entrypoint", "must be FILE.py:function or module:function"),
-                (cfg.cluster.backend == "local", "agent.entrypoint", "needs cluster.backend=local"),
+        return [(cfg.cluster.backend == "local", "agent.entrypoint", "needs cluster.backend=local"),
                 (cfg.cluster.max_staleness == 0, "agent.entrypoint", "needs cluster.max_staleness=0"),
                 (cfg.rollout.backend == "twinplane", "agent.entrypoint", "needs rollout.backend=twinplane"),
                 (not cfg.algo.dynamic_sampling, "agent.entrypoint", "does not combine with algo.dynamic_sampling")]

@@ -117,9 +117,12 @@ def _check_model(served: Served, body, session: Session | None) -> None:
                        "not_found_error")
 
 
-def _sampling(served: Served, body, max_tokens: int, session: Session | None, top: int = 0) -> SamplingParams:
+def _sampling(served: Served, body, max_tokens: int, session: Session | None, top: int = 0) -> SamplingParams | None:
+    """The request's sampling (a session's: the run's), None when a session's budget is spent."""
     if session is not None and body.n != 1:
         raise APIError(400, "a session samples one completion per call (n=1)", "n")
+    if max_tokens < 1:
+        return None
     base = served.session_sampling if session is not None and served.session_sampling is not None else \
         SamplingParams(temperature=body.temperature, top_p=body.top_p)
     stops = [served.tokenizer.encode(s) for s in body.stops]  # (ends the engine's work early; text decides)
@@ -127,8 +130,10 @@ def _sampling(served: Served, body, max_tokens: int, session: Session | None, to
                    stop_sequences=[s for s in stops if s], top_logprobs=top)
 
 
-async def _generate(served: Served, session: Session | None, prompt_ids: list[int], sp: SamplingParams,
+async def _generate(served: Served, session: Session | None, prompt_ids: list[int], sp: SamplingParams | None,
                     body, on_tokens=None) -> list[Sample]:
+    if sp is None:  # a session's budget is spent: nothing to generate, the trajectory is cut
+        return [Sample(0, prompt_ids, [], [], "length", served.loop.engine.weight_version)]
     seed = session.call_seed() if session is not None else None
     if seed is None:
         seed = body.seed if body.seed is not None else served.rng.getrandbits(62)
@@ -186,7 +191,8 @@ async def _completions(served: Served, body: CompletionRequest, session: Session
     async with session.lock if session is not None else _nothing():
         ids, left = _prompt(served, session, text=prompt if isinstance(prompt, str) else None,
                             ids=None if isinstance(prompt, str) else prompt)
-        sp = _sampling(served, body, min(body.max_tokens or 16, left or 1 << 30), session, body.logprobs or 0)
+        sp = _sampling(served, body, min(body.max_tokens or 16, 1 << 30 if left is None else left), session,
+                       body.logprobs or 0)
         samples = await _generate(served, session, ids, sp, body)
         choices = []
         for i, s in enumerate(samples):
@@ -270,7 +276,9 @@ async def _chat(served: Served, body: ChatRequest, session: Session | None):
     async with session.lock if session is not None else _nothing():
         ids, left = _prompt(served, session, text=text)
         want = body.max_completion_tokens or body.max_tokens or served.loop.max_model_len - len(ids)
-        sp = _sampling(served, body, max(1, min(want, left or 1 << 30)), session, top)
+        sp = _sampling(served, body, max(1, want) if left is None else min(want, left), session, top)
+        if sp is None and body.stream:
+            raise APIError(400, f"session {session.id}: its token budget is spent", "messages")
         if body.stream:
             return StreamingResponse(_chat_stream(served, body, session, ids, sp, parse),
                                      media_type="text/event-stream")
@@ -311,6 +319,7 @@ async def _chat_stream(served: Served, body: ChatRequest, session: Session | Non
     """Server-sent events: the text as it is generated (with tools, the whole parsed message at the end, once its
     calls can be parsed), then the finish reasons, the usage when asked for, and [DONE]."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    n = sp.n
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -322,10 +331,10 @@ async def _chat_stream(served: Served, body: ChatRequest, session: Session | Non
         loop.call_soon_threadsafe(queue.put_nowait, (j, new))
 
     task = asyncio.ensure_future(_generate(served, session, ids, sp, body, None if parse else on_tokens))
-    sent = {j: "" for j in range(sp.n)}
-    got: dict[int, list[int]] = {j: [] for j in range(sp.n)}
+    sent = {j: "" for j in range(n)}
+    got: dict[int, list[int]] = {j: [] for j in range(n)}
     yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                 for j in range(sp.n)])
+                 for j in range(n)])
     while not task.done() or not queue.empty():
         try:
             j, new = await asyncio.wait_for(queue.get(), timeout=0.05)

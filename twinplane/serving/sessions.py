@@ -74,8 +74,9 @@ class Session:
 
     def prompt(self, text: str | None = None, ids: list[int] | None = None) -> tuple[list[int], int | None]:
         """The prompt ids of a request rendered as `text` (or given as `ids`), and its cap on new tokens from the
-        budget (None: uncapped). Extends the current trajectory when the request starts with it, else starts a
-        new one (counted in `splits` when there was one)."""
+        budget (None: uncapped; 0: the budget is spent, the call generates nothing and its trajectory ends with
+        "length", cut where the budget ends). Extends the current trajectory when the request starts with it,
+        else starts a new one (counted in `splits` when there was one)."""
         if self.max_turns is not None and self.calls >= self.max_turns:
             raise SessionError(f"session {self.id}: its {self.max_turns} calls (agent.max_turns) are used up")
         t = self.current
@@ -88,7 +89,11 @@ class Session:
             else:
                 rest = ids[len(t.ids):]
                 suffix = self.tok.decode(rest, skip_special_tokens=False)
-            t.text, t.hidden = t.text + suffix, ""
+            if self.budget is not None and len(t.token_ids) + len(rest) > self.budget:  # cut where the budget ends
+                rest, suffix = rest[:self.budget - len(t.token_ids)], None
+                t.finish_reason = "length"
+            # (a cut trajectory is extended no more: no text starts with the NUL)
+            t.text, t.hidden = t.text + (suffix if suffix is not None else "\0"), ""
             t.token_ids += rest
             t.logprobs += [0.0] * len(rest)
             t.loss_mask += [0] * len(rest)
@@ -99,11 +104,7 @@ class Session:
             prompt = self.tok.encode(text) if text is not None else list(ids)
             t = Trajectory(prompt, text if text is not None else self.tok.decode(prompt, skip_special_tokens=False))
             self.trajectories.append(t)
-        left = None if self.budget is None else self.budget - len(t.token_ids)
-        if left is not None and left < 1:
-            raise SessionError(f"session {self.id}: its budget of {self.budget} tokens after the first prompt is "
-                               "used up")
-        return t.ids, left
+        return t.ids, None if self.budget is None else self.budget - len(t.token_ids)
 
     def record(self, sample: Sample, text: str, hidden: str = "") -> None:
         """The call's sampled tokens (`text`: their exact text, ending with `hidden`, the text of a stop token
