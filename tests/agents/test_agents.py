@@ -136,7 +136,15 @@ def test_a_seeded_agent_run_is_bitwise_reproducible_and_trains_on_policy(tmp_pat
     a, b = tmp_path / "a", tmp_path / "b"
     assert train(a, f"agent.entrypoint={spec}", *AGENT_RUN) == 0
     assert train(b, f"agent.entrypoint={spec}", *AGENT_RUN) == 0
-    assert outcome(a) == outcome(b)
+    # Bitwise: the weights, the samples' tokens and every reward. Which calls share an engine step depends on when
+    # the agents' requests arrive, and a batch's composition moves a row's logits in the last bits (the engine's
+    # own caveat), so the engine's log-probs, and what compares them, agree to ~1e-7 only.
+    timing = ("rollout/running_seqs_mean", "rollout/kv_cache_usage_peak", "rollout/engine_steps",
+              "actor/logprob_gap", "actor/ratio")
+    (wa, ma), (wb, mb) = outcome(a), outcome(b)
+    assert wa == wb
+    assert [{k: v for k, v in r.items() if k not in timing} for r in ma] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in mb]
     steps = [r for r in rows(a) if "agent/episodes" in r]
     assert len(steps) == 6 and all(r["agent/episodes"] == 16 and r["agent/splits"] == 0 for r in steps)
     assert max(r["actor/logprob_gap"] for r in steps) < 1e-5

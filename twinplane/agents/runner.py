@@ -20,7 +20,6 @@ import asyncio
 import inspect
 import math
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -94,7 +93,6 @@ class AgentRollout:
 
     def run(self, prompts: Sequence[Prompt], step: int) -> tuple[list[Sample], torch.Tensor, torch.Tensor, dict]:
         """(samples, rewards [N], correct [N] (reward >= 1), metrics) of `sampling.n` episodes per prompt."""
-        t0 = time.perf_counter()
         self.loop.engine.pop_stats()
         self.loop.open()
         try:
@@ -114,8 +112,7 @@ class AgentRollout:
         metrics = {"agent/episodes": len(episodes), "agent/errors": sum(not e.timed_out for e in failed),
                    "agent/timeouts": sum(e.timed_out for e in failed), "agent/splits": sum(e.splits for e in episodes),
                    "agent/turns_mean": sum(s.num_turns for s in samples) / len(samples),
-                   "agent/reward_mean": sum(e.reward for e in done) / max(len(done), 1),
-                   "agent/seconds": time.perf_counter() - t0}
+                   "agent/reward_mean": sum(e.reward for e in done) / max(len(done), 1)}
         keys = dict.fromkeys(k for e in done for k in e.metrics)
         metrics |= {f"agent/{k}": sum(e.metrics[k] for e in done if k in e.metrics) / sum(k in e.metrics for e in done)
                     for k in keys}
