@@ -71,14 +71,15 @@ class AgentRollout:
 
     def __init__(self, entrypoint: str, engine: RolloutEngine, tokenizer: Tokenizer, sampling: SamplingParams,
                  max_prompt_len: int, template: ChatTemplate | None, concurrency: int, timeout_s: float,
-                 max_turns: int, seed: int):
+                 max_turns: int, seed: int, log=print):
+        """`log(line)`: where a step's failed episodes are told (one line per step, with the first error)."""
         try:
             self.fn = load_user_fn(entrypoint, "agent")
             target = entrypoint.rpartition(":")[0]
             self.abort = load_user_fn(f"{target}:abort", "agent") if _has_abort(self.fn) else None
         except ValueError as e:
             raise InputError(f"agent.entrypoint: {e}") from None
-        self.tokenizer, self.sampling, self.seed = tokenizer, sampling, seed
+        self.tokenizer, self.sampling, self.seed, self.log = tokenizer, sampling, seed, log
         self.concurrency, self.timeout_s, self.max_turns = concurrency, timeout_s, max_turns
         self.loop = EngineLoop(engine, max_prompt_len + sampling.max_new_tokens)
         self.sessions = SessionStore()
@@ -108,6 +109,9 @@ class AgentRollout:
         if not samples:
             first = failed[0].error if failed else "no episode called the model"
             raise InputError(f"agent.entrypoint: every episode of step {step} failed, the first with: {first}")
+        if failed:
+            self.log(f"agent: {len(failed)} of {len(episodes)} episodes of step {step} failed, the first with: "
+                     f"{failed[0].error}")
         done = [e for e in episodes if e.error is None]
         metrics = {"agent/episodes": len(episodes), "agent/errors": sum(not e.timed_out for e in failed),
                    "agent/timeouts": sum(e.timed_out for e in failed), "agent/splits": sum(e.splits for e in episodes),
@@ -169,7 +173,8 @@ def _quietly(fn, *args) -> None:
         pass
 
 
-def build_agent_rollout(cfg, engine: RolloutEngine, tokenizer: Tokenizer, sampling: SamplingParams) -> AgentRollout:
+def build_agent_rollout(cfg, engine: RolloutEngine, tokenizer: Tokenizer, sampling: SamplingParams,
+                        log=print) -> AgentRollout:
     """The run's agent rollout (`agent.*`), with the model folder's chat template when it has one (else the
     completions route alone serves: the demo's character model has no template)."""
     template = None
@@ -180,4 +185,4 @@ def build_agent_rollout(cfg, engine: RolloutEngine, tokenizer: Tokenizer, sampli
             template = None
     a = cfg.agent
     return AgentRollout(a.entrypoint, engine, tokenizer, sampling, cfg.data.max_prompt_tokens, template,
-                        a.concurrency, a.timeout_s, a.max_turns, cfg.seed)
+                        a.concurrency, a.timeout_s, a.max_turns, cfg.seed, log)

@@ -163,7 +163,7 @@ class Run:
             self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.max_staleness,
             c.async_schedule, r.partial, cfg.seed)
         if cfg.agent.entrypoint is not None:  # (the engine's; the config allows agents on local planes only)
-            self.agents = build_agent_rollout(cfg, self.planes.engine, s.tokenizer, sampling)
+            self.agents = build_agent_rollout(cfg, self.planes.engine, s.tokenizer, sampling, self.console.print)
         self.controller = Controller(self.planes, s.scorer, s.tokenizer, sampling, cfg.train.mini_batches,
                                      recompute_old, algo=algo, critic_warmup=cfg.critic.warmup_steps,
                                      more_prompts=lambda: self.stream.next_batch(r.prompts_per_step),

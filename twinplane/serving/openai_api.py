@@ -210,12 +210,13 @@ async def _completions(served: Served, body: CompletionRequest, session: Session
             "model": body.model, "choices": choices, "usage": _usage(ids, samples)}
 
 
-def _prompt(served: Served, session: Session | None, text: str | None = None, ids: list[int] | None = None):
+def _prompt(served: Served, session: Session | None, text: str | None = None, ids: list[int] | None = None,
+            rendered: bool = False):
     if ids is not None and any(not 0 <= t < served.tokenizer.vocab_size for t in ids):
         raise APIError(400, f"prompt token ids must be in 0..{served.tokenizer.vocab_size - 1}", "prompt")
     try:
         if session is not None:
-            return session.prompt(text=text, ids=ids)
+            return session.prompt(text=text, ids=ids, rendered=rendered)
         return (served.tokenizer.encode(text) if text is not None else list(ids)), None
     except (SessionError, ValueError) as e:
         raise APIError(400, str(e), "prompt") from None
@@ -274,7 +275,7 @@ async def _chat(served: Served, body: ChatRequest, session: Session | None):
         raise APIError(400, str(e), "messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else 0
     async with session.lock if session is not None else _nothing():
-        ids, left = _prompt(served, session, text=text)
+        ids, left = _prompt(served, session, text=text, rendered=True)
         want = body.max_completion_tokens or body.max_tokens or served.loop.max_model_len - len(ids)
         sp = _sampling(served, body, max(1, want) if left is None else min(want, left), session, top)
         if sp is None and body.stream:

@@ -72,15 +72,18 @@ class Session:
     def current(self) -> Trajectory | None:
         return self.trajectories[-1] if self.trajectories else None
 
-    def prompt(self, text: str | None = None, ids: list[int] | None = None) -> tuple[list[int], int | None]:
+    def prompt(self, text: str | None = None, ids: list[int] | None = None,
+               rendered: bool = False) -> tuple[list[int], int | None]:
         """The prompt ids of a request rendered as `text` (or given as `ids`), and its cap on new tokens from the
         budget (None: uncapped; 0: the budget is spent, the call generates nothing and its trajectory ends with
         "length", cut where the budget ends). Extends the current trajectory when the request starts with it,
-        else starts a new one (counted in `splits` when there was one)."""
+        else starts a new one (counted in `splits` when there was one). A completion's text may leave out the stop
+        token that ended the call before (the client never saw it: it stays in the tokens); a chat's text is
+        `rendered` by the template, which writes the end of each turn itself, so it must hold the record as is."""
         if self.max_turns is not None and self.calls >= self.max_turns:
             raise SessionError(f"session {self.id}: its {self.max_turns} calls (agent.max_turns) are used up")
         t = self.current
-        if t is not None and (text is not None and (text.startswith(t.text) or t.hidden and
+        if t is not None and (text is not None and (text.startswith(t.text) or t.hidden and not rendered and
                                                     text.startswith(t.text[:-len(t.hidden)]))
                               or ids is not None and ids[:len(t.ids)] == t.ids):
             if text is not None:  # (the stop token the client did not see stays: the model did see it)

@@ -89,11 +89,15 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
 
 
 def _message(content: str, reasoning: str | None, calls: list[ToolCall] | None = None) -> ParsedMessage:
-    return ParsedMessage(content.strip() or None, reasoning, calls or [])
+    """A reply without calls keeps its text exactly (rendered back, it is the text sampled: a session extends
+    it); around calls, the templates' own line breaks are dropped (`_outside`)."""
+    return ParsedMessage(content.strip() or None if calls else content, reasoning, calls or [])
 
 
 def _outside(pieces: list[str]) -> str:
-    """The text around the calls, one line break between its pieces."""
+    """The text around the calls, one line break between its pieces (one piece, no calls: as it is)."""
+    if len(pieces) == 1:
+        return pieces[0]
     return "\n".join(p.strip() for p in pieces if p.strip())
 
 
