@@ -159,3 +159,34 @@ def test_bad_agent_settings_are_one_line_errors(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path / "r"), f"agent.entrypoint={spec}", "cluster.max_staleness=1"]) \
         == 2
     assert "agent.entrypoint: needs cluster.max_staleness=0" in capsys.readouterr().err
+
+
+def test_a_gym_style_environment_is_played_through_the_endpoint(tmp_path):
+    (tmp_path / "env.py").write_text(textwrap.dedent("""
+        class Countdown:
+            \"\"\"Three rounds; each reply scores 1 when it starts with the digit asked for.\"\"\"
+
+            def reset(self, task):
+                self.left, self.want = 3, task["answer"][-1]
+                return task["prompt"]
+
+            async def step(self, action):
+                self.left -= 1
+                reward = float(action[:1] == self.want)
+                return ("=" + task_echo(self.left), reward, self.left == 0)
+
+        def task_echo(n):
+            return str(n) + "="
+    """))
+    agents, model, tok = rollout(f"{tmp_path / 'env.py'}:Countdown", n=2)
+    try:
+        samples, rewards, _, m = agents.run(prompts(tok), step=0)
+    finally:
+        agents.close()
+    assert m["agent/errors"] == 0 and m["agent/env_steps"] == 3.0 and m["agent/splits"] == 0
+    assert all(s.num_turns <= 3 for s in samples) and len(samples) == 6
+    for s in samples:  # the observations are in the sample, masked (cut where the budget ends); the replies trained
+        seen = tok.decode([t for t, k in zip(s.token_ids, s.loss_mask, strict=True) if k == 0])
+        assert "=2==1=".startswith(seen) and (seen == "=2==1=" or s.finish_reason == "length")
+    assert_multi_turn_logprobs_match_trainer(model, samples, tok.pad_token_id, 1.0)
+    assert rewards.max() <= 3.0

@@ -2,7 +2,8 @@
 session of the OpenAI-compatible server, and come back as training samples with the agent's rewards.
 
 `agent.entrypoint` names `run(base_url, task)`, an `async def` (run as a task on the agents' event loop) or a plain
-`def` (run on a thread); `task` is the data row as a dict (the demo's: `prompt` and `answer`). It returns the
+`def` (run on a thread), or a gym-style environment class (twinplane.agents.environment); `task` is the data row
+as a dict (the demo's: `prompt` and `answer`). It returns the
 episode's reward, a float, or a dict with `reward` and optional `metrics` (floats, averaged into `agent/<name>`).
 Its session records every call's tokens (twinplane.serving.sessions); the trajectories become the samples, each
 with the episode's reward, grouped by prompt for the advantages.
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from twinplane.agents.environment import environment_agent, is_environment
 from twinplane.data.prompts import Prompt
 from twinplane.errors import InputError, first_line
 from twinplane.rewards.registry import load_user_fn
@@ -79,6 +81,8 @@ class AgentRollout:
             self.abort = load_user_fn(f"{target}:abort", "agent") if _has_abort(self.fn) else None
         except ValueError as e:
             raise InputError(f"agent.entrypoint: {e}") from None
+        if is_environment(self.fn):  # a gym-style class: twinplane plays it with the policy
+            self.fn = environment_agent(self.fn, template is not None, max_turns, sampling.max_new_tokens)
         self.tokenizer, self.sampling, self.seed, self.log = tokenizer, sampling, seed, log
         self.concurrency, self.timeout_s, self.max_turns = concurrency, timeout_s, max_turns
         self.loop = EngineLoop(engine, max_prompt_len + sampling.max_new_tokens)

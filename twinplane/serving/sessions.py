@@ -30,7 +30,8 @@ from twinplane.tokenizer import Tokenizer
 class Trajectory:
     prompt_ids: list[int]
     text: str  # the exact text of prompt_ids + token_ids
-    hidden: str = ""  # the end of `text` a client never sees: the stop token that ended the last call
+    visible: str = ""  # `text` as a completion's client knows it: without the stop tokens that ended its calls
+    spent: bool = False  # cut where the session's budget ended: later calls generate nothing
     token_ids: list[int] = field(default_factory=list)  # after the prompt: sampled and appended tokens
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # 1: sampled by the model
@@ -75,28 +76,29 @@ class Session:
     def prompt(self, text: str | None = None, ids: list[int] | None = None,
                rendered: bool = False) -> tuple[list[int], int | None]:
         """The prompt ids of a request rendered as `text` (or given as `ids`), and its cap on new tokens from the
-        budget (None: uncapped; 0: the budget is spent, the call generates nothing and its trajectory ends with
-        "length", cut where the budget ends). Extends the current trajectory when the request starts with it,
-        else starts a new one (counted in `splits` when there was one). A completion's text may leave out the stop
-        token that ended the call before (the client never saw it: it stays in the tokens); a chat's text is
-        `rendered` by the template, which writes the end of each turn itself, so it must hold the record as is."""
+        budget (None: uncapped; 0: the budget is spent, this call and every later one generate nothing and the
+        trajectory ends with "length", cut where the budget ends). Extends the current trajectory when the
+        request starts with it, else starts a new one (counted in `splits` when there was one). A completion's
+        text leaves out the stop tokens that ended earlier calls (the client never saw them: they stay in the
+        tokens); a chat's text is `rendered` by the template, which writes the end of each turn itself, so it must
+        hold the record as is."""
         if self.max_turns is not None and self.calls >= self.max_turns:
             raise SessionError(f"session {self.id}: its {self.max_turns} calls (agent.max_turns) are used up")
         t = self.current
-        if t is not None and (text is not None and (text.startswith(t.text) or t.hidden and not rendered and
-                                                    text.startswith(t.text[:-len(t.hidden)]))
+        if t is not None and t.spent:
+            return t.ids, 0
+        known = None if t is None or text is None else t.text if rendered else t.visible
+        if t is not None and (known is not None and text.startswith(known)
                               or ids is not None and ids[:len(t.ids)] == t.ids):
-            if text is not None:  # (the stop token the client did not see stays: the model did see it)
-                suffix = text[len(t.text) if text.startswith(t.text) else len(t.text) - len(t.hidden):]
+            if text is not None:  # (a stop token the client did not see stays: the model did see it)
+                suffix = text[len(known):]
                 rest = self.tok.encode(suffix)
             else:
                 rest = ids[len(t.ids):]
                 suffix = self.tok.decode(rest, skip_special_tokens=False)
-            if self.budget is not None and len(t.token_ids) + len(rest) > self.budget:  # cut where the budget ends
-                rest, suffix = rest[:self.budget - len(t.token_ids)], None
-                t.finish_reason = "length"
-            # (a cut trajectory is extended no more: no text starts with the NUL)
-            t.text, t.hidden = t.text + (suffix if suffix is not None else "\0"), ""
+            if self.budget is not None and len(t.token_ids) + len(rest) >= self.budget:  # cut where it ends
+                rest, t.finish_reason, t.spent = rest[:self.budget - len(t.token_ids)], "length", True
+            t.text, t.visible = t.text + suffix, t.visible + suffix
             t.token_ids += rest
             t.logprobs += [0.0] * len(rest)
             t.loss_mask += [0] * len(rest)
@@ -105,7 +107,8 @@ class Session:
             if t is not None:
                 self.splits += 1
             prompt = self.tok.encode(text) if text is not None else list(ids)
-            t = Trajectory(prompt, text if text is not None else self.tok.decode(prompt, skip_special_tokens=False))
+            said = text if text is not None else self.tok.decode(prompt, skip_special_tokens=False)
+            t = Trajectory(prompt, said, said)
             self.trajectories.append(t)
         return t.ids, None if self.budget is None else self.budget - len(t.token_ids)
 
@@ -113,13 +116,14 @@ class Session:
         """The call's sampled tokens (`text`: their exact text, ending with `hidden`, the text of a stop token
         that the client is not shown) extend the current trajectory."""
         t = self.current
-        t.hidden = hidden
+        t.visible += text[:len(text) - len(hidden)]
         t.token_ids += sample.token_ids
         t.logprobs += sample.logprobs
         t.loss_mask += [1] * len(sample.token_ids)
         t.versions += sample.versions or [sample.weight_version] * len(sample.token_ids)
         t.text += text
         t.finish_reason, t.calls = sample.finish_reason, t.calls + 1
+        t.spent = t.spent or self.budget is not None and len(t.token_ids) >= self.budget
         self.calls += 1
         t.routing = sample.routing
 
