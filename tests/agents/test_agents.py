@@ -123,28 +123,38 @@ def test_every_episode_failing_is_an_input_error_naming_the_first(tmp_path):
 AGENT_RUN = ["rollout.max_new_tokens=8"]
 
 
-@pytest.mark.slow
-def test_a_seeded_agent_run_is_bitwise_reproducible_and_trains_on_policy(tmp_path):
-    spec = agent_file(tmp_path, """
-        CLIENT = OpenAI(base_url="http://unused/v1", api_key="none")
+SUM_AGENT = """
+    CLIENT = OpenAI(base_url="http://unused/v1", api_key="none")
 
-        def run(base_url, task):
-            out = CLIENT.with_options(base_url=base_url).completions.create(model="policy", prompt=task["prompt"],
-                                                                            max_tokens=8)
-            return float(out.choices[0].text.strip() == task["answer"])
-    """)
-    a, b = tmp_path / "a", tmp_path / "b"
+    def run(base_url, task):
+        out = CLIENT.with_options(base_url=base_url).completions.create(model="policy", prompt=task["prompt"],
+                                                                        max_tokens=8)
+        return float(out.choices[0].text.strip() == task["answer"])
+"""
+# Which calls share an engine step depends on when the agents' requests arrive, and a batch's composition moves a
+# row's logits in the last bits (the engine's own caveat): the engine's log-probs, and what compares them, agree
+# to ~1e-7 only; the weights, the samples' tokens and every reward are bitwise.
+TIMING = ("rollout/running_seqs_mean", "rollout/kv_cache_usage_peak", "rollout/engine_steps", "actor/logprob_gap",
+          "actor/ratio")
+
+
+def same_run(a, b) -> bool:
+    (wa, ma), (wb, mb) = outcome(a), outcome(b)
+    return wa == wb and [{k: v for k, v in r.items() if k not in TIMING} for r in ma] == \
+        [{k: v for k, v in r.items() if k not in TIMING} for r in mb]
+
+
+@pytest.mark.slow
+def test_a_seeded_agent_run_is_bitwise_reproducible_trains_on_policy_and_resumes_exactly_once(tmp_path):
+    spec = agent_file(tmp_path, SUM_AGENT)
+    a, b, cut = tmp_path / "a", tmp_path / "b", tmp_path / "cut"
     assert train(a, f"agent.entrypoint={spec}", *AGENT_RUN) == 0
     assert train(b, f"agent.entrypoint={spec}", *AGENT_RUN) == 0
-    # Bitwise: the weights, the samples' tokens and every reward. Which calls share an engine step depends on when
-    # the agents' requests arrive, and a batch's composition moves a row's logits in the last bits (the engine's
-    # own caveat), so the engine's log-probs, and what compares them, agree to ~1e-7 only.
-    timing = ("rollout/running_seqs_mean", "rollout/kv_cache_usage_peak", "rollout/engine_steps",
-              "actor/logprob_gap", "actor/ratio")
-    (wa, ma), (wb, mb) = outcome(a), outcome(b)
-    assert wa == wb
-    assert [{k: v for k, v in r.items() if k not in timing} for r in ma] == \
-        [{k: v for k, v in r.items() if k not in timing} for r in mb]
+    assert same_run(a, b)
+    assert train(cut, f"agent.entrypoint={spec}", *AGENT_RUN, fault="rollout@3") == 75  # stopped mid-episodes
+    assert train(cut, "--resume", "auto") == 0
+    assert [r["step"] for r in rows(cut)] == [r["step"] for r in rows(a)]  # every step exactly once
+    assert same_run(a, cut)
     steps = [r for r in rows(a) if "agent/episodes" in r]
     assert len(steps) == 6 and all(r["agent/episodes"] == 16 and r["agent/splits"] == 0 for r in steps)
     assert max(r["actor/logprob_gap"] for r in steps) < 1e-5
