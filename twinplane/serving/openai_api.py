@@ -7,7 +7,8 @@ prompts are rendered by the model's chat template with the request's `tools`; th
 by the template's format (`tool_parsers`) and returned with their arguments exactly as sampled. Inside a session
 the run's sampling is used whatever the request asks (the trainer scores the policy the run samples), with the
 session's token budget as the cap. Errors are OpenAI's JSON with 400 (bad body, prompt over the context), 401
-(key), 404 (model, session); the server stays up.
+(key), 404 (model, session); the server stays up. Anthropic's `/messages` (anthropic_api) and OpenAI's
+`/responses` (responses_api) are registered here too and take the chat path (`chat_prompt`, `chat_reply`).
 """
 
 from __future__ import annotations
@@ -77,37 +78,45 @@ def build_app(served: Served) -> FastAPI:
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         if served.api_key is not None:
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip() or \
-                request.headers.get("x-api-key", "")
-            if given != served.api_key:
+            if given_key(request) != served.api_key:
                 e = APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
                              kind="authentication_error")
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
-
-    def session_of(sid: str | None) -> Session | None:
-        if sid is None:
-            return None
-        s = served.sessions.get(sid) if served.sessions is not None else None
-        if s is None:
-            raise APIError(404, f"session {sid!r} not found", kind="not_found_error")
-        return s
 
     def models():
         return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": 0,
                                             "owned_by": "twinplane"}]}
 
     async def completions(body: CompletionRequest, sid: str | None = None):
-        return await _completions(served, body, session_of(sid))
+        return await _completions(served, body, session_of(served, sid))
 
     async def chat(body: ChatRequest, sid: str | None = None):
-        return await _chat(served, body, session_of(sid))
+        return await _chat(served, body, session_of(served, sid))
 
     for prefix in ("/v1", "/sessions/{sid}/v1"):
         app.get(prefix + "/models")(models)
         app.post(prefix + "/completions")(completions)
         app.post(prefix + "/chat/completions")(chat)
+    from twinplane.serving import anthropic_api, responses_api  # (they build on this module: imported here)
+
+    anthropic_api.register(app, served)
+    responses_api.register(app, served)
     return app
+
+
+def given_key(request: Request) -> str:
+    return request.headers.get("authorization", "").removeprefix("Bearer ").strip() or \
+        request.headers.get("x-api-key", "")
+
+
+def session_of(served: Served, sid: str | None) -> Session | None:
+    if sid is None:
+        return None
+    s = served.sessions.get(sid) if served.sessions is not None else None
+    if s is None:
+        raise APIError(404, f"session {sid!r} not found", kind="not_found_error")
+    return s
 
 
 # --- the routes' work -------------------------------------------------------------------------------------------
@@ -124,7 +133,7 @@ def _sampling(served: Served, body, max_tokens: int, session: Session | None, to
     if max_tokens < 1:
         return None
     base = served.session_sampling if session is not None and served.session_sampling is not None else \
-        SamplingParams(temperature=body.temperature, top_p=body.top_p)
+        SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=getattr(body, "top_k", None) or 0)
     stops = [served.tokenizer.encode(s) for s in body.stops]  # (ends the engine's work early; text decides)
     return replace(base, n=body.n, max_new_tokens=max_tokens, seed=None, min_new_tokens=0,
                    stop_sequences=[s for s in stops if s], top_logprobs=top)
@@ -254,7 +263,9 @@ def _chat_messages(served: Served, body: ChatRequest) -> list[dict]:
     return out
 
 
-async def _chat(served: Served, body: ChatRequest, session: Session | None):
+def chat_prompt(served: Served, body: ChatRequest, session: Session | None):
+    """(prompt ids, sampling or None when a session's budget is spent, the tool-call parser or None) of a chat
+    request: the template's rendering matched against the session. The caller holds the session's lock."""
     _check_model(served, body, session)
     if served.template is None:
         raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
@@ -274,17 +285,28 @@ async def _chat(served: Served, body: ChatRequest, session: Session | None):
     except DataError as e:
         raise APIError(400, str(e), "messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else 0
+    ids, left = _prompt(served, session, text=text, rendered=True)
+    want = body.max_completion_tokens or body.max_tokens or served.loop.max_model_len - len(ids)
+    sp = _sampling(served, body, max(1, want) if left is None else min(want, left), session, top)
+    if sp is None and body.stream:
+        raise APIError(400, f"session {session.id}: its token budget is spent", "messages")
+    return ids, sp, parse
+
+
+async def chat_reply(served: Served, body: ChatRequest, session: Session | None):
+    """A chat request answered whole: (prompt ids, samples, their choices: parsed and recorded in the session)."""
     async with session.lock if session is not None else _nothing():
-        ids, left = _prompt(served, session, text=text, rendered=True)
-        want = body.max_completion_tokens or body.max_tokens or served.loop.max_model_len - len(ids)
-        sp = _sampling(served, body, max(1, want) if left is None else min(want, left), session, top)
-        if sp is None and body.stream:
-            raise APIError(400, f"session {session.id}: its token budget is spent", "messages")
-        if body.stream:
-            return StreamingResponse(_chat_stream(served, body, session, ids, sp, parse),
-                                     media_type="text/event-stream")
+        ids, sp, parse = chat_prompt(served, body, session)
         samples = await _generate(served, session, ids, sp, body)
-        choices = [_chat_choice(served, body, session, i, s, parse) for i, s in enumerate(samples)]
+        return ids, samples, [_chat_choice(served, body, session, i, s, parse) for i, s in enumerate(samples)]
+
+
+async def _chat(served: Served, body: ChatRequest, session: Session | None):
+    if body.stream:
+        async with session.lock if session is not None else _nothing():
+            ids, sp, parse = chat_prompt(served, body, session)
+        return StreamingResponse(_chat_stream(served, body, session, ids, sp, parse), media_type="text/event-stream")
+    ids, samples, choices = await chat_reply(served, body, session)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model, "choices": choices, "usage": _usage(ids, samples)}
 
@@ -315,12 +337,38 @@ def _chat_choice(served: Served, body: ChatRequest, session: Session | None, i: 
     return {"index": i, "message": message, "finish_reason": finish, "logprobs": lp}
 
 
+def streamed(served: Served, session: Session | None, ids: list[int], sp: SamplingParams, body, text: bool):
+    """The generation as a task, and an async iterator of (sample index, new text) while it runs (nothing unless
+    `text`): text that a stop string would cut, or a character not yet whole, waits."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+    def on_tokens(j: int, new: list[int], _lps) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (j, new))
+
+    task = asyncio.ensure_future(_generate(served, session, ids, sp, body, on_tokens if text else None))
+
+    async def deltas():
+        sent: dict[int, str] = {}
+        got: dict[int, list[int]] = {}
+        while not task.done() or not queue.empty():
+            try:
+                j, new = await asyncio.wait_for(queue.get(), timeout=0.05)
+            except asyncio.TimeoutError:
+                continue
+            got[j] = got.get(j, []) + new
+            shown, _ = shown_text(served.tokenizer, got[j], frozenset(), body.stops)
+            shown, before = shown.rstrip("\ufffd"), sent.get(j, "")
+            if len(shown) > len(before) and shown.startswith(before):
+                sent[j] = shown
+                yield j, shown[len(before):]
+
+    return task, deltas()
+
+
 async def _chat_stream(served: Served, body: ChatRequest, session: Session | None, ids: list[int],
                        sp: SamplingParams, parse):
     """Server-sent events: the text as it is generated (with tools, the whole parsed message at the end, once its
     calls can be parsed), then the finish reasons, the usage when asked for, and [DONE]."""
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    n = sp.n
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -328,25 +376,13 @@ async def _chat_stream(served: Served, body: ChatRequest, session: Session | Non
                "choices": choices} | ({"usage": usage} if usage is not None else {})
         return f"data: {json.dumps(out)}\n\n"
 
-    def on_tokens(j: int, new: list[int], _lps) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (j, new))
-
-    task = asyncio.ensure_future(_generate(served, session, ids, sp, body, None if parse else on_tokens))
-    sent = {j: "" for j in range(n)}
-    got: dict[int, list[int]] = {j: [] for j in range(n)}
+    task, deltas = streamed(served, session, ids, sp, body, parse is None)
+    sent = {j: "" for j in range(sp.n)}
     yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                 for j in range(n)])
-    while not task.done() or not queue.empty():
-        try:
-            j, new = await asyncio.wait_for(queue.get(), timeout=0.05)
-        except asyncio.TimeoutError:
-            continue
-        got[j] += new
-        text, _ = shown_text(served.tokenizer, got[j], frozenset(), body.stops)
-        text = text.rstrip("\ufffd")  # (a character whose bytes are not all generated yet waits)
-        if len(text) > len(sent[j]) and text.startswith(sent[j]):
-            yield chunk([{"index": j, "delta": {"content": text[len(sent[j]):]}, "finish_reason": None}])
-            sent[j] = text
+                 for j in range(sp.n)])
+    async for j, new in deltas:
+        sent[j] += new
+        yield chunk([{"index": j, "delta": {"content": new}, "finish_reason": None}])
     try:
         samples = task.result()
     except APIError as e:
