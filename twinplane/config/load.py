@@ -181,6 +181,7 @@ def _build(cls, data: dict, prefix: str = ""):
 # example runs from any directory), on the command line from the current one; ${VAR} is read from the environment.
 # They are kept absolute: errors, the run's config.yaml and a resume from elsewhere all name the same file.
 PATH_KEYS = ("model.path", "data.train_file", "data.val_file", "reward.model", "critic.model_path")
+URL_OR_PATH_KEYS = ("reward.judge",)  # a path made absolute, a URL left as it is
 SPEC_KEYS = ("reward.name", "agent.entrypoint")  # module:function or path/file.py:function
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -198,6 +199,8 @@ def _absolute(value, key: str, base: Path):
         return os.path.abspath(os.path.expanduser(os.environ[m[1]]))
 
     text = _VAR.sub(env, value)
+    if key in URL_OR_PATH_KEYS and text.startswith(("http://", "https://")):
+        return text
     spec = key in SPEC_KEYS
     target, sep, function = text.rpartition(":") if spec else (text, "", "")
     if spec and not (target.endswith(".py") or "/" in target):  # a built-in or module:function
@@ -207,7 +210,7 @@ def _absolute(value, key: str, base: Path):
 
 def _absolute_paths(data: dict, base: Path, skip: set[str]) -> None:
     """`_absolute` on the input paths of a config file's sections but `skip`, in place."""
-    for key in (*PATH_KEYS, *SPEC_KEYS):
+    for key in (*PATH_KEYS, *SPEC_KEYS, *URL_OR_PATH_KEYS):
         section, leaf = key.split(".")
         if key not in skip and isinstance(data.get(section), dict) and leaf in data[section]:
             data[section][leaf] = _absolute(data[section][leaf], key, base)
@@ -262,7 +265,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
                 value = yaml.safe_load(raw) if raw else ""
             except yaml.YAMLError:
                 value = raw
-        if key.strip() in (*PATH_KEYS, *SPEC_KEYS):
+        if key.strip() in (*PATH_KEYS, *SPEC_KEYS, *URL_OR_PATH_KEYS):
             value = _absolute(value, key.strip(), Path.cwd())
             overridden.add(key.strip())
         _merge(data, key.strip(), value)

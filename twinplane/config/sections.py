@@ -7,6 +7,7 @@ import re
 import string
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Literal
 
 from twinplane.algos import AGG_MODES, ESTIMATORS, IS_MASKS, IS_WEIGHTS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
@@ -117,6 +118,15 @@ class DataSection(Section):
         ]
 
 
+def judge_problem(value: str | None) -> str | None:
+    """A judge is a URL or an existing model folder."""
+    if value is None or value.startswith(("http://", "https://")):
+        return None
+    if not (Path(value) / "config.json").is_file():
+        return f"{value} is neither an http(s) URL nor a model folder (no config.json)"
+    return None
+
+
 @dataclass
 class RewardSection(Section):
     name: RewardName = opt("exact_int", "the reward: a built-in verifier or your function")
@@ -130,6 +140,14 @@ class RewardSection(Section):
     partial: bool = opt(False, "code reward: the fraction of tests passed instead of 1 only when all pass")
     model: str | None = opt(None, "local sequence-classification reward model folder")
     model_weight: float = opt(1.0, "weight of the reward model's score in the reward")
+    judge: str | None = opt(
+        None, "LLM judge for a reward function that takes `judge`: an OpenAI-compatible base URL (http://.../v1) or "
+        "a model folder the run serves itself (docs/data-rewards-eval.md)", check=judge_problem)
+    judge_model: str | None = opt(None, "the judge's model name (default: the first its server lists)")
+    judge_concurrency: int = opt(8, "judge requests at once", bounds=">= 1")
+    judge_timeout_s: float = opt(60.0, "per judge request", bounds="> 0")
+    judge_retries: int = opt(2, "retries of a judge request after a connection error, timeout or 5xx; then its "
+        "sample scores 0 (reward/errors)", bounds=">= 0")
 
     def rules(self, cfg: Config) -> list[Rule]:
         return [(self.name.strip() != "", "reward.name", "must not be empty")]

@@ -17,7 +17,7 @@ from twinplane.rewards.verifiers import VERIFIERS, format_ok
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], list[float]]  # batched: (completions, answers) -> rewards
 # Options the framework reads itself; every other option is passed to the reward function as a keyword.
-RESERVED = ("batched", "format_weight")
+RESERVED = ("batched", "format_weight", "judge")  # options for the runner, not the function
 # Built-ins that score a whole batch at once: `code` runs its programs concurrently in the sandbox.
 BATCHED = {"code": unit_tests_pass}
 
@@ -134,7 +134,7 @@ def resolve(name: str, options: dict | None = None) -> tuple[Callable, bool, dic
                          "module:function, path/to/file.py:function)")
     try:
         probe = ([""], [""]) if batched else ("", "")
-        inspect.signature(fn).bind(*probe, **kwargs)
+        inspect.signature(fn).bind(*probe, **kwargs, **dict.fromkeys(extra_arguments(fn, batched)))
     except TypeError as e:
         raise ValueError(f"reward {name!r}: options {sorted(kwargs)} do not fit its signature ({e})") from None
     except ValueError:
@@ -142,6 +142,16 @@ def resolve(name: str, options: dict | None = None) -> tuple[Callable, bool, dic
     if name == "gsm8k" and kwargs.get("mode", "flexible") not in ("flexible", "strict"):
         raise ValueError(f"reward 'gsm8k': mode must be flexible or strict, got {kwargs['mode']!r}")
     return fn, batched, kwargs
+
+
+def extra_arguments(fn: Callable, batched: bool) -> list[str]:
+    """What a reward function takes besides completion and answer: `prompt` (`prompts`, batched) and `judge`
+    (twinplane.rewards.judge), by name."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return []
+    return [k for k in ("prompts" if batched else "prompt", "judge") if k in params]
 
 
 def score(name: str, completions: Sequence[str], answers: Sequence[str], **options) -> list[float]:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from twinplane.rewards.code import CodeScorer, code_metrics
+from twinplane.rewards.judge import JudgeSettings
 from twinplane.rewards.registry import absolute_spec, is_user_spec, precheck_user_spec, resolve
 from twinplane.rewards.verifiers import CHEAP, VERIFIERS, format_ok
 from twinplane.rewards.worker import Result, Worker, score_one
@@ -67,16 +68,19 @@ class RewardRunner:
 
     def __init__(self, name: str, options: dict | None = None, timeout_s: float = 10.0, format_weight: float = 0.0,
                  reward_model: str | None = None, reward_model_weight: float = 1.0, step_timeout_s: float = 0.0,
-                 sandbox: str = "bwrap", partial: bool = False):
+                 sandbox: str = "bwrap", partial: bool = False, judge: JudgeSettings | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.step_timeout_s = float(step_timeout_s)  # 0 = no deadline for a whole call
         self.name, self.options = absolute_spec(name), dict(options or {})
+        if judge is not None:  # (the worker builds the client: a function that takes `judge` gets it)
+            self.options["judge"] = judge.to_dict()
         self.timeout_s, self.format_weight = float(timeout_s), float(self.options.pop("format_weight", format_weight))
         self.reward_model_weight = reward_model_weight
         self.has_format = format_ok(self.name, "") is not None
         self.last_error: str | None = None  # first failure message of the latest call, for logs
         self.last_verifier: list[float] = []  # the latest call's verifier scores alone (no format, no model)
+        self.owned: list = []  # what `close` also stops: functions to call
         self._closed = False
         self._worker: Worker | None = None
         self._code: CodeScorer | None = None
@@ -119,7 +123,8 @@ class RewardRunner:
             timeouts = cut = 0
         else:
             try:
-                results, timeouts, cut = self._score_in_worker(completions, answers)
+                results, timeouts, cut = self._score_in_worker(completions, answers,
+                                                               [str(p) for p in prompts or [""] * n])
             except BaseException:  # e.g. Ctrl-C mid-batch: its unread results must not leak into the next call
                 self._worker.kill()
                 raise
@@ -153,7 +158,8 @@ class RewardRunner:
             log.warning("reward %r: %d of %d samples scored 0 (e.g. %s)", self.name, len(failed), n, self.last_error)
         return rewards, metrics
 
-    def _score_in_worker(self, completions: list[str], answers: list[str]) -> tuple[list[Result], int, int]:
+    def _score_in_worker(self, completions: list[str], answers: list[str],
+                         prompts: list[str]) -> tuple[list[Result], int, int]:
         """-> ([(reward | None, error | None)] per sample, timeouts, samples cut by the step deadline). Resumes
         after a hung sample; at the deadline, stops scoring and replaces the worker once."""
         n, w = len(completions), self._worker
@@ -182,7 +188,7 @@ class RewardRunner:
             if not w.alive:
                 w.start()
             try:
-                w.conn.send((completions[start:], answers[start:]))
+                w.conn.send((completions[start:], answers[start:], prompts[start:]))
             except OSError:  # died taking the batch (e.g. out of memory): blame one sample, so we always progress
                 results[start] = (None, f"worker process died (exit code {w.exit_code()})")
                 w.kill()
@@ -229,6 +235,8 @@ class RewardRunner:
         self._closed = True
         if self._worker is not None:
             self._finalizer()
+        while self.owned:  # (e.g. the server of a local judge model)
+            self.owned.pop()()
 
     def __enter__(self) -> RewardRunner:
         return self

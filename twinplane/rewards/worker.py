@@ -18,7 +18,8 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from twinplane.rewards.registry import resolve, to_reward
+from twinplane.rewards.judge import Judge, JudgeSettings
+from twinplane.rewards.registry import extra_arguments, resolve, to_reward
 
 STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter imports the reward code (not torch); slow filesystems need time
 Result = tuple[float | None, str | None]  # (reward, None) or (None, why the sample failed)
@@ -55,7 +56,7 @@ def _watch_parent(ppid: int) -> None:
 
 def serve(fd: int) -> None:
     """Worker main loop: receive (name, options, sys.path), load the function once, then answer each
-    (completions, answers) message: one (index, reward, error) message per sample as it is scored, or one
+    (completions, answers, prompts) message: one (index, reward, error) message per sample as it is scored, or one
     list of results for a batched function. None or a closed socket ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it then closes us
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
@@ -69,6 +70,13 @@ def serve(fd: int) -> None:
         return
     if name == "math":  # import sympy and build the LaTeX parser now, not inside the first sample's time limit
         score_one(fn, "\\boxed{1}", "1", kwargs)
+    extra = extra_arguments(fn, batched)
+    judge = None
+    if "judge" in extra:
+        if not options.get("judge"):
+            conn.send(("error", f"reward {name!r} takes a judge: set reward.judge (a URL or a model folder)"))
+            return
+        judge = kwargs["judge"] = Judge(JudgeSettings(**options["judge"]))
     conn.send(("ready", batched))
     while True:
         try:
@@ -77,13 +85,15 @@ def serve(fd: int) -> None:
             return
         if msg is None:
             return
-        completions, answers = msg
+        completions, answers, prompts = msg
+        if judge is not None:
+            judge.new_step()  # (answers are cached within one scoring call: one step)
         if not batched:
-            for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
-                conn.send((i, *score_one(fn, c, a, kwargs)))
+            for i, (c, a, p) in enumerate(zip(completions, answers, prompts, strict=True)):
+                conn.send((i, *score_one(fn, c, a, kwargs | ({"prompt": p} if "prompt" in extra else {}))))
             continue
         try:
-            out = list(fn(completions, answers, **kwargs))
+            out = list(fn(completions, answers, **kwargs, **({"prompts": prompts} if "prompts" in extra else {})))
             if len(out) != len(completions):
                 raise ValueError(f"returned {len(out)} values for {len(completions)} samples")
             results = [_checked(v) for v in out]

@@ -25,12 +25,15 @@ from twinplane.data.tasks import ALPHABET, ArithmeticTask
 from twinplane.errors import InputError, first_line
 from twinplane.model import ModelConfig, Transformer, save_config, save_pretrained
 from twinplane.platform import hardware, runtime
+from twinplane.rewards.judge import JudgeSettings
 from twinplane.rewards.runner import RewardRunner
 from twinplane.run import checkpoint, preflight, run_state
 from twinplane.run import run_dir as rundir
 from twinplane.run.loggers import check_backends
 from twinplane.run.signals import Faults, StopRequests
 from twinplane.sandbox import SandboxUnavailable, get_sandbox
+from twinplane.serving.openai_api import build_app
+from twinplane.serving.server import BackgroundServer, build_served
 from twinplane.tokenizer import Tokenizer, build_char_tokenizer
 
 
@@ -85,6 +88,26 @@ class Setup:
     stop: StopRequests | None = None  # SIGTERM/SIGINT requests, installed at startup by the CLI
     faults: Faults | None = None  # test-only preemption points (TWINPLANE_FAULT)
     restart: bool = False  # the run dir holds this run, preempted before its first checkpoint: start it over
+
+
+def start_judge(cfg: Config, device: torch.device) -> tuple[JudgeSettings | None, Callable[[], None]]:
+    """`reward.judge`'s settings, and how to stop what serves it: a URL is used as it is; a model folder is served
+    by this process, frozen, on 127.0.0.1 (the rollout engine's server)."""
+    r = cfg.reward
+    if r.judge is None:
+        return None, lambda: None
+    url, stop = r.judge, (lambda: None)
+    if not url.startswith(("http://", "https://")):
+        served = build_served(url, "judge", str(device), max_num_seqs=4 * r.judge_concurrency, seed=cfg.seed)
+        server = BackgroundServer(build_app(served))
+        url = server.start() + "/v1"
+
+        def stop() -> None:
+            server.stop()
+            served.loop.close()
+
+    return JudgeSettings(url, r.judge_model, concurrency=r.judge_concurrency, timeout_s=r.judge_timeout_s,
+                         retries=r.judge_retries), stop
 
 
 def load_prompts(cfg: Config, tokenizer: Tokenizer, path: str) -> tuple[list[Prompt], dict]:
@@ -291,8 +314,14 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
         val_prompts = val_prompts[:cfg.data.val_size]
     stop.check("data loading")
     r = cfg.reward
-    scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight,
-                          step_timeout_s=r.step_timeout_s, sandbox=cfg.sandbox, partial=r.partial)
+    judge, stop_judge = start_judge(cfg, device)
+    try:
+        scorer = RewardRunner(r.name, r.options, r.timeout_s, r.format_weight, r.model, r.model_weight,
+                              step_timeout_s=r.step_timeout_s, sandbox=cfg.sandbox, partial=r.partial, judge=judge)
+    except BaseException:
+        stop_judge()
+        raise
+    scorer.owned.append(stop_judge)
     claim()
     return Setup(cfg, device, tokenizer, model, train_prompts, val_prompts, task, scorer, stats, run_dir,
                  resume_from, stop, faults, restart)

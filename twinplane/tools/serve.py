@@ -4,45 +4,9 @@ evaluation harnesses and a trained model's first users. Binds to 127.0.0.1 unles
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from twinplane.errors import InputError
-
-
-def build_served(model_dir: str, name: str | None = None, device: str = "auto", dtype: str | None = None,
-                 max_model_len: int = 0, max_num_seqs: int = 256, kv_cache_gb: float = 0.0,
-                 tool_parser: str = "auto", api_key: str | None = None, seed: int = 0):
-    """The engine loop and what the routes need, for a HF model folder."""
-    import torch
-
-    from twinplane.data.records import DataError
-    from twinplane.model.weights import load_model
-    from twinplane.platform import runtime
-    from twinplane.rollout.engine import RolloutEngine
-    from twinplane.serving.engine_loop import EngineLoop
-    from twinplane.serving.openai_api import Served
-    from twinplane.serving.sessions import SessionStore
-    from twinplane.serving.templates import ChatTemplate
-    from twinplane.tokenizer import load_tokenizer
-
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise InputError(f"{model_dir}: not a model folder (no config.json)")
-    tokenizer = load_tokenizer(path)
-    dev = runtime.default_device() if device == "auto" else torch.device(device)
-    model = load_model(path, dev, dtype or ("float32" if dev.type == "cpu" else "bfloat16"))
-    try:
-        template = ChatTemplate.from_model_dir(path)
-    except DataError:
-        template = None  # a base model: completions only
-    context = model.config.max_position_embeddings
-    if max_model_len > context:
-        raise InputError(f"--max-model-len {max_model_len}: the model's context is {context} tokens")
-    engine = RolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id or 0, max_num_seqs=max_num_seqs,
-                           seed=seed, kv_cache_bytes=int(kv_cache_gb * 2**30))
-    loop = EngineLoop(engine, max_model_len or min(context, 8192))
-    return Served(loop, tokenizer, name or path.resolve().name, template, tool_parser, api_key, SessionStore(),
-                  seed=seed)
+from twinplane.serving.server import build_served
 
 
 def main(argv: list[str]) -> int:
