@@ -14,9 +14,8 @@ from chat_model import chat_model_dir
 
 from twinplane.rollout.sequence import Sample
 from twinplane.serving.openai_api import build_app
-from twinplane.serving.server import BackgroundServer
+from twinplane.serving.server import BackgroundServer, build_served
 from twinplane.serving.sessions import Session
-from twinplane.serving.server import build_served
 
 KEY = {"x-api-key": "sekret"}
 CHAT = [{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 2+3?"}]
