@@ -200,3 +200,32 @@ def test_a_gym_style_environment_is_played_through_the_endpoint(tmp_path):
         assert "=2==1=".startswith(seen) and (seen == "=2==1=" or s.finish_reason == "length")
     assert_multi_turn_logprobs_match_trainer(model, samples, tok.pad_token_id, 1.0)
     assert rewards.max() <= 3.0
+
+
+def test_moe_episodes_carry_the_routing_of_every_token_for_replay(tmp_path):
+    """A two-call MoE episode: its sample's routing record (the last call's, which ran every earlier token) equals
+    what the engine routes for the same tokens in one fresh forward."""
+    from conftest import tiny_moe
+
+    spec = agent_file(tmp_path, """
+        def run(base_url, task):
+            c = OpenAI(base_url=base_url, api_key="none")
+            first = c.completions.create(model="policy", prompt=task["prompt"], max_tokens=5).choices[0].text
+            c.completions.create(model="policy", prompt=task["prompt"] + first + "==" + task["prompt"], max_tokens=5)
+            return 1.0
+    """)
+    tok = build_char_tokenizer("0123456789+=")
+    model = tiny_moe(vocab_size=tok.vocab_size)
+    engine = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, record_routing=True)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20, n=2)
+    agents = AgentRollout(spec, engine, tok, sp, 16, None, concurrency=4, timeout_s=30, max_turns=4, seed=0)
+    try:
+        samples, *_ = agents.run(prompts(tok)[:2], step=0)
+    finally:
+        agents.close()
+    assert len(samples) == 4 and all(s.num_turns == 2 for s in samples)
+    for s in samples:
+        ids = s.prompt_ids + s.token_ids
+        assert s.routing.shape[0] == len(ids) and (s.routing[:-1] >= 0).all()
+        fresh = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=1))[0].routing
+        assert torch.equal(fresh[:len(ids) - 1], s.routing[:-1])
