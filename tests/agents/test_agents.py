@@ -229,3 +229,12 @@ def test_moe_episodes_carry_the_routing_of_every_token_for_replay(tmp_path):
         assert s.routing.shape[0] == len(ids) and (s.routing[:-1] >= 0).all()
         fresh = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=1))[0].routing
         assert torch.equal(fresh[:len(ids) - 1], s.routing[:-1])
+
+
+@pytest.mark.slow
+def test_an_agent_trains_lora_adapters(tmp_path):
+    spec = agent_file(tmp_path, SUM_AGENT)
+    assert train(tmp_path / "r", f"agent.entrypoint={spec}", *AGENT_RUN, "train.lora.rank=4", "train.lr=1e-3") == 0
+    steps = [r for r in rows(tmp_path / "r") if "agent/episodes" in r]
+    assert len(steps) == 6 and max(r["actor/logprob_gap"] for r in steps) < 1e-5
+    assert (tmp_path / "r" / "final_adapter" / "adapter_model.safetensors").is_file()
