@@ -36,8 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from twinplane.model import ModelConfig, Transformer  # noqa: E402
 from twinplane.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from twinplane.serving.engine_loop import EngineLoop  # noqa: E402
-from twinplane.serving.openai_api import Served, build_app  # noqa: E402
-from twinplane.serving.server import BackgroundServer  # noqa: E402
+from twinplane.serving.openai_api import Served
+from twinplane.serving.server import (
+    BackgroundServer,  # noqa: E402
+    build_app,  # noqa: E402
+)
 from twinplane.serving.sessions import Session, SessionStore  # noqa: E402
 from twinplane.serving.templates import ChatTemplate  # noqa: E402
 from twinplane.tokenizer import build_char_tokenizer  # noqa: E402

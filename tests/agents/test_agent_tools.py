@@ -328,8 +328,8 @@ def test_the_example_agent_runs_the_models_tool_call_and_its_answer_extends_the_
     sys.path.insert(0, str(ROOT / "tests" / "serving"))
     from chat_model import chat_model_dir
 
-    from twinplane.serving.openai_api import Served, build_app
-    from twinplane.serving.server import BackgroundServer
+    from twinplane.serving.openai_api import Served
+    from twinplane.serving.server import BackgroundServer, build_app
     from twinplane.serving.sessions import Session, SessionStore
     from twinplane.serving.templates import ChatTemplate
     from twinplane.tokenizer import load_tokenizer

@@ -70,6 +70,9 @@ class Case:
     code: int = 2
 
 
+AGENT_OK = "def run(base_url, task):\n    return 1.0\n"
+
+
 def T(*args: str) -> Callable[[Fx], list[str]]:
     """A train command over the earlier run in fx.run, with --overwrite: a bad input must leave it untouched."""
     return lambda fx: ["train", "--run-dir", str(fx.run), "--overwrite", *TINY, *args]
@@ -358,6 +361,18 @@ CASES = [
          lambda fx: T(f"reward.model={fx.model_copy(_json_edit('config.json', hidden_act='relu'))}")(fx),
          "model_copy/config.json: hidden_act 'relu' is not supported"),
     Case("reward/timeout_s=0", T("reward.timeout_s=0"), "reward.timeout_s: must be > 0"),
+    Case("reward/judge neither a URL nor a model folder", T("reward.judge=/nowhere"),
+         "reward.judge: /nowhere is neither an http(s) URL nor a model folder"),
+    Case("reward/judge_retries=-1", T("reward.judge_retries=-1"), "reward.judge_retries: must be >= 0"),
+    # ---- agents ----
+    Case("agent/entrypoint no such file", T("agent.entrypoint=no_such_agent.py:run"),
+         "no_such_agent.py:run': cannot load (no such file"),
+    Case("agent/entrypoint without a function", T("agent.entrypoint=agents_mod"),
+         "agent.entrypoint: agent 'agents_mod': expected module:function or path/to/file.py:function"),
+    Case("agent/entrypoint with asynchronous RL",
+         lambda fx: T(f"agent.entrypoint={fx.file('agent_ok.py', AGENT_OK)}:run", "cluster.max_staleness=1")(fx),
+         "agent.entrypoint: needs cluster.max_staleness=0"),
+    Case("agent/concurrency=0", T("agent.concurrency=0"), "agent.concurrency: must be >= 1"),
     # ---- checkpoints ----
     Case("checkpoint/not a folder", lambda fx: ["train", "--run-dir", str(fx.run), *TINY, "--resume",
                                                 str(fx.tmp / "nope")], "no such checkpoint folder"),

@@ -15,8 +15,11 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
 from chat_model import chat_model_dir  # noqa: E402
 
 from twinplane.rewards.judge import Judge, JudgeError, JudgeSettings  # noqa: E402
-from twinplane.serving.openai_api import build_app  # noqa: E402
-from twinplane.serving.server import BackgroundServer, build_served  # noqa: E402
+from twinplane.serving.server import (  # noqa: E402
+    BackgroundServer,
+    build_app,  # noqa: E402
+    build_served,
+)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,11 @@ openai = pytest.importorskip("openai")
 
 from twinplane.rollout.sampling import SamplingParams  # noqa: E402
 from twinplane.rollout.sequence import Sample  # noqa: E402
-from twinplane.serving.openai_api import build_app  # noqa: E402
-from twinplane.serving.server import BackgroundServer, build_served  # noqa: E402
+from twinplane.serving.server import (  # noqa: E402
+    BackgroundServer,
+    build_app,  # noqa: E402
+    build_served,
+)
 from twinplane.serving.sessions import Session  # noqa: E402
 
 CHAT = [{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 2+3?"}]

@@ -13,8 +13,7 @@ import pytest
 from chat_model import chat_model_dir
 
 from twinplane.rollout.sequence import Sample
-from twinplane.serving.openai_api import build_app
-from twinplane.serving.server import BackgroundServer, build_served
+from twinplane.serving.server import BackgroundServer, build_app, build_served
 from twinplane.serving.sessions import Session
 
 KEY = {"x-api-key": "sekret"}

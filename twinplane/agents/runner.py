@@ -35,8 +35,8 @@ from twinplane.rollout.engine import RolloutEngine
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.serving.engine_loop import EngineLoop
-from twinplane.serving.openai_api import Served, build_app
-from twinplane.serving.server import BackgroundServer
+from twinplane.serving.openai_api import Served
+from twinplane.serving.server import BackgroundServer, build_app
 from twinplane.serving.sessions import Session, SessionStore
 from twinplane.serving.templates import ChatTemplate
 from twinplane.tokenizer import Tokenizer

@@ -32,8 +32,7 @@ from twinplane.run import run_dir as rundir
 from twinplane.run.loggers import check_backends
 from twinplane.run.signals import Faults, StopRequests
 from twinplane.sandbox import SandboxUnavailable, get_sandbox
-from twinplane.serving.openai_api import build_app
-from twinplane.serving.server import BackgroundServer, build_served
+from twinplane.serving.server import BackgroundServer, build_app, build_served
 from twinplane.tokenizer import Tokenizer, build_char_tokenizer
 
 

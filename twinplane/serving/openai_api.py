@@ -8,7 +8,7 @@ by the template's format (`tool_parsers`) and returned with their arguments exac
 the run's sampling is used whatever the request asks (the trainer scores the policy the run samples), with the
 session's token budget as the cap. Errors are OpenAI's JSON with 400 (bad body, prompt over the context), 401
 (key), 404 (model, session); the server stays up. Anthropic's `/messages` (anthropic_api) and OpenAI's
-`/responses` (responses_api) are registered here too and take the chat path (`chat_prompt`, `chat_reply`).
+`/responses` (responses_api) take the chat path too (`chat_prompt`, `chat_reply`); `server.build_app` registers all.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class Served:
         self.stop_ids = frozenset(t for t in [self.tokenizer.eos_token_id] if t is not None)
 
 
-def build_app(served: Served) -> FastAPI:
-    app = FastAPI(title="twinplane", docs_url=None, redoc_url=None)
-    app.state.served = served
+def register(app: FastAPI, served: Served) -> None:
+    """OpenAI's routes under /v1 and /sessions/<id>/v1; its error shape for `APIError` and bad bodies, and the key
+    check (the app is `server.build_app`'s)."""
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -98,11 +98,6 @@ def build_app(served: Served) -> FastAPI:
         app.get(prefix + "/models")(models)
         app.post(prefix + "/completions")(completions)
         app.post(prefix + "/chat/completions")(chat)
-    from twinplane.serving import anthropic_api, responses_api  # (they build on this module: imported here)
-
-    anthropic_api.register(app, served)
-    responses_api.register(app, served)
-    return app
 
 
 def given_key(request: Request) -> str:

@@ -16,6 +16,7 @@ from twinplane.errors import InputError
 from twinplane.model.weights import load_model
 from twinplane.platform import runtime
 from twinplane.rollout.engine import RolloutEngine
+from twinplane.serving import anthropic_api, openai_api, responses_api
 from twinplane.serving.engine_loop import EngineLoop
 from twinplane.serving.openai_api import Served
 from twinplane.serving.sessions import SessionStore
@@ -46,6 +47,15 @@ def build_served(model_dir: str, name: str | None = None, device: str = "auto", 
     return Served(loop, tokenizer, name or path.resolve().name, template, tool_parser, api_key, SessionStore(),
                   seed=seed)
 
+
+
+def build_app(served: Served) -> FastAPI:
+    """The server's app: OpenAI's routes, Anthropic's `/messages` and OpenAI's `/responses`, over `served`."""
+    app = FastAPI(title="twinplane", docs_url=None, redoc_url=None)
+    app.state.served = served
+    for routes in (openai_api, anthropic_api, responses_api):
+        routes.register(app, served)
+    return app
 
 
 class BackgroundServer:

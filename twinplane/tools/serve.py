@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
                           a.kv_cache_gb, a.tool_parser, a.api_key, a.seed)
     import uvicorn
 
-    from twinplane.serving.openai_api import build_app
+    from twinplane.serving.server import build_app
 
     print(f"twinplane serve: {served.model_name} on http://{a.host}:{a.port}/v1"
           + ("" if served.template else " (no chat template: completions only)"), flush=True)
