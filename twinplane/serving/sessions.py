@@ -22,6 +22,8 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.tokenizer import Tokenizer
 
@@ -38,7 +40,7 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)  # the weights' version of each token
     finish_reason: str = "stop"
     calls: int = 0
-    routing: object = None  # the last call's MoE record: it ran every token of the trajectory
+    routing: torch.Tensor | None = None  # the last call's MoE record: it ran every earlier token of the trajectory
 
     @property
     def ids(self) -> list[int]:
@@ -46,9 +48,12 @@ class Trajectory:
 
     def to_sample(self, request_index: int) -> Sample:
         version = max(self.versions, default=0)
+        routing = self.routing
+        if routing is not None and len(routing) < len(self.ids):  # tokens appended after the last call: never run
+            routing = torch.cat([routing, routing.new_full((len(self.ids) - len(routing), *routing.shape[1:]), -1)])
         return Sample(request_index, list(self.prompt_ids), list(self.token_ids), list(self.logprobs),
                       self.finish_reason, version, loss_mask=list(self.loss_mask), num_turns=max(self.calls, 1),
-                      routing=self.routing, versions=list(self.versions))
+                      routing=routing, versions=list(self.versions))
 
 
 class SessionError(ValueError):
@@ -125,7 +130,8 @@ class Session:
         t.finish_reason, t.calls = sample.finish_reason, t.calls + 1
         t.spent = t.spent or self.budget is not None and len(t.token_ids) >= self.budget
         self.calls += 1
-        t.routing = sample.routing
+        if sample.routing is not None:  # (a call with nothing to generate ran nothing)
+            t.routing = sample.routing
 
     def call_seed(self) -> int | None:
         """The seed of the next call's samples (None: the request's)."""
