@@ -210,3 +210,12 @@ def test_tool_calls_come_back_parsed_with_the_arguments_as_sampled_and_resent_on
         assert changed.splits == 1 and [t.calls for t in changed.trajectories] == [1, 1]
     finally:
         served.loop = real
+
+
+def test_serve_refuses_a_bad_folder_or_flag_with_one_line(tmp_path, capsys):
+    from twinplane.cli import main
+
+    assert main(["serve", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith("not a model folder (no config.json)")
+    assert main(["serve", str(tmp_path), "--port", "70000"]) == 2
+    assert "--port must be in 0..65535" in capsys.readouterr().err
