@@ -219,3 +219,23 @@ def test_serve_refuses_a_bad_folder_or_flag_with_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("not a model folder (no config.json)")
     assert main(["serve", str(tmp_path), "--port", "70000"]) == 2
     assert "--port must be in 0..65535" in capsys.readouterr().err
+
+
+def test_a_client_opens_reads_and_closes_its_own_session(server):
+    served, url = server
+    auth = {"Authorization": "Bearer sekret"}
+    opened = httpx.post(url + "/v1/sessions", headers=auth).json()
+    c = openai.OpenAI(base_url=opened["base_url"], api_key="sekret", max_retries=0)
+    first = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
+    more = [*CHAT, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And 3+4?"}]
+    c.chat.completions.create(model="tiny", messages=more, max_tokens=6, temperature=0)
+    record = httpx.get(f"{url}/v1/sessions/{opened['id']}", headers=auth).json()
+    t = record["trajectories"][0]
+    assert record["calls"] == 2 and record["splits"] == 0 and len(record["trajectories"]) == 1
+    n = first.usage.completion_tokens  # the first reply (sampled), then the next turn's markup and text (not)
+    assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"])
+    assert t["loss_mask"][:n] == [1] * n and t["loss_mask"][n] == 0 and t["logprobs"][n] == 0.0
+    assert t["prompt_ids"] == served.tokenizer.encode(served.template.render(CHAT, add_generation_prompt=True))
+    assert httpx.delete(f"{url}/v1/sessions/{opened['id']}", headers=auth).json()["deleted"] is True
+    assert httpx.get(f"{url}/v1/sessions/{opened['id']}", headers=auth).status_code == 404

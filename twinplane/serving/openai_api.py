@@ -99,6 +99,34 @@ def register(app: FastAPI, served: Served) -> None:
         app.post(prefix + "/completions")(completions)
         app.post(prefix + "/chat/completions")(chat)
 
+    # Sessions a client opens itself (`twinplane serve`: an agent evaluated with its tokens recorded); a training
+    # run opens its episodes' own and serves none of these.
+    def own_sessions() -> SessionStore:
+        if served.sessions is None or served.session_sampling is not None:
+            raise APIError(404, "this server does not open sessions on request", kind="not_found_error")
+        return served.sessions
+
+    async def open_session(request: Request):
+        sid = uuid.uuid4().hex[:16]
+        own_sessions().open(Session(sid, served.tokenizer))
+        return {"id": sid, "object": "session", "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{sid}/v1"}
+
+    async def read_session(sid: str):
+        own_sessions()
+        s = session_of(served, sid)
+        return {"id": sid, "object": "session", "calls": s.calls, "splits": s.splits, "trajectories": [
+            {"prompt_ids": t.prompt_ids, "token_ids": t.token_ids, "logprobs": t.logprobs, "loss_mask": t.loss_mask,
+             "finish_reason": t.finish_reason, "calls": t.calls} for t in s.trajectories]}
+
+    async def close_session(sid: str):
+        if own_sessions().close(sid) is None:
+            raise APIError(404, f"session {sid!r} not found", kind="not_found_error")
+        return {"id": sid, "object": "session", "deleted": True}
+
+    app.post("/v1/sessions")(open_session)
+    app.get("/v1/sessions/{sid}")(read_session)
+    app.delete("/v1/sessions/{sid}")(close_session)
+
 
 def given_key(request: Request) -> str:
     return request.headers.get("authorization", "").removeprefix("Bearer ").strip() or \
