@@ -14,7 +14,7 @@ from conftest import assert_multi_turn_logprobs_match_trainer
 pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
 
-from chat_model import chat_model_dir  # noqa: E402
+from chat_model import chat_model_dir, record_calls  # noqa: E402
 
 from twinplane.agents.runner import AgentRollout  # noqa: E402
 from twinplane.data.prompts import Prompt  # noqa: E402
@@ -51,15 +51,7 @@ def test_128_four_turn_tool_sessions_train_on_exactly_the_engines_tokens(tmp_pat
     sp = SamplingParams(temperature=1.0, max_new_tokens=1024, n=4)
     agents = AgentRollout(f"{tmp_path / 'agent.py'}:run", engine, tok, sp, 512, ChatTemplate.from_model_dir(folder),
                           concurrency=128, timeout_s=300, max_turns=4, seed=0)
-    calls = []
-    submit = agents.loop.submit
-
-    def spy(ids, sampling, seed, on_tokens=None):
-        fut = submit(ids, sampling, seed, on_tokens)
-        calls.append((list(ids), fut))
-        return fut
-
-    agents.loop.submit = spy
+    calls = record_calls(agents.loop)
     prompts = [Prompt(tok.encode(f"{i}+3="), str(i + 3), f"{i}+3=", {"prompt": f"What is {i}+3?"}) for i in range(32)]
     try:
         samples, _, _, m = agents.run(prompts, step=0)

@@ -12,14 +12,9 @@ import pytest
 from conftest import rows, train
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
-from chat_model import chat_model_dir  # noqa: E402
+from chat_model import chat_model_dir, serving  # noqa: E402
 
 from twinplane.rewards.judge import Judge, JudgeError, JudgeSettings  # noqa: E402
-from twinplane.serving.server import (  # noqa: E402
-    BackgroundServer,
-    build_app,  # noqa: E402
-    build_served,
-)
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +23,8 @@ def judge_folder(tmp_path_factory):
 
 
 def test_the_judge_asks_caches_within_a_step_and_fails_after_its_retries(judge_folder):
-    served = build_served(str(judge_folder), "j", max_model_len=600)
-    server = BackgroundServer(build_app(served))
-    url = server.start() + "/v1"
-    try:
+    with serving(judge_folder, name="j", max_model_len=600) as (_, url):
+        url += "/v1"
         judge = Judge(JudgeSettings(url, concurrency=4))
         first = judge.ask("Is 2+2 4?", max_tokens=6)
         calls = judge.calls  # (/models, then the question)
@@ -39,9 +32,6 @@ def test_the_judge_asks_caches_within_a_step_and_fails_after_its_retries(judge_f
         assert judge.ask_many(["a?", "b?", "a?"], max_tokens=6)[0] == judge.ask("a?", max_tokens=6)
         judge.new_step()
         assert judge.ask("Is 2+2 4?", max_tokens=6) == first and judge.calls > calls  # greedy: the same reply
-    finally:
-        server.stop()
-        served.loop.close()
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"

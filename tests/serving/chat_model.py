@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import string
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from template_texts import QWEN25
 
 from twinplane.model import ModelConfig, Transformer
 from twinplane.model.weights import save_pretrained
+from twinplane.serving.server import BackgroundServer, build_app, build_served
 from twinplane.tokenizer import build_char_tokenizer, load_tokenizer
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -35,3 +37,29 @@ def chat_model_dir(out: Path, seed: int = 0, max_len: int = 2048) -> Path:
     assert load_tokenizer(out).eos_token_id == tok.token_id("<|im_end|>")
     json.loads((out / "config.json").read_text())
     return out
+
+
+@contextmanager
+def serving(folder: Path, **kw):
+    """(served, url) of a real uvicorn server over `build_served(folder, **kw)`, stopped afterwards."""
+    served = build_served(str(folder), **kw)
+    server = BackgroundServer(build_app(served))
+    try:
+        yield served, server.start()
+    finally:
+        server.stop()
+        served.loop.close()
+
+
+def record_calls(loop) -> list:
+    """Every request `loop` (an EngineLoop) takes from now on, as (prompt ids, future of its samples); `del
+    loop.submit` stops recording."""
+    calls, submit = [], loop.submit
+
+    def spy(ids, sampling, seed, on_tokens=None):
+        fut = submit(ids, sampling, seed, on_tokens)
+        calls.append((list(ids), fut))
+        return fut
+
+    loop.submit = spy
+    return calls

@@ -9,17 +9,12 @@ import json
 
 import httpx
 import pytest
-from chat_model import chat_model_dir
+from chat_model import chat_model_dir, record_calls, serving
 
 openai = pytest.importorskip("openai")
 
 from twinplane.rollout.sampling import SamplingParams  # noqa: E402
 from twinplane.rollout.sequence import Sample  # noqa: E402
-from twinplane.serving.server import (  # noqa: E402
-    BackgroundServer,
-    build_app,  # noqa: E402
-    build_served,
-)
 from twinplane.serving.sessions import Session  # noqa: E402
 
 CHAT = [{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 2+3?"}]
@@ -27,13 +22,9 @@ CHAT = [{"role": "system", "content": "You add."}, {"role": "user", "content": "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    served = build_served(str(chat_model_dir(tmp_path_factory.mktemp("m"))), name="tiny", max_model_len=600,
-                          api_key="sekret")
-    srv = BackgroundServer(build_app(served))
-    url = srv.start()
-    yield served, url
-    srv.stop()
-    served.loop.close()
+    with serving(chat_model_dir(tmp_path_factory.mktemp("m")), name="tiny", max_model_len=600,
+                 api_key="sekret") as both:
+        yield both
 
 
 def client(url, key="sekret", **kw):
@@ -128,15 +119,7 @@ def test_a_session_extends_its_exact_tokens_and_splits_on_divergence(server):
     c = openai.OpenAI(base_url=url + "/sessions/ep1/v1", api_key="sekret", max_retries=0)
     messages = list(CHAT)
     engine = served.loop.engine
-    calls = []
-    submit = served.loop.submit
-
-    def spy(ids, sp, seed, on_tokens=None):
-        fut = submit(ids, sp, seed, on_tokens)
-        calls.append((list(ids), fut))
-        return fut
-
-    served.loop.submit = spy
+    calls = record_calls(served.loop)
     try:
         for turn in range(4):
             r = c.chat.completions.create(model="anything", messages=messages, max_tokens=12)
@@ -157,7 +140,7 @@ def test_a_session_extends_its_exact_tokens_and_splits_on_divergence(server):
         assert session.splits == 1 and len(session.trajectories) == 2
         assert [len(s.token_ids) > 0 for s in session.samples(0)] == [True, True]
     finally:
-        served.loop.submit = submit
+        del served.loop.submit
         served.sessions.close("ep1")
     assert engine.weight_version == 0
 

@@ -10,10 +10,9 @@ import json
 
 import httpx
 import pytest
-from chat_model import chat_model_dir
+from chat_model import chat_model_dir, serving
 
 from twinplane.rollout.sequence import Sample
-from twinplane.serving.server import BackgroundServer, build_app, build_served
 from twinplane.serving.sessions import Session
 
 KEY = {"x-api-key": "sekret"}
@@ -32,13 +31,9 @@ SAME = [{"role": "system", "content": "You help."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    served = build_served(str(chat_model_dir(tmp_path_factory.mktemp("m"))), name="tiny", max_model_len=1024,
-                          api_key="sekret")
-    srv = BackgroundServer(build_app(served))
-    url = srv.start()
-    yield served, url
-    srv.stop()
-    served.loop.close()
+    with serving(chat_model_dir(tmp_path_factory.mktemp("m")), name="tiny", max_model_len=1024,
+                 api_key="sekret") as both:
+        yield both
 
 
 def post(url, path, body, headers=KEY):

@@ -77,8 +77,8 @@ class AgentRollout:
         """`log(line)`: where a step's failed episodes are told (one line per step, with the first error)."""
         try:
             self.fn = load_user_fn(entrypoint, "agent")
-            target = entrypoint.rpartition(":")[0]
-            self.abort = load_user_fn(f"{target}:abort", "agent") if _has_abort(self.fn) else None
+            abort = getattr(inspect.getmodule(self.fn), "abort", None)
+            self.abort = abort if callable(abort) else None
         except ValueError as e:
             raise InputError(f"agent.entrypoint: {e}") from None
         if is_environment(self.fn):  # a gym-style class: twinplane plays it with the policy
@@ -163,11 +163,6 @@ class AgentRollout:
         self.events.call_soon_threadsafe(self.events.stop)
         self.thread.join(timeout=10)
         self.loop.close()
-
-
-def _has_abort(fn) -> bool:
-    module = inspect.getmodule(fn)
-    return module is not None and callable(getattr(module, "abort", None))
 
 
 def _quietly(fn, *args) -> None:

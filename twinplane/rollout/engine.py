@@ -437,11 +437,9 @@ class RolloutEngine:
         u = torch.tensor([rng.random() for s in ready for rng in s.rngs], dtype=torch.float32).to(logits.device)
         first = ready[0].sampling
         keys = None if all(s.sampling is first for s in ready) else [row_key(s) for s in ready]
-        top: list = [None] * len(u)  # per row, the most likely (token, log-prob) pairs where asked for
+        top: list | None = None  # per row, the most likely (token, log-prob) pairs, where asked for
         if keys is None or len(set(keys)) == 1:
-            tok, chosen, best = self._choose(logits, ready, widths, u)
-            if best is not None:
-                top = best
+            tok, chosen, top = self._choose(logits, ready, widths, u)
         else:
             tok = torch.empty(len(u), dtype=torch.long, device=logits.device)
             chosen = torch.empty(len(u), dtype=torch.float32, device=logits.device)
@@ -452,8 +450,10 @@ class RolloutEngine:
                 part = [i for i, k in enumerate(keys) if k == key]
                 tok[at], chosen[at], best = self._choose(logits[at], [ready[i] for i in part],
                                                          [widths[i] for i in part], u[at])
-                for r, pairs in zip(rows, best or (), strict=False):
-                    top[r] = pairs
+                if best is not None:
+                    top = top or [None] * len(u)
+                    for r, pairs in zip(rows, best, strict=True):
+                        top[r] = pairs
         # one read back to the host for both (float64 holds every token id and each fp32 log-prob exactly)
         tok, chosen = torch.stack([tok.double(), chosen.double()]).tolist()
         tok = [int(t) for t in tok]
@@ -469,9 +469,10 @@ class RolloutEngine:
                 else:
                     rows_of.append(seq)
             ready = rows_of
-        for seq, pairs in zip(ready, top, strict=True):
-            if pairs is not None:
-                seq.top.append(pairs)
+        if top is not None:
+            for seq, pairs in zip(ready, top, strict=True):
+                if pairs is not None:
+                    seq.top.append(pairs)
         return self._take(ready, tok, chosen, sched)
 
     def _choose(self, logits: torch.Tensor, ready: list[Seq], widths: list[int], u: torch.Tensor):

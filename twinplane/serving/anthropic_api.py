@@ -20,10 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from twinplane.serving.openai_api import (
     Served,
     _chat_choice,
-    _nothing,
     chat_prompt,
     chat_reply,
     given_key,
+    locked,
     session_of,
     streamed,
 )
@@ -182,7 +182,7 @@ def stop_of(served: Served, body: ChatRequest, choice: dict, token_ids: list[int
 async def _messages(served: Served, req: MessagesRequest, session: Session | None):
     body = chat_request(req)
     if body.stream:
-        async with session.lock if session is not None else _nothing():
+        async with locked(session):
             ids, sp, parse = chat_prompt(served, body, session)
         return StreamingResponse(_stream(served, body, session, ids, sp, parse), media_type="text/event-stream")
     ids, samples, choices = await chat_reply(served, body, session)

@@ -52,6 +52,7 @@ class EngineLoop:
         """`max_model_len`: prompt plus new tokens of one request at most (sizes the KV pool)."""
         self.engine, self.max_model_len = engine, max_model_len
         self.requests: dict[int, _Request] = {}
+        self.streaming = 0  # requests in flight that stream their tokens
         self.incoming: list[tuple[Seq, _Request]] = []
         self.ids = itertools.count()
         self.cond = threading.Condition()
@@ -125,6 +126,7 @@ class EngineLoop:
             self.sched = Scheduler(e.blocks, e.max_num_seqs, e.max_num_batched_tokens)
         for seq, req in incoming:
             self.requests[seq.request_index] = req
+            self.streaming += req.on_tokens is not None
             self.sched.add(seq)
         sched, t0 = self.sched, time.perf_counter()
         try:
@@ -146,12 +148,15 @@ class EngineLoop:
             if req.on_tokens is not None:
                 self._send(req, j, seq)
             if len(req.done) == req.n:
+                self.streaming -= req.on_tokens is not None
                 with self.cond:
                     del self.requests[seq.request_index]
                     self.cond.notify_all()
                 req.future.set_result([req.done[i] for i in range(req.n)])
 
     def _stream(self) -> None:
+        if not self.streaming:
+            return
         for seq in self.sched.running:
             req = self.requests.get(seq.request_index)
             if req is not None and req.on_tokens is not None and seq.num_generated:
@@ -167,7 +172,7 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception) -> None:
         with self.cond:
-            requests, self.requests = self.requests, {}
+            requests, self.requests, self.streaming = self.requests, {}, 0
             self.sched = None
             self.cond.notify_all()
         for req in requests.values():

@@ -14,6 +14,8 @@ session's token budget as the cap. Errors are OpenAI's JSON with 400 (bad body, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import random
 import time
@@ -220,7 +222,7 @@ async def _completions(served: Served, body: CompletionRequest, session: Session
         if len(prompt) != 1:
             raise APIError(400, "one prompt per request (send several requests: they are batched)", "prompt")
         prompt = prompt[0]
-    async with session.lock if session is not None else _nothing():
+    async with locked(session):
         ids, left = _prompt(served, session, text=prompt if isinstance(prompt, str) else None,
                             ids=None if isinstance(prompt, str) else prompt)
         sp = _sampling(served, body, min(body.max_tokens or 16, 1 << 30 if left is None else left), session,
@@ -236,7 +238,7 @@ async def _completions(served: Served, body: CompletionRequest, session: Session
                 lp = {"tokens": tokens, "token_logprobs": s.logprobs,
                       "top_logprobs": [{_token_text(served, t): v for t, v in pairs} for pairs in s.top_logprobs]
                       if s.top_logprobs else None,
-                      "text_offset": [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]}
+                      "text_offset": list(itertools.accumulate((len(x) for x in tokens), initial=0))[:-1]}
             choices.append({"index": i, "text": shown, "finish_reason": s.finish_reason, "logprobs": lp})
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model, "choices": choices, "usage": _usage(ids, samples)}
@@ -254,12 +256,9 @@ def _prompt(served: Served, session: Session | None, text: str | None = None, id
         raise APIError(400, str(e), "prompt") from None
 
 
-class _nothing:
-    async def __aenter__(self):
-        return None
-
-    async def __aexit__(self, *exc):
-        return False
+def locked(session: Session | None):
+    """The session's lock (an agent's calls of one session one at a time), or nothing to hold."""
+    return session.lock if session is not None else contextlib.nullcontext()
 
 
 def _chat_messages(served: Served, body: ChatRequest) -> list[dict]:
@@ -318,7 +317,7 @@ def chat_prompt(served: Served, body: ChatRequest, session: Session | None):
 
 async def chat_reply(served: Served, body: ChatRequest, session: Session | None):
     """A chat request answered whole: (prompt ids, samples, their choices: parsed and recorded in the session)."""
-    async with session.lock if session is not None else _nothing():
+    async with locked(session):
         ids, sp, parse = chat_prompt(served, body, session)
         samples = await _generate(served, session, ids, sp, body)
         return ids, samples, [_chat_choice(served, body, session, i, s, parse) for i, s in enumerate(samples)]
@@ -326,7 +325,7 @@ async def chat_reply(served: Served, body: ChatRequest, session: Session | None)
 
 async def _chat(served: Served, body: ChatRequest, session: Session | None):
     if body.stream:
-        async with session.lock if session is not None else _nothing():
+        async with locked(session):
             ids, sp, parse = chat_prompt(served, body, session)
         return StreamingResponse(_chat_stream(served, body, session, ids, sp, parse), media_type="text/event-stream")
     ids, samples, choices = await chat_reply(served, body, session)
@@ -351,10 +350,11 @@ def _chat_choice(served: Served, body: ChatRequest, session: Session | None, i: 
             finish = "tool_calls"
     lp = None
     if body.logprobs:
-        lp = {"content": [{"token": _token_text(served, t), "logprob": v,
-                           "bytes": list(_token_text(served, t).encode()),
-                           "top_logprobs": [{"token": _token_text(served, a), "logprob": b,
-                                             "bytes": list(_token_text(served, a).encode())} for a, b in pairs]}
+        def entry(t: int, v: float) -> dict:
+            text = _token_text(served, t)
+            return {"token": text, "logprob": v, "bytes": list(text.encode())}
+
+        lp = {"content": [entry(t, v) | {"top_logprobs": [entry(a, b) for a, b in pairs]}
                           for t, v, pairs in zip(s.token_ids, s.logprobs, s.top_logprobs or [[]] * len(s.token_ids),
                                                  strict=True)]}
     return {"index": i, "message": message, "finish_reason": finish, "logprobs": lp}
