@@ -61,6 +61,9 @@ class ConfigError(InputError):
 @dataclass
 class ModelSection(Section):
     path: str | None = opt(None, "HF model folder (config.json + safetensors + tokenizer); unset = tiny demo model")
+    impl: Literal["auto", "native", "hf"] = opt(
+        "auto", "auto (native for the families twinplane implements, else transformers' code) | native | hf "
+        "(transformers' modeling code; docs/models.md)")
     hidden_size: int = opt(128, "demo model only", bounds=">= 1")
     num_layers: int = opt(4, "demo model only", bounds=">= 1")
     num_heads: int = opt(4, "demo model only", bounds=">= 1")
@@ -76,6 +79,8 @@ class ModelSection(Section):
     def rules(self, cfg: Config) -> list[Rule]:
         return [
             (self.path is None or self.path.strip() != "", "model.path", "must not be empty"),
+            (self.impl != "hf" or self.path is not None, "model.impl",
+             "hf needs model.path (the built-in demo model is native)"),
             (self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", f"must divide model.num_heads "
              f"({self.num_heads})",
              ("model.num_heads", f"must be a multiple of model.num_kv_heads ({self.num_kv_heads})")),

@@ -1,5 +1,6 @@
 """`twinplane doctor`: what this machine is and what it can do, on one screen (or as JSON with --json).
 `twinplane doctor --template MODEL_DIR`: whether a model's chat template is append-only for agent serving.
+`twinplane doctor --model MODEL_DIR [--impl auto|native|hf]`: which implementation the folder gets and why.
 
 Everything hardware-specific comes from `twinplane.platform`; this module only measures and formats.
 """
@@ -241,7 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     ap.add_argument("--template", metavar="MODEL_DIR", help="instead: check that the folder's chat template is "
                     "append-only over a tool conversation (exit 0), or show where it is not (exit 1)")
+    ap.add_argument("--model", metavar="MODEL_DIR", help="instead: which implementation (model.impl) the folder "
+                    "gets and why, one fact per line")
+    ap.add_argument("--impl", default="auto", choices=("auto", "native", "hf"), help="with --model: as model.impl")
     args = ap.parse_args(argv)
+    if args.model is not None:
+        from twinplane.model.impl import describe  # (transformers' import: only for this report)
+
+        lines = describe(args.model, args.impl)
+        print(json.dumps(lines, indent=2) if args.json else "\n".join(lines))
+        return 0
     if args.template is not None:
         return template_report(args.template, args.json)
     d = report()

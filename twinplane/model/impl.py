@@ -1,0 +1,150 @@
+"""Which implementation runs a model folder (`model.impl`): twinplane's own decoder or transformers' code.
+
+- native: `ModelConfig.from_file` accepts the folder (a family twinplane implements, with values it supports);
+- hf: transformers builds its architecture as a causal LM (`AutoConfig`, local files only, no remote code);
+- auto: native where it accepts the folder; hf for an architecture twinplane has no family for. A folder of a
+  native family that native refuses (a value out of range, an unsupported option) keeps native's error, with the
+  hint that `model.impl=hf` runs it through transformers: a typo is never silently run by other code.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from twinplane.errors import InputError, first_line
+from twinplane.model.config import ModelConfig
+
+IMPLS = ("auto", "native", "hf")
+
+
+@dataclass
+class Choice:
+    impl: str  # "native" | "hf"
+    reason: str  # one line: why this folder gets it
+    architecture: str  # the config's architectures[0] (or its model_type)
+
+
+def _hf_json(path: Path) -> dict:
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path / 'config.json'}: no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path / 'config.json'}: invalid JSON ({first_line(e)})") from None
+    if not isinstance(hf, dict):
+        raise InputError(f"{path / 'config.json'}: expected an object")
+    return hf
+
+
+def _architecture(hf: dict) -> str:
+    arch = hf.get("architectures")
+    return arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else str(hf.get("model_type"))
+
+
+def native_family(model_type) -> bool:
+    """Whether twinplane implements `model_type`: a minimal config of that type is accepted by native."""
+    if not isinstance(model_type, str):
+        return False
+    minimal = {"model_type": model_type, "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+               "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8,
+               "moe_intermediate_size": 8, "num_experts": 2, "num_local_experts": 2, "num_experts_per_tok": 1}
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(minimal))
+        try:
+            ModelConfig.from_file(d)
+        except (ValueError, FileNotFoundError, KeyError, TypeError):
+            return False
+    return True
+
+
+def hf_problem(path: Path, hf: dict) -> str | None:
+    """Why transformers cannot build the folder's architecture as a causal LM, or None."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if hf.get("model_type") not in CONFIG_MAPPING_NAMES:
+        return f"transformers {transformers.__version__} does not know model_type {hf.get('model_type')!r}"
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # an unknown model_type, remote code, a bad value: transformers' many error types
+        return f"transformers {transformers.__version__} cannot read it ({first_line(e)})"
+    known = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
+    arch = _architecture(hf)
+    wanted = [a for a in (hf.get("architectures") or []) if isinstance(a, str)]
+    if known is None or (wanted and not any(a.endswith("ForCausalLM") or a == known for a in wanted)):
+        return f"{arch} is not a causal LM in transformers {transformers.__version__}"
+    if hf.get("quantization_config"):
+        return "quantized checkpoints are not supported (train the unquantized model)"
+    return None
+
+
+def choose(path: str | Path, impl: str = "auto") -> Choice:
+    """The implementation for the model folder `path` under `model.impl=impl`; an InputError (one line naming the
+    folder and the architecture) when none can run it."""
+    if impl not in IMPLS:
+        raise InputError(f"model.impl: must be one of {', '.join(IMPLS)}, got {impl!r}")
+    path = Path(path)
+    if not path.is_dir():
+        raise InputError(f"{path}: no such folder")
+    hf = _hf_json(path)
+    arch = _architecture(hf)
+    native_error = None
+    if impl != "hf":
+        try:
+            ModelConfig.from_file(path)
+            return Choice("native", f"{arch}: a family twinplane implements (model.impl={impl})", arch)
+        except (ValueError, FileNotFoundError) as e:
+            native_error = first_line(e)
+        if impl == "native" or native_family(hf.get("model_type")):
+            hint = "" if impl == "native" else "; model.impl=hf runs it with transformers' code"
+            raise InputError(f"{native_error}{hint}")
+    problem = hf_problem(path, hf)
+    if problem is not None:
+        why = f"{path}: {arch} cannot run: {problem}"
+        raise InputError(why if native_error is None else f"{why}; natively: {native_error}")
+    if impl == "hf":
+        return Choice("hf", f"{arch}: transformers' modeling code (model.impl=hf)", arch)
+    return Choice("hf", f"{arch}: no native family for model_type {hf.get('model_type')!r}, so transformers' "
+                  "modeling code (model.impl=auto)", arch)
+
+
+def describe(path: str | Path, impl: str = "auto") -> list[str]:
+    """`twinplane doctor --model DIR`: which implementation the folder gets and why, and what that means for a
+    run, one fact per line (nothing is loaded but config.json: hf models are built on the meta device)."""
+    from twinplane.model.lora import TARGETS
+
+    choice = choose(path, impl)
+    lines = [f"model: {path}", f"architecture: {choice.architecture}",
+             f"implementation: {choice.impl} ({choice.reason})"]
+    if choice.impl == "native":
+        mc = ModelConfig.from_file(path)
+        return lines + [f"parameters: {mc.num_params:,} (from config.json)",
+                        "rollout: the own engine (paged KV cache, continuous batching) or vLLM"]
+    from twinplane.model.hf import build_meta, decoder_layers
+    from twinplane.model.hf_config import HFConfig
+
+    try:
+        model = build_meta(path)
+        layers = decoder_layers(model)
+    except Exception as e:  # transformers' own errors for values its model code refuses
+        raise InputError(f"{path}: transformers cannot build {choice.architecture} ({first_line(e)})") from None
+    cfg = HFConfig.from_model(model, layers)
+    linears = {n.rsplit(".", 1)[-1] for n, m in layers[0].named_modules() if type(m).__name__ == "Linear"}
+    lora = sorted(set(TARGETS) & linears)
+    return lines + [
+        f"parameters: {cfg.num_params:,} (counted on the meta device; tied embeddings "
+        f"{'yes' if cfg.tie_word_embeddings else 'no'})",
+        f"decoder layers: {len(layers)} x {type(layers[0]).__name__} (FSDP2 units)",
+        f"memory estimate: weights exact, activations and KV cache estimated as for a standard decoder "
+        f"(hidden {cfg.hidden_size}, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim})",
+        "packed training: checked on the first packed forward (padded rows where transformers' packing does not "
+        "hold); shared prompts run as padded rows",
+        f"gradient checkpointing: {'yes' if model.supports_gradient_checkpointing else 'no'}",
+        f"LoRA targets: {','.join(lora) if lora else 'none (its linears are named ' + ','.join(sorted(linears)) + ')'}",
+        "rollout: twinplane.rollout.hf_engine (transformers' KV cache, static batches); no vLLM, no asynchronous "
+        "RL, no agents, no MoE routing replay",
+    ]
