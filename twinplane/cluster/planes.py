@@ -24,6 +24,7 @@ from twinplane.cluster.sync import SyncReport, sync_in_process
 from twinplane.config import Config
 from twinplane.model import ModelConfig, Transformer, iter_safetensors
 from twinplane.model.export import export_weights
+from twinplane.model.hf import HFCausalLM
 from twinplane.model.lora import cast_base, merge_lora
 from twinplane.platform import backends, runtime
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
@@ -138,6 +139,10 @@ def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_off
     `rollout.backend=vllm`, vLLM's engine starting from its weights; `shared`: it shares its device with a trainer
     (`runtime.keep_kv_pool` then decides whether its KV pool stays; vLLM sleeps between calls on GPUs)."""
     r = cfg.rollout
+    if isinstance(model, HFCausalLM):  # transformers' code: its own cache, static batches (preflight refuses vllm)
+        from twinplane.rollout.hf_engine import HFEngine
+
+        return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.max_num_seqs, cfg.seed + seed_offset)
     if r.backend == "vllm":  # (imported here: vLLM is optional, and its import takes seconds)
         from twinplane.rollout.vllm_backend import VllmEngine
 

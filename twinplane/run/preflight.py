@@ -14,9 +14,12 @@ import torch
 from safetensors import safe_open
 
 from twinplane.cluster.planes import build_algorithm
-from twinplane.config import Config
+from twinplane.config import Config, ConfigError
 from twinplane.errors import InputError, first_line
 from twinplane.model import ModelConfig, Transformer, load_model
+from twinplane.model.hf import HFCausalLM, load_hf
+from twinplane.model.hf_config import HFConfig
+from twinplane.model.impl import choose
 from twinplane.model.lora import parse_targets
 from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
 from twinplane.model.weights import checkpoint_files
@@ -27,20 +30,59 @@ from twinplane.rollout.paged_attention import flex_decode_agrees
 from twinplane.tokenizer import Tokenizer, load_tokenizer
 
 
-def model_config(path: str) -> ModelConfig:
-    """`path/config.json` as a ModelConfig; a missing folder, bad JSON or a mistyped value names the file."""
+def model_config(path: str, impl: str = "auto") -> ModelConfig | HFConfig:
+    """`path/config.json` as a ModelConfig, or as an `HFConfig` when transformers' code runs it (`model.impl`,
+    `twinplane.model.impl`); a missing folder, bad JSON or a mistyped value names the file."""
     folder = Path(path)
     if not folder.is_dir():
         raise InputError(f"model.path {path}: no such folder")
+    if not (folder / "config.json").is_file():
+        final = folder / "final" / "config.json"
+        hint = f" (a run dir: its model is {final.parent})" if final.is_file() else ""
+        raise InputError(f"{folder / 'config.json'}: no config.json{hint}")
+    if choose(folder, impl).impl == "hf":
+        try:
+            return HFConfig.from_folder(folder)
+        except Exception as e:  # transformers' own errors for values its model code refuses
+            raise InputError(f"model.path {path}: transformers cannot build it ({first_line(e)})") from None
     try:
         mc = ModelConfig.from_file(folder)
     except FileNotFoundError as e:
-        final = folder / "final" / "config.json"
-        hint = f" (a run dir: its model is {final.parent})" if final.is_file() else ""
-        raise InputError(f"{e}{hint}") from None
+        raise InputError(str(e)) from None
     except ValueError as e:  # (from_file names the file)
         raise InputError(first_line(e)) from None
     return mc
+
+
+def check_hf_run(cfg: Config, mc: HFConfig) -> None:
+    """What a run on transformers' modeling code (`model.impl=hf`) cannot do yet, refused before any work."""
+    c, r, arch = cfg.cluster, cfg.rollout, mc.architecture
+    refused = [
+        (c.backend != "local", "cluster.backend", "must be local (the Ray workers build native models)"),
+        (r.backend != "twinplane", "rollout.backend", "must be twinplane (vLLM's weight sync maps native names)"),
+        (c.max_staleness > 0, "cluster.max_staleness", "must be 0 (the asynchronous producer drives the native "
+         "engine step by step)"),
+        (cfg.agent.entrypoint is not None, "agent.entrypoint", "needs the native engine's sessions"),
+        (r.record_routing or cfg.algo.routing_replay or cfg.train.router_aux_loss_coef > 0,
+         "rollout.record_routing", "algo.routing_replay and train.router_aux_loss_coef need native MoE layers"),
+        (build_algorithm(cfg).needs_critic or cfg.critic.model_path is not None, "algo.name",
+         "PPO's critic is built on the native decoder"),
+        (r.batch_invariant, "rollout.batch_invariant", "is a property of the native engine's GEMMs"),
+    ]
+    for bad, key, why in refused:
+        if bad:
+            raise ConfigError(f"{key}: {why}; model.impl=hf runs {arch} with transformers' code")
+    lora = cfg.train.lora
+    if lora.rank:
+        from twinplane.model.hf import build_meta, decoder_layers
+
+        layer = decoder_layers(build_meta(cfg.model.path))[0]
+        linears = {n.rsplit(".", 1)[-1] for n, m in layer.named_modules() if type(m) is torch.nn.Linear}
+        wanted = parse_targets(lora.targets)
+        missing = [t for t in wanted if t not in linears]
+        if (lora.targets == "all" and len(missing) == len(wanted)) or (lora.targets != "all" and missing):
+            raise ConfigError(f"train.lora.targets: {arch} has no linear layer named {missing[0]} (its decoder "
+                              f"layers' linears: {', '.join(sorted(linears))})")
 
 
 def check_weight_files(path: str) -> None:
@@ -74,9 +116,10 @@ def open_tokenizer(path: str) -> Tokenizer:
     return tok
 
 
-def open_model(path: str, device: torch.device, dtype: torch.dtype) -> Transformer:
+def open_model(path: str, device: torch.device, dtype: torch.dtype, hf: bool = False) -> Transformer | HFCausalLM:
+    """The model folder's weights: native, or through transformers (`hf`)."""
     try:
-        return load_model(path, device=device, dtype=dtype)
+        return load_hf(path, device, dtype) if hf else load_model(path, device=device, dtype=dtype)
     except (KeyError, ValueError, RuntimeError) as e:  # a tensor missing, extra or of the wrong shape
         msg = e.args[0] if isinstance(e, KeyError) and e.args else first_line(e)
         raise InputError(f"model.path {path}: {msg}") from None

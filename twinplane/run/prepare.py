@@ -24,6 +24,8 @@ from twinplane.data.prompts import Prompt, encode_prompts
 from twinplane.data.tasks import ALPHABET, ArithmeticTask
 from twinplane.errors import InputError, first_line
 from twinplane.model import ModelConfig, Transformer, save_config, save_pretrained
+from twinplane.model.hf import HFCausalLM
+from twinplane.model.hf_config import HFConfig
 from twinplane.platform import hardware, runtime
 from twinplane.rewards.judge import JudgeSettings
 from twinplane.rewards.runner import RewardRunner
@@ -60,7 +62,9 @@ def build_demo_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) ->
 
 def save_hf_folder(model: Transformer, tokenizer: Tokenizer, out: Path, weights: bool = True) -> None:
     """An HF model folder; without `weights` all of it but the safetensors (a sharded checkpoint's `model/`)."""
-    if weights:
+    if isinstance(model, HFCausalLM):  # (transformers' config and the parameters' own names)
+        model.save_pretrained(out) if weights else model.save_config(out)
+    elif weights:
         save_pretrained(model, out)
     else:
         save_config(model, out)
@@ -251,7 +255,9 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
         except SandboxUnavailable as e:
             raise ConfigError(f"sandbox={cfg.sandbox}: {e}") from None
     if cfg.model.path:
-        mc = preflight.model_config(cfg.model.path)
+        mc = preflight.model_config(cfg.model.path, cfg.model.impl)
+        if isinstance(mc, HFConfig):
+            preflight.check_hf_run(cfg, mc)
         preflight.check_weight_files(cfg.model.path)
         tokenizer = preflight.open_tokenizer(cfg.model.path)
         preflight.check_vocab(tokenizer, mc, cfg.model.path)
@@ -273,7 +279,8 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     if cfg.cluster.backend == "local":
         memory = hardware.device_memory(device)
         preflight.check_memory(cfg, mc, memory, f"this {device.type} device", device)
-        preflight.check_kv_budget(cfg, mc, prompt_tokens, device)
+        if not isinstance(mc, HFConfig):  # (the hf engine's plain cache has no block pool)
+            preflight.check_kv_budget(cfg, mc, prompt_tokens, device)
     try:  # the template, rendered once on a sample: a missing or broken one fails before the model is loaded
         formatter(cfg).format(Record("What is 1+1?", "2"))
     except InputError:
@@ -287,7 +294,7 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     dtype = runtime.resolve_dtype(cfg.model.dtype)
     faults("load")
     if cfg.model.path:
-        model = preflight.open_model(cfg.model.path, device, dtype)
+        model = preflight.open_model(cfg.model.path, device, dtype, hf=isinstance(mc, HFConfig))
     else:
         model = build_demo_model(cfg, tokenizer, device).to(dtype)
     stop.check("model loading")
