@@ -1,0 +1,199 @@
+"""The transformers fallback (`model.impl`): which folders get it, its log-probs against transformers', packed
+against padded, its engine against `generate` and against the native engine, names, saving and LoRA through PEFT.
+Architectures without a native family: OLMo (Llama-style names) and GPT-NeoX (its own names, partial rotary)."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_batch
+
+from twinplane.cli import main
+from twinplane.errors import InputError
+from twinplane.model import load_model
+from twinplane.model.export import export_weights
+from twinplane.model.hf import load_hf
+from twinplane.model.impl import choose
+from twinplane.model.lora import apply_lora
+from twinplane.model.lora_io import save_adapter
+from twinplane.model.weights import load_weights
+from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.rollout.hf_engine import HFEngine
+from twinplane.train.logprobs import response_logprobs
+
+transformers = pytest.importorskip("transformers")
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64, bos_token_id=1, eos_token_id=3, pad_token_id=0)
+CONFIGS = {"olmo": lambda: transformers.OlmoConfig(**SIZES, num_key_value_heads=2),
+           "gpt_neox": lambda: transformers.GPTNeoXConfig(**SIZES, rotary_pct=0.5, tie_word_embeddings=False),
+           "llama": lambda: transformers.LlamaConfig(**SIZES, num_key_value_heads=2)}
+
+
+def hf_folder(path, kind, seed=0):
+    """A random transformers model saved to `path` (larger-than-default weights: peaked distributions)."""
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]())
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.15)
+    m.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {k: hf_folder(root / k, k) for k in CONFIGS}
+
+
+def reference(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_auto_native_hf_and_refusals(folders, tmp_path):
+    assert choose(folders["olmo"]).impl == "hf" and choose(folders["gpt_neox"], "auto").impl == "hf"
+    assert choose(folders["llama"]).impl == "native" and choose(folders["llama"], "hf").impl == "hf"
+    with pytest.raises(InputError, match="model_type 'olmo'"):
+        choose(folders["olmo"], "native")
+    bad = tmp_path / "gpt9"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt9", "architectures": ["Gpt9ForCausalLM"]}))
+    with pytest.raises(InputError, match=r"Gpt9ForCausalLM cannot run: transformers .* does not know model_type "
+                                         r"'gpt9'"):
+        choose(bad)
+    # a native family with a bad value keeps native's error (and a hint) instead of running through transformers
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    cfg = json.loads((folders["llama"] / "config.json").read_text()) | {"num_key_value_heads": 3}
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="num_key_value_heads=3.*model.impl=hf runs it"):
+        choose(broken)
+
+
+@pytest.mark.parametrize("kind", ["olmo", "gpt_neox"])
+def test_logits_names_and_save_match_transformers(kind, folders, tmp_path):
+    ours, ref = load_hf(folders[kind], "cpu"), reference(folders[kind])
+    ids = torch.randint(0, 64, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        torch.testing.assert_close(ours(ids, mask)[mask.bool()], want[mask.bool()], rtol=1e-5, atol=1e-5)
+    names = [n for n, _ in export_weights(ours)]
+    # transformers' own parameter names (what its loader takes; GPT-NeoX's checkpoint still says embed_out)
+    assert names == [n for n, _ in ref.named_parameters()]
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.01)
+    ours.save_pretrained(tmp_path / "out")
+    back = reference(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+    again = load_hf(folders[kind], "cpu")
+    load_weights(again, export_weights(ours))  # weight sync / resume: by name, in place
+    assert torch.equal(again(ids), ours(ids))
+
+
+@pytest.mark.parametrize("kind", ["olmo", "gpt_neox"])
+def test_packed_equals_padded_and_shared_prompts(kind, folders):
+    model = load_hf(folders[kind], "cpu")
+    batch = make_batch(model)
+    with torch.no_grad():
+        padded, _ = response_logprobs(model, batch, 1.0, packed=False)
+        packed, _ = response_logprobs(model, batch, 1.0, packed=True)
+        assert model._packs is True  # transformers' block-diagonal mask from restarting positions held
+        shared_batch = make_batch(model, n=4)
+        shared_batch.input_ids[1], shared_batch.attention_mask[1] = shared_batch.input_ids[0], \
+            shared_batch.attention_mask[0]
+        want, _ = response_logprobs(model, shared_batch, 1.0, packed=False)
+        shared, _ = response_logprobs(model, shared_batch, 1.0, packed=True, share_prompts=True)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_that_ignores_packing_falls_back_to_padded_rows(folders, monkeypatch):
+    import transformers.masking_utils as mu
+
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda position_ids: None)  # packing not honoured
+    model = load_hf(folders["olmo"], "cpu")
+    assert not model.packing_agrees()
+    batch = make_batch(model)
+    with torch.no_grad():
+        padded, _ = response_logprobs(model, batch, 1.0, packed=False)
+        packed, _ = response_logprobs(model, batch, 1.0, packed=True)
+    assert model._packs is False
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
+
+
+@pytest.mark.parametrize("kind", ["olmo", "gpt_neox"])
+def test_engine_greedy_equals_generate_and_sampling_is_seeded(kind, folders):
+    model = load_hf(folders[kind], "cpu")
+    engine = HFEngine(model, eos_token_id=3, pad_token_id=0, max_num_seqs=3)  # two static batches
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))
+    ref = reference(folders[kind])
+    for prompt, s in zip(PROMPTS, out, strict=True):
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=3,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+        assert s.token_ids == want and s.finish_reason == ("stop" if want[-1] == 3 else "length")
+    sp = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=6, n=3, seed=7)
+    a, b = engine.generate(PROMPTS, sp), engine.generate(PROMPTS, sp)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    assert len({tuple(s.token_ids) for s in a}) > 4  # sampled, not all alike
+    for s in a:  # the engine's log-probs are the trainer's quantity (logits / T, no truncation)
+        full = torch.tensor([s.prompt_ids + s.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(full)[0].float() / 0.9, -1)[len(s.prompt_ids) - 1:-1]
+        want = lp.gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=1e-4, atol=1e-5)
+
+
+def test_hf_engine_samples_as_the_native_engine_does(folders):
+    """One Llama folder, native vs transformers' code: the same seeded samples and log-probs."""
+    native = RolloutEngine(load_model(folders["llama"], "cpu"), eos_token_id=3, graphs=False)
+    hf = HFEngine(load_hf(folders["llama"], "cpu"), eos_token_id=3)
+    sp = SamplingParams(temperature=1.0, top_k=30, max_new_tokens=5, n=2, min_new_tokens=2, seed=3)
+    a, b = native.generate(PROMPTS, sp), hf.generate(PROMPTS, sp)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    torch.testing.assert_close(torch.tensor([x for s in b for x in s.logprobs]),
+                               torch.tensor([x for s in a for x in s.logprobs]), rtol=1e-4, atol=1e-5)
+
+
+def test_routing_is_refused(folders):
+    from twinplane.model.moe import RoutingState
+
+    model = load_hf(folders["olmo"], "cpu")
+    with pytest.raises(ValueError, match="MoE routing record/replay needs a native model"):
+        model(torch.tensor([[5, 6]]), routing=RoutingState())
+
+
+def test_lora_adapter_loads_in_peft(folders, tmp_path):
+    peft = pytest.importorskip("peft")
+    model = load_hf(folders["olmo"], "cpu")
+    assert apply_lora(model, 4, 8.0, targets="all", seed=0) == 2 * 7
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".lora_B"):
+                p.normal_(0, 0.1)
+    save_adapter(model, tmp_path / "adapter", str(folders["olmo"]))
+    got = peft.PeftModel.from_pretrained(reference(folders["olmo"]), tmp_path / "adapter").eval()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(got(input_ids=ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(reference(folders["olmo"])(input_ids=ids).logits, model(ids), atol=1e-3)
+
+
+def test_doctor_model_says_which_and_why(folders, capsys):
+    assert main(["doctor", "--model", str(folders["olmo"])]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "architecture: OlmoForCausalLM"
+    assert out[2].startswith("implementation: hf (OlmoForCausalLM: no native family for model_type 'olmo'")
+    assert any(line.startswith("LoRA targets: down_proj,gate_proj,k_proj") for line in out)
+    assert main(["doctor", "--model", str(folders["llama"])]) == 0
+    assert "implementation: native" in capsys.readouterr().out
+    assert main(["doctor", "--model", str(folders["olmo"]), "--impl", "native"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "model_type 'olmo'" in err
