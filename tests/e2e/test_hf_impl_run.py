@@ -1,0 +1,95 @@
+"""`twinplane train` on an architecture with no native family (OLMo, through transformers' code): a run ends with a
+final/ folder transformers loads, a killed run resumes to the uninterrupted one's bytes, LoRA trains and exports
+through PEFT, and what the hf path cannot do is refused in one line."""
+
+import pytest
+import torch
+from conftest import outcome, rows, train
+
+from twinplane.tokenizer import build_char_tokenizer
+
+transformers = pytest.importorskip("transformers")
+RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
+       "task.heldout_size=8", "eval.before=false", "eval.every=0", "log.progress=false", "checkpoint.every=1",
+       "train.micro_batch_size=8", "algo.kl_coef=0.05"]
+
+
+@pytest.fixture(scope="module")
+def olmo(tmp_path_factory):
+    """A random OLMo folder with the demo's character tokenizer."""
+    path = tmp_path_factory.mktemp("olmo")
+    tok = build_char_tokenizer("0123456789+=")
+    torch.manual_seed(0)
+    cfg = transformers.OlmoConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    tok.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def whole(olmo, tmp_path_factory):
+    run = tmp_path_factory.mktemp("whole")
+    assert train(run, f"model.path={olmo}", args=RUN) == 0
+    return run
+
+
+def test_a_run_trains_reports_the_gap_and_saves_a_transformers_folder(whole, olmo):
+    steps = [r for r in rows(whole) if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["actor/logprob_gap"] < 1e-4 for r in steps)  # engine vs trainer: one model, fp32
+    final = transformers.AutoModelForCausalLM.from_pretrained(whole / "final")
+    start = transformers.AutoModelForCausalLM.from_pretrained(olmo)
+    assert type(final).__name__ == "OlmoForCausalLM"
+    moved = [n for n, p in final.named_parameters() if not torch.equal(p, start.get_parameter(n))]
+    assert len(moved) == len(list(final.parameters()))  # every parameter changed
+
+
+def test_kill_and_resume_equals_the_uninterrupted_run(whole, olmo, tmp_path):
+    assert train(tmp_path, f"model.path={olmo}", fault="train@2", args=RUN) == 75
+    assert train(tmp_path, f"model.path={olmo}", "--resume", "auto", args=RUN) == 0
+    weights, got = outcome(tmp_path)
+    want = outcome(whole)
+    assert weights == want[0] and got == want[1]
+
+
+def test_lora_run_exports_a_peft_adapter(olmo, tmp_path):
+    peft = pytest.importorskip("peft")
+    assert train(tmp_path, f"model.path={olmo}", "train.lora.rank=4", "train.steps=2", args=RUN) == 0
+    adapter = tmp_path / "final_adapter"
+    base = transformers.AutoModelForCausalLM.from_pretrained(olmo)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    got = peft.PeftModel.from_pretrained(base, adapter).eval()
+    ids = torch.randint(0, 15, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(got(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.impl=native", "model_type 'olmo'"),
+    ("rollout.batch_invariant=true", "rollout.batch_invariant: is a property of the native engine's GEMMs"),
+    ("cluster.max_staleness=1", "cluster.max_staleness: must be 0"),
+    ("algo.name=ppo", "algo.name: PPO's critic is built on the native decoder"),
+])
+def test_what_hf_cannot_do_is_one_line_and_exit_2(olmo, tmp_path, capsys, override, message):
+    assert train(tmp_path, f"model.path={olmo}", override, args=RUN) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_lora_on_a_model_without_the_target_names_is_refused(tmp_path, capsys):
+    cfg = transformers.GPTNeoXConfig(vocab_size=15, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "neox")
+    build_char_tokenizer("0123456789+=").save(tmp_path / "neox")
+    assert train(tmp_path / "run", f"model.path={tmp_path / 'neox'}", "train.lora.rank=4", args=RUN) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["twinplane: error: train.lora.targets: GPTNeoXForCausalLM has no linear layer named q_proj (its "
+                   "decoder layers' linears: dense, dense_4h_to_h, dense_h_to_4h, query_key_value)"]
