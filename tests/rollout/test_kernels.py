@@ -155,7 +155,7 @@ def test_silu_mul_reads_the_halves_of_a_stacked_gemm():
 def test_mlp_adds_into_the_residual_in_its_down_gemm(variant):
     """`TritonMLP.add_to` = residual + the MLP (the add inside the down projection's GEMM, in place), with gate/up
     stacked or apart; a down projection with a bias adds after it (the residual left as it was)."""
-    from twinplane.model.transformer import MLP
+    from twinplane.model.blocks import MLP
     from twinplane.rollout.kernels.layers import TritonMLP, stack
 
     torch.manual_seed(0)

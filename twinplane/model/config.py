@@ -1,6 +1,8 @@
-"""Model configuration for the Llama/Qwen/Mixtral decoder family, read from and written to HF `config.json`.
+"""Model configuration, read from and written to HF `config.json`.
 
-Both config forms that exist in the wild are accepted:
+What every family shares is read here; what differs by family (biases, norms, windows, experts, the options it does
+not implement) is in its declaration (twinplane/model/families/). Both config forms that exist in the wild are
+accepted:
 - transformers 4.x (what published checkpoints carry): `rope_theta` + `rope_scaling`;
 - transformers 5.x: `rope_parameters` holding theta, type and scaling together.
 """
@@ -8,34 +10,25 @@ Both config forms that exist in the wild are accepted:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-# model_type -> (q/k/v bias, q/k RMSNorm, HF architecture name). The MoE families' MLP blocks and checkpoint
-# names are in `twinplane.model.moe.MOE_FAMILIES`.
-FAMILIES = {
-    "llama": (False, False, "LlamaForCausalLM"),
-    "mistral": (False, False, "MistralForCausalLM"),
-    "qwen2": (True, False, "Qwen2ForCausalLM"),
-    "qwen3": (False, True, "Qwen3ForCausalLM"),
-    "qwen2_moe": (True, False, "Qwen2MoeForCausalLM"),
-    "qwen3_moe": (False, True, "Qwen3MoeForCausalLM"),
-    "mixtral": (False, False, "MixtralForCausalLM"),
-}
-MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
-# rope scaling types and the numbers each needs (all finite and > 0; llama3 also needs high_freq_factor > low)
-ROPE_TYPES = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-
+from twinplane.model.families import family
+from twinplane.model.rope import check_scaling, finite, read_rope
 
 # Sizes that must be positive integers (JSON lets them be strings or floats), as fields and as config.json keys.
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
          "max_position_embeddings")
 HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings")
+# config.json keys read here or by some family's `read` (what is left over is kept and written back on save)
+KNOWN = {
+    *HF_SIZES, "model_type", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+    "attention_bias", "mlp_bias", "qkv_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+    "layer_types", "bos_token_id", "eos_token_id", "pad_token_id", "architectures", "hidden_act", "num_experts",
+    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+}
 
 
 @dataclass
@@ -77,25 +70,15 @@ class ModelConfig:
             _positive_int(name, getattr(self, name))
         if self.sliding_window is not None:
             _positive_int("sliding_window", self.sliding_window, " or null")
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        family(self.model_type)  # (raises for one without a native implementation)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
-        if not (_finite(self.rope_theta) and self.rope_theta > 0):
+        if not (finite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
-        if not (_finite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+        if not (finite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
             raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
-        scaling = self.rope_scaling or {}
-        rope_type = scaling.get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-        for key in ROPE_TYPES[rope_type]:
-            if not (_finite(scaling.get(key)) and scaling[key] > 0):
-                raise ValueError(f"{rope_type} rope scaling needs {key} as a finite number > 0, got "
-                                 f"{scaling.get(key)!r}")
-        if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-            raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+        check_scaling(self.rope_scaling)
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                              f"{self.num_experts}")
@@ -138,9 +121,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
         model_type = hf.get("model_type", "llama")
-        qkv_bias, qk_norm, _ = FAMILIES.get(model_type, (False, False, None))
-        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
-            raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
+        fam = family(model_type)  # first: another family's keys mean nothing here
         quant = hf.get("quantization_config")  # (GPTQ/AWQ/FP8 weights are packed integers plus scales)
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -148,32 +129,13 @@ class ModelConfig:
                              "unquantized model")
         act = hf.get("hidden_act", "silu")  # (transformers: "swish" is silu too)
         if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported (the Llama/Qwen/Mistral families use silu)")
-        if not isinstance(hf.get("rope_scaling") or {}, dict) or not isinstance(hf.get("rope_parameters") or {}, dict):
-            raise ValueError("rope_scaling / rope_parameters must be an object")
-        # 5.x keeps theta and scaling together in rope_parameters; 4.x splits them.
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = rope or dict(hf.get("rope_scaling") or {})
-        if scaling:
-            scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
-        if scaling.get("rope_type", "default") == "default":
-            scaling = None
+            raise ValueError(f"hidden_act {act!r} is not supported ({model_type} is implemented with silu)")
+        fam.check(hf)
+        theta, scaling = read_rope(hf)
         for key in HF_SIZES:  # by the file's names, and before any arithmetic on them
             if hf.get(key) is not None:
                 _positive_int(key, hf[key])
-        bias = bool(hf.get("attention_bias", False))
         heads = hf["num_attention_heads"]
-        known = {
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "model_type", "rms_norm_eps", "rope_theta", "rope_scaling",
-            "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
-            "sliding_window", "use_sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "architectures",
-            "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-            "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "qkv_bias", "hidden_act",
-        }
-        moe = model_type in MOE_TYPES
-        mixtral = model_type == "mixtral"  # experts use intermediate_size and always renormalise the top-k
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -188,22 +150,11 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qkv_bias=qkv_bias or bias,
-            o_bias=bias and model_type == "llama",
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=qk_norm,
-            sliding_window=hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
-            num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
-            num_experts_per_tok=hf.get("num_experts_per_tok", 2) if moe else 0,
-            moe_intermediate_size=hf["intermediate_size" if mixtral else "moe_intermediate_size"] if moe else 0,
-            norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) if moe else 0,
-            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
-            mlp_only_layers=list(hf.get("mlp_only_layers") or []),
-            extra={k: v for k, v in hf.items() if k not in known},
+            extra={k: v for k, v in hf.items() if k not in KNOWN and k not in fam.unsupported},
+            **fam.read(hf),
         )
 
     @classmethod
@@ -226,9 +177,10 @@ class ModelConfig:
 
     def to_hf(self) -> dict:
         """The transformers 4.x form, which both transformers 4.x and 5.x read."""
+        fam = family(self.model_type)
         hf = dict(self.extra)
         hf.update(
-            architectures=[FAMILIES[self.model_type][2]],
+            architectures=[fam.architecture],
             model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -246,51 +198,11 @@ class ModelConfig:
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
+            **fam.write(self),
         )
-        if self.model_type == "llama":
-            hf.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        if self.model_type in ("mistral", "mixtral"):
-            hf.update(sliding_window=self.sliding_window)
-        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-            hf.update(use_sliding_window=False, sliding_window=None)
-        if self.model_type in ("qwen3", "qwen3_moe"):
-            hf.update(attention_bias=self.qkv_bias)
-        if self.model_type == "mixtral":
-            hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
-        elif self.model_type in MOE_TYPES:
-            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                      decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers)
-        if self.model_type == "qwen2_moe":
-            hf.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         return hf
 
 
 def _positive_int(name: str, value, alternative: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")
-
-
-def _finite(value) -> bool:
-    """A finite number, as config.json may hold it (a bool is not one)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (fp32), with `linear` or `llama3` scaling applied."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
-    s = cfg.rope_scaling or {}
-    kind = s.get("rope_type", "default")
-    if kind == "linear":
-        inv_freq = inv_freq / s["factor"]
-    elif kind == "llama3":
-        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_ctx = s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq.float()

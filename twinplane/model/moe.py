@@ -12,13 +12,17 @@ works; the per-expert loop is the portable fallback, and tests check that they a
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twinplane.model.config import ModelConfig
+from twinplane.model.blocks import MLP, dense_mlp
 from twinplane.platform import backends
+
+if TYPE_CHECKING:
+    from twinplane.model.config import ModelConfig
 
 
 class RoutingState:
@@ -128,6 +132,37 @@ class SparseMoE(nn.Module):
         return y.reshape(shape)
 
 
+def sparse_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """A layer's MLP in an MoE family: routed experts on the sparse layers, the dense MLP on the others."""
+    if not cfg.is_moe_layer(layer):
+        return dense_mlp(cfg, layer)
+    return SparseMoE(cfg, cfg.moe_layers.index(layer))
+
+
+def sparse_mlp_shared(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Qwen2-MoE: the routed experts plus one always-on shared expert behind a sigmoid gate."""
+    if not cfg.is_moe_layer(layer):
+        return dense_mlp(cfg, layer)
+    shared = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+    return SparseMoE(cfg, cfg.moe_layers.index(layer), shared)
+
+
+def read_moe(hf: dict) -> dict:
+    """The MoE fields of ModelConfig from config.json (Qwen-MoE names; Mixtral's family overrides two)."""
+    return dict(num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
+                num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+                moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+                mlp_only_layers=list(hf.get("mlp_only_layers") or []))
+
+
+def write_moe(cfg: ModelConfig) -> dict:
+    return dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=cfg.mlp_only_layers)
+
+
 def load_balancing_loss(logits: list[torch.Tensor], top_k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Switch-Transformer auxiliary loss as transformers' `load_balancing_loss_func`: E * sum_e f_e * P_e, where
     f_e is the fraction of (token, slot) assignments to expert e and P_e its mean router probability, both pooled
@@ -159,29 +194,30 @@ def routing_agreement(own: torch.Tensor, recorded: torch.Tensor) -> tuple[int, i
     return int((same & has).sum()), int(has.sum())
 
 
-# Checkpoint names of the published per-expert layout -> (our parameter, expert index). Qwen-MoE uses our
-# names with `experts.E.` inside; Mixtral writes `block_sparse_moe.experts.E.w1/w3/w2` (gate/up/down).
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Checkpoint names of the published per-expert layout -> (our parameter, expert index): `experts.E.` inside the
+# block (Qwen-MoE: `mlp`; Mixtral: `block_sparse_moe` with w1/w3/w2 for gate/up/down, `names`).
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
-def checkpoint_to_param(name: str) -> tuple[str, int | None]:
+def expert_from_checkpoint(name: str, block: str = "mlp", names: dict[str, str] | None = None
+                           ) -> tuple[str, int | None]:
     """A checkpoint tensor's parameter name here, and its expert index when it is one slice of stacked experts."""
     m = _EXPERT.match(name)
-    if m:
+    if m and m.group(2) == block:
         layer, _, e, proj = m.groups()
-        return f"{layer}.mlp.experts.{_MIXTRAL.get(proj, proj)}", int(e)
-    return name.replace(".block_sparse_moe.gate.", ".mlp.gate."), None
+        return f"{layer}.mlp.experts.{(names or {}).get(proj, proj)}", int(e)
+    if block != "mlp":
+        name = name.replace(f".{block}.gate.", ".mlp.gate.")
+    return name, None
 
 
-def param_to_checkpoint(name: str, tensor: torch.Tensor, model_type: str) -> list[tuple[str, torch.Tensor]]:
+def expert_to_checkpoint(name: str, tensor: torch.Tensor, block: str = "mlp", names: dict[str, str] | None = None
+                         ) -> list[tuple[str, torch.Tensor]]:
     """The published names for one of our parameters: stacked experts split into one tensor per expert."""
-    mixtral = model_type == "mixtral"
     if ".mlp.experts." in name:
         layer, proj = name.split(".mlp.experts.")
-        ours = {v: k for k, v in _MIXTRAL.items()}[proj] if mixtral else proj
-        block = "block_sparse_moe" if mixtral else "mlp"
+        ours = {v: k for k, v in (names or {}).items()}.get(proj, proj)
         return [(f"{layer}.{block}.experts.{e}.{ours}.weight", tensor[e]) for e in range(tensor.shape[0])]
-    if mixtral and ".mlp.gate." in name:
-        return [(name.replace(".mlp.gate.", ".block_sparse_moe.gate."), tensor)]
+    if block != "mlp" and ".mlp.gate." in name:
+        return [(name.replace(".mlp.gate.", f".{block}.gate."), tensor)]
     return [(name, tensor)]

@@ -8,7 +8,7 @@ Qwen3-MoE, Mixtral), serving both planes.
 Attention only sees an `AttentionMetadata` (twinplane.model.attention): the layout of the tokens is the caller's.
 Module and parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`),
 so checkpoints load with no renaming and what we save loads in transformers (stacked experts are the one
-exception, mapped in `moe.checkpoint_to_param`). A family's MLP block comes from `MLP_BUILDERS`.
+exception, mapped by the family's declaration). A family's blocks come from its declaration (twinplane/model/families/).
 """
 
 from __future__ import annotations
@@ -22,109 +22,19 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from twinplane.model.attention import VARLEN_PREPARE, AttentionMetadata, attention, build_mask
-from twinplane.model.config import ModelConfig, rope_inv_freq
-from twinplane.model.moe import RoutingState, SparseMoE
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 then cast back before the scale, as HF does (keeps bf16 numerics identical).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, heads, T, hd] (cos/sin [B, 1, T, hd]), HF's rotate-half layout."""
-    return x * cos + rotate_half(x) * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.layer, self.cfg = layer, cfg
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=cfg.o_bias)
-        if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k before rope
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d] -> q [B, T, H, hd], k and v [B, T, H_kv, hd]. (The rollout engine's CPU copy computes the
-        three in one GEMM: twinplane.rollout.prepacked.PrepackedAttention.)"""
-        hd = self.cfg.head_dim
-        return tuple(p(x).unflatten(-1, (-1, hd)) for p in (self.q_proj, self.k_proj, self.v_proj))
-
-    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d] -> q [B, H, T, hd] and k [B, H_kv, T, hd] with rope applied, v [B, H_kv, T, hd]. (The
-        engine's CPU copy ropes q and k in one pass: twinplane.rollout.prepacked.PrepackedAttention.)"""
-        q, k, v = self.project(x)
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return rope(q, cos, sin), rope(k, cos, sin), v
-
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
-        B, T, _ = x.shape
-        y = attention(*self.qkv(x, cos, sin), meta, self.layer)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int, f: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, f, bias=bias)
-        self.up_proj = nn.Linear(d, f, bias=bias)
-        self.down_proj = nn.Linear(f, d, bias=bias)
-
-    def forward(self, x, routing: RoutingState | None = None):
-        # (the rollout engine's CPU copy computes gate and up in one GEMM: twinplane.rollout.prepacked.PrepackedMLP)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
-    return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-
-
-def sparse_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
-    """Qwen3-MoE and Mixtral (Mixtral's always-renormalised top-k is `norm_topk_prob` in its config)."""
-    if not cfg.is_moe_layer(layer):
-        return dense_mlp(cfg, layer)
-    return SparseMoE(cfg, cfg.moe_layers.index(layer))
-
-
-def sparse_mlp_shared(cfg: ModelConfig, layer: int) -> nn.Module:
-    """Qwen2-MoE: the routed experts plus one always-on shared expert behind a sigmoid gate."""
-    if not cfg.is_moe_layer(layer):
-        return dense_mlp(cfg, layer)
-    shared = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-    return SparseMoE(cfg, cfg.moe_layers.index(layer), shared)
-
-
-# model_type -> the builder of a decoder layer's MLP block (a new family is one entry here plus its config).
-MLP_BUILDERS = {"llama": dense_mlp, "mistral": dense_mlp, "qwen2": dense_mlp, "qwen3": dense_mlp,
-                "qwen3_moe": sparse_mlp, "mixtral": sparse_mlp, "qwen2_moe": sparse_mlp_shared}
+from twinplane.model.attention import VARLEN_PREPARE, AttentionMetadata, build_mask
+from twinplane.model.blocks import Attention, RMSNorm
+from twinplane.model.config import ModelConfig
+from twinplane.model.families import family
+from twinplane.model.moe import RoutingState
+from twinplane.model.rope import rope_inv_freq
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP_BUILDERS[cfg.model_type](cfg, layer)
+        self.mlp = family(cfg.model_type).mlp(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

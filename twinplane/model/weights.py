@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from twinplane.model.config import ModelConfig
-from twinplane.model.moe import checkpoint_to_param, param_to_checkpoint
+from twinplane.model.families import family
+from twinplane.model.family import same_name, same_tensor
 from twinplane.model.transformer import Transformer
 from twinplane.platform import runtime
 
@@ -40,6 +41,15 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
+def naming(model: torch.nn.Module) -> tuple[Callable, Callable]:
+    """(from_checkpoint, to_checkpoint) name maps of a model: its family's for the native decoder; any other model
+    (transformers' own, model.impl=hf) has its parameters named as its checkpoints are."""
+    if isinstance(model, Transformer):
+        fam = family(model.config.model_type)
+        return fam.from_checkpoint, fam.to_checkpoint
+    return same_name, same_tensor
+
+
 def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
     """Copy named tensors into the model's parameters (casting dtype/device). Used for loading a checkpoint
     and for the trainer -> engine weight sync alike. Names are ours or the published per-expert ones
@@ -49,6 +59,7 @@ def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], 
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     params = dict(model.named_parameters())
+    to_param = naming(model)[0]
     seen, slices = set(), {}
     with torch.no_grad():
         for name, tensor in named:
@@ -56,7 +67,7 @@ def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], 
                 continue
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy of the embedding
-            target, expert = checkpoint_to_param(name)
+            target, expert = to_param(name)
             p = params.get(target)
             if p is None or (expert is not None and expert >= p.shape[0]):
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {model.config.model_type} model")
@@ -85,8 +96,8 @@ def save_pretrained(model: Transformer, out: str | Path, max_shard_bytes: int | 
     save_config(model, out)
     from twinplane.model.export import export_weights  # lazily: it loads torch.distributed.tensor (seconds)
 
-    state = {name: t.contiguous().cpu() for n, p in export_weights(model)
-             for name, t in param_to_checkpoint(n, p, model.config.model_type)}
+    published = naming(model)[1]
+    state = {name: t.contiguous().cpu() for n, p in export_weights(model) for name, t in published(n, p)}
     if max_shard_bytes is None or sum(t.nbytes for t in state.values()) <= max_shard_bytes:
         save_file(state, out / SINGLE, metadata={"format": "pt"})
         return

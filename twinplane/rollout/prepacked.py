@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinplane.model.blocks import MLP, Attention, rope
 from twinplane.model.lora import LoraLinear
-from twinplane.model.transformer import MLP, Attention, rope
 
 
 class PrepackedWeight:

@@ -43,7 +43,7 @@ import torch
 from twinplane.model import Transformer, save_pretrained
 from twinplane.model.checksum import combine_checksums, tensor_checksum
 from twinplane.model.config import ModelConfig
-from twinplane.model.moe import param_to_checkpoint
+from twinplane.model.families import family
 from twinplane.rollout.engine import Done, EngineStats, call_seed, request_caps
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.sequence import Sample, sample_seed
@@ -114,7 +114,7 @@ def to_sample(index: int, prompt: list[int], out, sampling: SamplingParams, vers
 
 def checkpoint_named(config: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Our parameters by their checkpoint names (MoE experts one tensor each), what vLLM's loaders take."""
-    return [pair for n, t in named for pair in param_to_checkpoint(n, t, config.model_type)]
+    return [pair for n, t in named for pair in family(config.model_type).to_checkpoint(n, t)]
 
 
 def sync_layout(config: ModelConfig) -> dict:

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twinplane.model.transformer import MLP, Attention, DecoderLayer, RMSNorm
+from twinplane.model.blocks import MLP, Attention, RMSNorm
+from twinplane.model.transformer import DecoderLayer
 from twinplane.rollout.kernels.activation import silu_mul
 from twinplane.rollout.kernels.norm import rms_norm
 from twinplane.rollout.kernels.rope import rope_write

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twinplane.model.transformer import rope
+from twinplane.model.blocks import rope
 
 
 @triton.jit

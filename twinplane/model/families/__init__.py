@@ -1,0 +1,22 @@
+"""Every model family twinplane runs natively, by `model_type`: one file each (see twinplane.model.family for what a
+declaration holds, docs/models.md for how to add one)."""
+
+from __future__ import annotations
+
+from twinplane.model.families import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from twinplane.model.family import Family
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)}
+
+
+def family(model_type: str) -> Family:
+    """The declaration of `model_type`; ValueError naming the supported ones otherwise."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(f"model_type {model_type!r} has no native implementation (native: "
+                         f"{', '.join(FAMILIES)})") from None
+
+
+__all__ = ["FAMILIES", "family"]

@@ -1,0 +1,94 @@
+"""What a model family is to twinplane: one declaration per `model_type`, one file each in twinplane/model/families/.
+
+A family says
+- how its config.json reads (`read`: the ModelConfig fields that differ by family, from both the transformers 4.x
+  and 5.x forms) and writes back (`write`);
+- which options of its transformers config it does not implement (`unsupported`): each is accepted at its neutral
+  value only and otherwise refused with one line naming the feature, so that a model never runs as a slightly
+  different one;
+- its decoder layer's MLP block (`mlp`);
+- its checkpoint names where they differ from the parameters' (`from_checkpoint`, `to_checkpoint`).
+What every family shares (sizes, rope, norm epsilon, activation, token ids) ModelConfig.from_hf reads itself. Both
+planes, `save_pretrained` and the vLLM weight mapping read the declaration; none of them tests a family's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from twinplane.model.blocks import dense_mlp
+
+if TYPE_CHECKING:
+    from twinplane.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option of the family's transformers config that twinplane does not implement."""
+
+    neutral: Any  # the value that leaves the model as implemented; a callable: a test of the value
+    feature: str  # what any other value turns on (the refusal names it)
+
+    def accepts(self, value) -> bool:
+        return self.neutral(value) if callable(self.neutral) else value == self.neutral
+
+
+def same_name(name: str) -> tuple[str, int | None]:
+    return name, None
+
+
+def same_tensor(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor)]
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # transformers' class name, written to config.json
+    read: Callable[[dict], dict]  # config.json -> the family's ModelConfig fields
+    write: Callable[[ModelConfig], dict]  # the family's config.json keys
+    mlp: Callable[[ModelConfig, int], nn.Module] = dense_mlp  # (cfg, layer) -> the layer's MLP block
+    unsupported: Mapping[str, Option] = field(default_factory=dict)
+    # checkpoint tensor name -> (parameter name, expert index of a stacked parameter or None)
+    from_checkpoint: Callable[[str], tuple[str, int | None]] = same_name
+    # (parameter name, tensor) -> its tensors by published name
+    to_checkpoint: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] = same_tensor
+
+    def check(self, hf: dict) -> None:
+        """Refuse, with one line naming the feature, an option set to anything but its neutral value."""
+        for key, option in self.unsupported.items():
+            if key in hf and not option.accepts(hf[key]):
+                raise ValueError(f"{self.model_type}: {key}={hf[key]!r} turns on {option.feature}, which twinplane "
+                                 "does not implement")
+
+
+def uniform_window(hf: dict, window: int | None, derived: Callable[[int], bool]) -> int | None:
+    """The sliding window of a config whose layers may differ (transformers 5.x's `layer_types`, else `derived(i)`:
+    whether layer i slides), when every layer attends alike: `window` if all slide, None if none does. A mix, or a
+    kind other than full or sliding attention, is refused by name."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if window and derived(i) else "full_attention"
+                                      for i in range(layers)]
+    kinds = set(types)
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{hf.get('model_type')}: layer_types {sorted(kinds)}: only full_attention and "
+                         "sliding_attention are implemented")
+    if kinds == {"full_attention"}:
+        return None
+    if not window:
+        raise ValueError(f"{hf.get('model_type')}: layer_types has sliding_attention layers but no sliding_window "
+                         "is in use (use_sliding_window / sliding_window)")
+    if kinds == {"sliding_attention"}:
+        return window
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    raise ValueError(f"{hf.get('model_type')}: sliding-window attention on some layers only ({len(sliding)} of "
+                     f"{layers}, from layer_types / use_sliding_window + max_window_layers) is not implemented")
+
+
+# Options several families' transformers configs define that change what the model computes.
+DROPOUT = {"attention_dropout": Option(lambda v: not v, "dropout on the attention weights in training")}
