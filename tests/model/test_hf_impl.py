@@ -197,3 +197,29 @@ def test_doctor_model_says_which_and_why(folders, capsys):
     assert main(["doctor", "--model", str(folders["olmo"]), "--impl", "native"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "model_type 'olmo'" in err
+
+
+def _grads(model, batch):
+    model.train()
+    lp, _ = response_logprobs(model, batch, 1.0)
+    lp.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return lp.detach(), grads
+
+
+@pytest.mark.parametrize("setting", ["activation_checkpointing",
+                                     pytest.param("compile_layers", marks=pytest.mark.slow)])
+def test_checkpointing_and_compiled_layers_change_nothing(folders, setting):
+    """transformers' gradient checkpointing, and each decoder layer's training forward compiled: the same log-probs
+    and gradients as the plain model (compiling: to rounding)."""
+    plain = load_hf(folders["olmo"], "cpu")
+    batch = make_batch(plain)
+    lp, grads = _grads(plain, batch)
+    other = load_hf(folders["olmo"], "cpu")
+    setattr(other, setting, True)
+    lp2, grads2 = _grads(other, batch)
+    torch.testing.assert_close(lp2, lp, rtol=1e-5, atol=1e-5)
+    for n in grads:
+        torch.testing.assert_close(grads2[n], grads[n], rtol=1e-4, atol=1e-5)
+    assert not plain.activation_checkpointing and getattr(other, setting)
