@@ -10,7 +10,7 @@ from conftest import simulate_gpu, tiny_model
 
 from twinplane.config import ConfigError, load_config
 from twinplane.errors import InputError
-from twinplane.model.transformer import DecoderLayer
+from twinplane.model.layer import DecoderLayer
 from twinplane.platform import backends, hardware, runtime
 from twinplane.rollout import RolloutEngine, engine_options
 from twinplane.tools import doctor

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 from twinplane.config import AlgoSection, TrainSection
 from twinplane.errors import InputError
-from twinplane.model import transformer
+from twinplane.model import layer as decoder_layer
 from twinplane.platform import backends
 from twinplane.rollout.engine import RolloutEngine
 from twinplane.rollout.sampling import SamplingParams
@@ -117,7 +117,7 @@ def test_eval_forwards_and_the_engine_stay_eager(monkeypatch):
     model = tiny_model()
     Trainer(model, TrainSection(compile="on"), AlgoSection(), 1.0, 10)
     engine_model = copy.deepcopy(model)  # as a colocated engine's copy made after the trainer
-    monkeypatch.setattr(transformer, "compiled_layer", refuse)
+    monkeypatch.setattr(decoder_layer, "compiled_layer", refuse)
     with torch.no_grad():
         model.train()(torch.tensor([[5, 6, 7]]))  # scoring: no grad
     model.eval()(torch.tensor([[5, 6, 7]]))
@@ -155,8 +155,8 @@ def test_gpu_packed_layers_compile_once_for_batches_of_any_shape(monkeypatch):
                         _varlen_stand_in(q, k, v, cq, ck, mq, mk, is_causal))
     monkeypatch.setattr(backends, "varlen_backend", lambda *a, **k: "torch_varlen")
     monkeypatch.setattr(_varlen_stand_in, "calls", 0)
-    layer = torch.compile(transformer.DecoderLayer.run, dynamic=True, backend="aot_eager")
-    monkeypatch.setattr(transformer, "compiled_layer", lambda: layer)
+    layer = torch.compile(decoder_layer.DecoderLayer.run, dynamic=True, backend="aot_eager")
+    monkeypatch.setattr(decoder_layer, "compiled_layer", lambda: layer)
     torch._dynamo.reset()
     counters.clear()
 

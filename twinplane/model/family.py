@@ -6,7 +6,7 @@ A family says
 - which options of its transformers config it does not implement (`unsupported`): each is accepted at its neutral
   value only and otherwise refused with one line naming the feature, so that a model never runs as a slightly
   different one;
-- its decoder layer's MLP block (`mlp`);
+- its decoder layer (`decoder_layer`, Llama's pre-norm block unless the family's differs) and MLP block (`mlp`);
 - its checkpoint names where they differ from the parameters' (`from_checkpoint`, `to_checkpoint`).
 What every family shares (sizes, rope, norm epsilon, activation, token ids) ModelConfig.from_hf reads itself. Both
 planes, `save_pretrained` and the vLLM weight mapping read the declaration; none of them tests a family's name.
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from twinplane.model.blocks import dense_mlp
+from twinplane.model.layer import DecoderLayer
 
 if TYPE_CHECKING:
     from twinplane.model.config import ModelConfig
@@ -53,11 +54,16 @@ class Family:
     read: Callable[[dict], dict]  # config.json -> the family's ModelConfig fields
     write: Callable[[ModelConfig], dict]  # the family's config.json keys
     mlp: Callable[[ModelConfig, int], nn.Module] = dense_mlp  # (cfg, layer) -> the layer's MLP block
+    # (cfg, layer, mlp builder) -> the decoder layer: the pre-norm block, or a subclass overriding `block`
+    decoder_layer: Callable[..., nn.Module] = DecoderLayer
     unsupported: Mapping[str, Option] = field(default_factory=dict)
     # checkpoint tensor name -> (parameter name, expert index of a stacked parameter or None)
     from_checkpoint: Callable[[str], tuple[str, int | None]] = same_name
     # (parameter name, tensor) -> its tensors by published name
     to_checkpoint: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] = same_tensor
+
+    def layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return self.decoder_layer(cfg, index, self.mlp)
 
     def check(self, hf: dict) -> None:
         """Refuse, with one line naming the feature, an option set to anything but its neutral value."""

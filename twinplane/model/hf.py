@@ -27,32 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinplane.model.attention import AttentionMetadata
-from twinplane.model.hf_config import HFConfig
+from twinplane.model.hf_config import HFConfig, decoder_layers
 
 NO_ROUTING = ("MoE routing record/replay needs a native model: model.impl=hf runs transformers' experts, whose "
               "choices twinplane does not see")
-
-
-def build_meta(path) -> nn.Module:
-    """The transformers model of `path/config.json` on the meta device (no memory, no weights)."""
-    import transformers
-
-    cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(cfg)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a transformers model: the module list of its `_no_split_modules` class (what
-    transformers itself keeps whole when it splits a model), else the longest module list."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    for m in lists:
-        if type(m[0]).__name__ in names:
-            return m
-    if not lists:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found")
-    return max(lists, key=len)
 
 
 class HFCausalLM(nn.Module):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -104,7 +105,27 @@ class HFConfig:
     @classmethod
     def from_folder(cls, path) -> HFConfig:
         """Without loading weights: the model built on the meta device from `path/config.json`."""
-        from twinplane.model.hf import build_meta, decoder_layers
-
         model = build_meta(path)
         return cls.from_model(model, decoder_layers(model))
+
+
+def build_meta(path) -> nn.Module:
+    """The transformers model of `path/config.json` on the meta device (no memory, no weights)."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers model: the module list of its `_no_split_modules` class (what
+    transformers itself keeps whole when it splits a model), else the longest module list."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    for m in lists:
+        if type(m[0]).__name__ in names:
+            return m
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found")
+    return max(lists, key=len)

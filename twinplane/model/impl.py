@@ -124,8 +124,7 @@ def describe(path: str | Path, impl: str = "auto") -> list[str]:
         mc = ModelConfig.from_file(path)
         return lines + [f"parameters: {mc.num_params:,} (from config.json)",
                         "rollout: the own engine (paged KV cache, continuous batching) or vLLM"]
-    from twinplane.model.hf import build_meta, decoder_layers
-    from twinplane.model.hf_config import HFConfig
+    from twinplane.model.hf_config import HFConfig, build_meta, decoder_layers
 
     try:
         model = build_meta(path)

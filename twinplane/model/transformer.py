@@ -13,71 +13,26 @@ exception, mapped by the family's declaration). A family's blocks come from its 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from twinplane.model.attention import VARLEN_PREPARE, AttentionMetadata, build_mask
-from twinplane.model.blocks import Attention, RMSNorm
+from twinplane.model.blocks import RMSNorm
 from twinplane.model.config import ModelConfig
 from twinplane.model.families import family
 from twinplane.model.moe import RoutingState
 from twinplane.model.rope import rope_inv_freq
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = family(cfg.model_type).mlp(cfg, layer)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, meta, recompute: bool = False, routing: RoutingState | None = None,
-                compiled: bool = False):
-        """`recompute`: activation checkpointing; `compiled`: run through `torch.compile`, one region per layer.
-        Both sit inside the block's forward so that FSDP2's unshard hooks (on this module's call) stay outside the
-        recomputed and the compiled region, the arrangement torchtitan uses; the compiled region holds the
-        checkpoint (torchtitan's order: compile wraps the checkpointed block)."""
-        run = compiled_layer() if compiled else DecoderLayer.run
-        return run(self, x, cos, sin, meta, recompute, routing)
-
-    def run(self, x, cos, sin, meta, recompute: bool, routing: RoutingState | None):
-        if recompute:  # no dropout anywhere, so there is no RNG state to replay
-            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, meta, routing, use_reentrant=False,
-                                                     preserve_rng_state=False)
-        return self.block(x, cos, sin, meta, routing)
-
-    def block(self, x, cos, sin, meta, routing=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x), routing)
-
-
-@functools.cache
-def compiled_layer() -> Callable:
-    """`DecoderLayer.run` compiled once for every layer (they share the code and its graphs). Dynamic shapes:
-    packed micro-batches change length every call, and a graph per length would recompile all the time.
-
-    Dynamo's guards on FSDP-managed modules are kept (`skip_fsdp_guards=False`, set for the process when compiling
-    is first asked for; these layers are the only FSDP modules twinplane compiles): skipping them, as Dynamo does
-    by default, also stops it from holding those modules' int attributes static, so under FSDP2 and dynamic
-    shapes the head counts and head size became symbols, which broke the graph at SDPA's `enable_gqa` and left
-    the kernels generic over sizes that never change. With the guards the sharded layers compile to the graphs
-    of unsharded ones."""
-    torch._dynamo.config.skip_fsdp_guards = False  # (read while tracing; set once, not on every layer call)
-    return torch.compile(DecoderLayer.run, dynamic=True)
-
-
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(family(cfg.model_type).layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -74,7 +74,7 @@ def check_hf_run(cfg: Config, mc: HFConfig) -> None:
             raise ConfigError(f"{key}: {why}; model.impl=hf runs {arch} with transformers' code")
     lora = cfg.train.lora
     if lora.rank:
-        from twinplane.model.hf import build_meta, decoder_layers
+        from twinplane.model.hf_config import build_meta, decoder_layers
 
         layer = decoder_layers(build_meta(cfg.model.path))[0]
         linears = {n.rsplit(".", 1)[-1] for n, m in layer.named_modules() if type(m) is torch.nn.Linear}

@@ -23,7 +23,7 @@ from twinplane.train.batch import Batch
 
 def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, compute_dtype: str = "auto") -> Transformer:
-    """FSDP2 in place: one unit per decoder block (a transformers model's: `twinplane.model.hf.decoder_layers`),
+    """FSDP2 in place: one unit per decoder block (a transformers model's: `twinplane.model.hf_config.decoder_layers`),
     then the root (embedding, final norm, LM head, so tied embeddings stay one parameter). The default policy is
     `runtime.train_precision` (`train.compute_dtype`), the one a single rank uses too: on GPU bf16 compute over
     `model.dtype` master weights with fp32 gradient reductions; on CPU the weights' dtype throughout. `mesh` None

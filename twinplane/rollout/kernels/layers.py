@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinplane.model.blocks import MLP, Attention, RMSNorm
-from twinplane.model.transformer import DecoderLayer
+from twinplane.model.layer import DecoderLayer
 from twinplane.rollout.kernels.activation import silu_mul
 from twinplane.rollout.kernels.norm import rms_norm
 from twinplane.rollout.kernels.rope import rope_write
