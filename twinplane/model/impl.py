@@ -10,12 +10,12 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from twinplane.errors import InputError, first_line
 from twinplane.model.config import ModelConfig
+from twinplane.model.families import FAMILIES
 
 IMPLS = ("auto", "native", "hf")
 
@@ -45,19 +45,8 @@ def _architecture(hf: dict) -> str:
 
 
 def native_family(model_type) -> bool:
-    """Whether twinplane implements `model_type`: a minimal config of that type is accepted by native."""
-    if not isinstance(model_type, str):
-        return False
-    minimal = {"model_type": model_type, "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-               "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8,
-               "moe_intermediate_size": 8, "num_experts": 2, "num_local_experts": 2, "num_experts_per_tok": 1}
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(json.dumps(minimal))
-        try:
-            ModelConfig.from_file(d)
-        except (ValueError, FileNotFoundError, KeyError, TypeError):
-            return False
-    return True
+    """Whether twinplane implements `model_type` (a declaration in twinplane/model/families/)."""
+    return isinstance(model_type, str) and model_type in FAMILIES
 
 
 def hf_problem(path: Path, hf: dict) -> str | None:
