@@ -168,12 +168,22 @@ class HFCausalLM(nn.Module):
 
     @torch.no_grad()
     def check_head(self) -> None:
-        """Refuse a model whose logits are not `hidden @ output_weight().T` (see the module docstring)."""
+        """Refuse a model whose logits are not `hidden @ output_weight().T` (see the module docstring): the LM head
+        module's input and output are caught in one forward, so that a bias, a scale or soft-capping after it shows
+        at any logit size, whatever the dtype (the same tensors, compared as they are)."""
         dev, V = self.output_weight().device, self.config.vocab_size
         ids = ((torch.arange(8, device=dev) * 13 + 1) % V)[None]
-        want = self.hf(input_ids=ids, use_cache=False).logits.float()
-        got = self(ids).float()
-        if not (got - want).norm() <= 1e-2 * want.norm() + 1e-6:
+        seen = {}
+        head = self.hf.get_output_embeddings()
+        hook = head.register_forward_hook(lambda m, args, out: seen.update(h=args[0], out=out))
+        try:
+            logits = self.hf(input_ids=ids, use_cache=False).logits
+        finally:
+            hook.remove()
+        h, out = seen["h"], seen["out"]
+        plain = F.linear(h, self.output_weight())
+        if not (torch.equal(logits, out.to(logits.dtype)) and torch.allclose(out.float(), plain.float(), rtol=1e-3,
+                                                                               atol=1e-3 * plain.abs().max().item())):
             raise ValueError(f"{self.config.architecture}: its logits are not the final hidden states times the "
                              "output embedding (a bias, soft-capping or scaling), which twinplane's log-probs and "
                              "sampling compute; model.impl=hf cannot train it")
