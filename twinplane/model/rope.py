@@ -16,7 +16,10 @@ if TYPE_CHECKING:
 
 # rope scaling types and the numbers each needs (all finite and > 0; llama3 also needs high_freq_factor > low)
 ROPE_TYPES = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
+# yarn's optional numbers (absent or null: transformers' defaults)
+YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def finite(value) -> bool:
@@ -35,6 +38,12 @@ def check_scaling(scaling: dict | None) -> None:
             raise ValueError(f"{rope_type} rope scaling needs {key} as a finite number > 0, got {scaling.get(key)!r}")
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    if rope_type == "yarn":
+        for key in YARN_OPTIONAL:
+            if scaling.get(key) is not None and not finite(scaling[key]):
+                raise ValueError(f"yarn rope scaling needs {key} as a finite number or null, got {scaling[key]!r}")
+        if not isinstance(scaling.get("truncate", True), bool):
+            raise ValueError(f"yarn rope scaling needs truncate as true or false, got {scaling['truncate']!r}")
 
 
 def read_rope(hf: dict) -> tuple[float, dict | None]:
@@ -49,12 +58,60 @@ def read_rope(hf: dict) -> tuple[float, dict | None]:
         scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
     if scaling.get("rope_type", "default") == "default":
         scaling = None
+    elif scaling["rope_type"] == "yarn":  # as transformers: a top-level value wins, else the model's length
+        if hf.get("original_max_position_embeddings") is not None:
+            scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
     return theta, scaling
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `scale` times the pretrained one (1 when not extended)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by (transformers' `attention_scaling`): 1 except for yarn, where it is
+    `attention_factor` or, unset, YaRN's temperature (DeepSeek's configs: the ratio of the mscale and
+    mscale_all_dim temperatures)."""
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(s["factor"], mscale) / yarn_mscale(s["factor"], mscale_all_dim))
+    return yarn_mscale(s["factor"])
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): frequencies below the correction range interpolated (divided by `factor`), above
+    it kept, a linear ramp between; as transformers' `_compute_yarn_parameters`, op for op."""
+    s, d, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+    factor, old_ctx = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (d * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, d, 2, device="cpu").float() / d)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (fp32), with `linear` or `llama3` scaling applied."""
+    """Inverse frequencies [head_dim/2] (fp32), with `linear`, `llama3` or `yarn` scaling applied."""
     d = cfg.head_dim
+    if (cfg.rope_scaling or {}).get("rope_type") == "yarn":
+        return yarn_inv_freq(cfg).float()
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     s = cfg.rope_scaling or {}
     kind = s.get("rope_type", "default")
