@@ -56,7 +56,8 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
         n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=12, rope_parameters=YARN | {"mscale": 1.0, "mscale_all_dim": 1.0})),
+        qk_nope_head_dim=8, v_head_dim=12, head_dim=8, num_key_value_heads=4,
+        rope_parameters=YARN | {"mscale": 1.0, "mscale_all_dim": 1.0})),
     "qwen3_next": ("Qwen3NextConfig", dict(MOE, linear_num_key_heads=2, linear_num_value_heads=4,
                                            linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=2,
                                            shared_expert_intermediate_size=32)),
@@ -132,7 +133,7 @@ def row(name: str, work: Path) -> dict:
         with torch.no_grad():
             expected = ref.generate(torch.tensor(prompts), max_new_tokens=10, do_sample=False,
                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, 6:]
-        same = all(s.token_ids == [t for t in e.tolist()][:len(s.token_ids)] for s, e in zip(samples, expected, strict=True))
+        same = all(s.token_ids == e.tolist()[:len(s.token_ids)] for s, e in zip(samples, expected, strict=True))
         out["greedy"] = "equal" if same else "differs"
         saved = work / f"{name}-saved"
         model.save_pretrained(saved) if out["impl"] == "hf" else __import__("twinplane").save_pretrained(model, saved)
