@@ -17,7 +17,8 @@ BASE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_laye
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
            shared_expert_intermediate_size=24)
 CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-           "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
+           "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
+           "olmo2": "Olmo2Config"}
 # Keys that do not describe the model (labels, output switches, bookkeeping), or that the sweep can't turn alone.
 SKIP = {"model_type", "architectures", "transformers_version", "dtype", "_name_or_path", "id2label", "label2id",
         "return_dict", "output_hidden_states", "output_attentions", "problem_type", "is_encoder_decoder",

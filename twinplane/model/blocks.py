@@ -39,8 +39,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, heads, T, hd] (cos/sin [B, 1, T, hd]), HF's rotate-half layout."""
-    return x * cos + rotate_half(x) * sin
+    """Rotary embedding of x [B, heads, T, hd] (cos/sin [B, 1, T, rotary_dim]), HF's rotate-half layout; with
+    partial rotary (rotary_dim < hd) the first rotary_dim dims of each head rotate and the rest pass through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot = x[..., :rd]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., rd:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -91,3 +96,21 @@ class MLP(nn.Module):
 
 def dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+
+class GateUpMLP(nn.Module):
+    """The SwiGLU MLP with gate and up in one weight, `gate_up_proj` [2 f, d] (gate first), as GLM and Phi-3
+    publish it: one parameter, so checkpoints, LoRA targets and the engine's GEMM all see the fused projection."""
+
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x, routing: RoutingState | None = None):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * F.silu(gate))
+
+
+def gate_up_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    return GateUpMLP(cfg.hidden_size, cfg.intermediate_size)

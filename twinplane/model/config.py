@@ -27,7 +27,7 @@ KNOWN = {
     "attention_bias", "mlp_bias", "qkv_bias", "sliding_window", "use_sliding_window", "max_window_layers",
     "layer_types", "bos_token_id", "eos_token_id", "pad_token_id", "architectures", "hidden_act", "num_experts",
     "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-    "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+    "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "partial_rotary_factor",
 }
 
 
@@ -51,6 +51,8 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # rope on the first `rotary_dim` = int(head_dim * factor) dims of each head, the rest passed through (GLM, Phi)
+    partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -78,12 +80,21 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
         if not (finite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
             raise ValueError(f"rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
-        check_scaling(self.rope_scaling)
+        if not (finite(self.partial_rotary_factor) and 0 < self.partial_rotary_factor <= 1
+                and self.rotary_dim >= 2 and self.rotary_dim % 2 == 0):
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1] and leave an "
+                             f"even rotary size (head_dim {self.head_dim})")
+        check_scaling(self.rope_scaling, self.rotary_dim)
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                              f"{self.num_experts}")
         if self.num_experts and (self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1):
             raise ValueError("an MoE config needs moe_intermediate_size >= 1 and decoder_sparse_step >= 1")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head rope rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers

@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nn.Module):
+    attention: type[nn.Module] = Attention  # a family whose q/k/v differ (fused, normed, roped) subclasses it
+
     def __init__(self, cfg: ModelConfig, layer: int, mlp: Callable[[ModelConfig, int], nn.Module] = dense_mlp):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = self.attention(cfg, layer)
         self.mlp = mlp(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

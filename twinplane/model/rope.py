@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 # rope scaling types and the numbers each needs (all finite and > 0; llama3 also needs high_freq_factor > low)
 ROPE_TYPES = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "yarn": ("factor", "original_max_position_embeddings")}
+              "yarn": ("factor", "original_max_position_embeddings"),
+              "longrope": ("original_max_position_embeddings",)}
 # yarn's optional numbers (absent or null: transformers' defaults)
 YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
@@ -27,8 +28,9 @@ def finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_scaling(scaling: dict | None) -> None:
-    """Raise ValueError, naming the type or number at fault, unless `scaling` is one this module computes."""
+def check_scaling(scaling: dict | None, rotary_dim: int | None = None) -> None:
+    """Raise ValueError, naming the type or number at fault, unless `scaling` is one this module computes (for
+    `rotary_dim` rotated dims per head)."""
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
@@ -44,6 +46,23 @@ def check_scaling(scaling: dict | None) -> None:
                 raise ValueError(f"yarn rope scaling needs {key} as a finite number or null, got {scaling[key]!r}")
         if not isinstance(scaling.get("truncate", True), bool):
             raise ValueError(f"yarn rope scaling needs truncate as true or false, got {scaling['truncate']!r}")
+    if rope_type == "longrope":
+        check_longrope(scaling, rotary_dim)
+
+
+def check_longrope(scaling: dict, rotary_dim: int | None) -> None:
+    """longrope's per-frequency factors: two lists of rotary_dim/2 finite numbers > 0; factor and attention_factor
+    optional (absent or null: derived as transformers derives them)."""
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if not (isinstance(values, list) and values and all(finite(v) and v > 0 for v in values)):
+            raise ValueError(f"longrope rope scaling needs {key} as a list of finite numbers > 0, got {values!r}")
+        if rotary_dim is not None and len(values) != rotary_dim // 2:
+            raise ValueError(f"longrope rope scaling needs {key} with rotary_dim/2 = {rotary_dim // 2} numbers, "
+                             f"got {len(values)}")
+    for key in ("factor", "attention_factor"):
+        if scaling.get(key) is not None and not (finite(scaling[key]) and scaling[key] > 0):
+            raise ValueError(f"longrope rope scaling needs {key} as a finite number > 0 or null, got {scaling[key]!r}")
 
 
 def read_rope(hf: dict) -> tuple[float, dict | None]:
@@ -56,9 +75,10 @@ def read_rope(hf: dict) -> tuple[float, dict | None]:
     scaling = rope or dict(hf.get("rope_scaling") or {})
     if scaling:
         scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+        scaling.pop("partial_rotary_factor", None)  # (not a scaling: read_partial_rotary)
     if scaling.get("rope_type", "default") == "default":
         scaling = None
-    elif scaling["rope_type"] == "yarn":  # as transformers: a top-level value wins, else the model's length
+    elif scaling["rope_type"] in ("yarn", "longrope"):  # as transformers: a top-level value wins, else length
         if hf.get("original_max_position_embeddings") is not None:
             scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
         scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
@@ -75,6 +95,8 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     `attention_factor` or, unset, YaRN's temperature (DeepSeek's configs: the ratio of the mscale and
     mscale_all_dim temperatures)."""
     s = cfg.rope_scaling or {}
+    if s.get("rope_type") == "longrope":
+        return longrope_attention_factor(cfg)
     if s.get("rope_type") != "yarn":
         return 1.0
     if s.get("attention_factor") is not None:
@@ -88,7 +110,7 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """YaRN (Peng et al. 2023): frequencies below the correction range interpolated (divided by `factor`), above
     it kept, a linear ramp between; as transformers' `_compute_yarn_parameters`, op for op."""
-    s, d, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+    s, d, base = cfg.rope_scaling, cfg.rotary_dim, cfg.rope_theta
     factor, old_ctx = s["factor"], s["original_max_position_embeddings"]
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
@@ -107,11 +129,47 @@ def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+def read_partial_rotary(hf: dict) -> float:
+    """`partial_rotary_factor` as transformers reads it: from `rope_parameters` (5.x), else the top level (4.x)."""
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    value = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    return 1.0 if value is None else value
+
+
+def longrope_attention_factor(cfg: ModelConfig) -> float:
+    """longrope's scale on cos and sin: `attention_factor`, else sqrt(1 + ln(factor) / ln(original length)) for a
+    context extended by `factor` (unset: max_position_embeddings / original), 1 when not extended."""
+    s = cfg.rope_scaling
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    old_ctx = s["original_max_position_embeddings"]
+    factor = s.get("factor") or cfg.max_position_embeddings / old_ctx
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+
+
+def longrope_inv_freq(cfg: ModelConfig, long: bool) -> torch.Tensor:
+    """longrope's frequencies: plain rope's over the rotated dims, each divided by its `long_factor` (`long`) or
+    `short_factor` entry. Which set a forward uses: `longrope_pick`."""
+    d, s = cfg.rotary_dim, cfg.rope_scaling
+    ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+    shape = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
+    return 1.0 / (ext * cfg.rope_theta ** shape)
+
+
+def longrope_pick(positions: torch.Tensor, short: torch.Tensor, long: torch.Tensor, old_ctx: int) -> torch.Tensor:
+    """transformers' choice between the two sets, per forward call: the long factors when the call's highest
+    position + 1 exceeds the pretraining length, the short ones otherwise (a device-side select: no host sync)."""
+    return torch.where(positions.max() + 1 > old_ctx, long, short)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (fp32), with `linear`, `llama3` or `yarn` scaling applied."""
-    d = cfg.head_dim
+    """Inverse frequencies [rotary_dim/2] (fp32), with `linear`, `llama3` or `yarn` scaling applied (longrope:
+    its short set, see `longrope_inv_freq`)."""
+    d = cfg.rotary_dim
     if (cfg.rope_scaling or {}).get("rope_type") == "yarn":
         return yarn_inv_freq(cfg).float()
+    if (cfg.rope_scaling or {}).get("rope_type") == "longrope":
+        return longrope_inv_freq(cfg, long=False)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     s = cfg.rope_scaling or {}
     kind = s.get("rope_type", "default")

@@ -25,7 +25,7 @@ from twinplane.model.blocks import RMSNorm
 from twinplane.model.config import ModelConfig
 from twinplane.model.families import family
 from twinplane.model.moe import RoutingState
-from twinplane.model.rope import rope_attention_factor, rope_inv_freq
+from twinplane.model.rope import longrope_inv_freq, longrope_pick, rope_attention_factor, rope_inv_freq
 
 
 class Backbone(nn.Module):
@@ -51,6 +51,11 @@ class Transformer(nn.Module):
         # fp32 and outside the module's buffers, so model.to(bf16) never rounds the rope frequencies.
         self._inv_freq = {torch.device("cpu"): rope_inv_freq(cfg)}
         self._rope_factor = rope_attention_factor(cfg)  # yarn scales cos and sin (1 otherwise)
+        # longrope: the short and the long set, one picked per forward (`longrope_pick`)
+        s = cfg.rope_scaling or {}
+        self._longrope = s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
+        if self._longrope is not None:
+            self._inv_freq = {torch.device("cpu"): torch.stack((rope_inv_freq(cfg), longrope_inv_freq(cfg, True)))}
 
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -59,8 +64,10 @@ class Transformer(nn.Module):
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq[positions.device] = self._inv_freq[torch.device("cpu")].to(positions.device)
-        freqs = positions[..., None].float() * inv_freq  # [B, T, hd/2], fp32 as in HF
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
+        if self._longrope is not None:
+            inv_freq = longrope_pick(positions, inv_freq[0], inv_freq[1], self._longrope)
+        freqs = positions[..., None].float() * inv_freq  # [B, T, rotary_dim/2], fp32 as in HF
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, rotary_dim]
         if self._rope_factor != 1.0:
             return (emb.cos() * self._rope_factor).to(dtype), (emb.sin() * self._rope_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)

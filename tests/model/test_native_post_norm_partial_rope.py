@@ -1,0 +1,145 @@
+"""OLMo-2, GLM, GLM-4 and Phi-3 natively: each on a tiny config with every feature that sets it apart turned on
+(post-norms, whole-projection q/k norms, partial and interleaved rope, fused projections, longrope) against
+transformers' logits, padded and packed log-probs, the rollout engine against `generate`, saving, and a short run."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_batch, saved_and_reloaded, train
+
+import twinplane
+from twinplane.model.impl import choose
+from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.tokenizer import build_char_tokenizer
+from twinplane.train import Batch
+from twinplane.train.logprobs import response_logprobs
+
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=3, pad_token_id=0)
+LONG = 16  # Phi-3's pretraining length here: sequences past it take the long factors
+CASES = {  # model type -> (config class, its distinguishing options)
+    "olmo2": ("Olmo2Config", dict(attention_bias=True, rms_norm_eps=1e-5)),
+}
+EOS = 3
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
+
+
+def hf_model(kind, seed=0, **over):
+    cls, extra = CASES[kind]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cls)(**{**SIZES, **extra, **over})
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # larger-than-default weights (peaked distributions), random norms and biases
+        for n, p in m.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.normal_(0, 0.2).add_(1.0 if "norm" in n else 0.0)
+            elif p.ndim >= 2:
+                p.normal_(0, 0.15)
+    return m
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    out = {}
+    for kind in CASES:
+        hf_model(kind).save_pretrained(root / kind)
+        out[kind] = root / kind
+    return out
+
+
+def reference(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def ids(t, batch=3):
+    return torch.randint(4, 64, (batch, t), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_logits_and_padded_batch_match_transformers(kind, folders):
+    assert choose(folders[kind]).impl == "native"
+    ours, ref = twinplane.load_model(folders[kind]), reference(folders[kind])
+    for t in (11, LONG + 5):  # (Phi-3: within and past the pretraining length)
+        x = ids(t)
+        with torch.no_grad():
+            gap = (ours(x) - ref(x).logits).abs().max().item()
+        assert gap < 1e-4, (t, gap)
+    x = ids(11)
+    mask = torch.ones_like(x)
+    mask[0, :4] = 0  # left padding
+    mask[1, -3:] = 0  # right padding
+    with torch.no_grad():
+        a = ours(x, attention_mask=mask)
+        b = ref(x, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    keep = mask.bool()
+    torch.testing.assert_close(a[keep], b[keep], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_packed_equals_padded(kind, folders):
+    model = twinplane.load_model(folders[kind])
+    batch = make_batch(model)
+    with torch.no_grad():
+        padded, _ = response_logprobs(model, batch, 1.0, packed=False)
+        packed, _ = response_logprobs(model, batch, 1.0, packed=True)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("batch_invariant", [False, True])  # True: every GEMM prepacked (oneDNN)
+def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, batch_invariant, folders):
+    ref = reference(folders[kind])
+    engine = RolloutEngine(twinplane.load_model(folders[kind]), eos_token_id=EOS, batch_invariant=batch_invariant)
+    assert engine.prepacked == batch_invariant
+    for prompt in PROMPTS:  # one request at a time, as `generate` runs it (Phi-3's longrope picks per call)
+        got = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=12))[0]
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=EOS,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+        assert got.token_ids == want
+    # sampled together (within Phi-3's pretraining length): the engine's log-probs are the trainer's
+    sp = SamplingParams(temperature=0.8, max_new_tokens=6, n=2, seed=5)
+    samples = engine.generate(PROMPTS, sp)
+    batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], 0)
+    with torch.no_grad():
+        lp, _ = response_logprobs(twinplane.load_model(folders[kind]), batch, 0.8)
+    m = batch.response_mask.bool()
+    rollout = torch.zeros_like(lp)
+    for i, s in enumerate(samples):
+        rollout[i, :len(s.logprobs)] = torch.tensor(s.logprobs)
+    torch.testing.assert_close(lp[m], rollout[m], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_saved_weights_load_in_transformers(kind, tmp_path):
+    ours, back, again = saved_and_reloaded(hf_model(kind), tmp_path, max_shard_bytes=40_000)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["architectures"] == [type(back).__name__] and saved["model_type"] == kind
+    x = ids(LONG + 5)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ours(x), atol=1e-4, rtol=0)
+        assert torch.equal(again(x), ours(x))
+
+
+RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
+       "task.heldout_size=8", "eval.before=false", "eval.every=0", "log.progress=false", "checkpoint.every=0",
+       "train.micro_batch_size=8", "algo.kl_coef=0.05"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(CASES))
+def test_three_step_train_run(kind, tmp_path):
+    tok = build_char_tokenizer("0123456789+=")
+    folder = tmp_path / "model"
+    hf_model(kind, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+             pad_token_id=tok.pad_token_id).save_pretrained(folder)
+    tok.save(folder)
+    assert train(tmp_path / "run", f"model.path={folder}", args=RUN) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
+    assert all(r["actor/logprob_gap"] < 1e-4 for r in rows if r["step"] >= 1)
+    final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    assert final.config.model_type == kind
