@@ -22,6 +22,8 @@ SIZES = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_lay
 LONG = 16  # Phi-3's pretraining length here: sequences past it take the long factors
 CASES = {  # model type -> (config class, its distinguishing options)
     "olmo2": ("Olmo2Config", dict(attention_bias=True, rms_norm_eps=1e-5)),
+    "glm": ("GlmConfig", dict(attention_bias=True, partial_rotary_factor=0.5, head_dim=24)),
+    "glm4": ("Glm4Config", dict(attention_bias=True, partial_rotary_factor=0.5, head_dim=24)),
 }
 EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]

@@ -65,6 +65,22 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate (0 = none)
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # DeepSeek-V3's routing (`moe_scoring="sigmoid"`): sigmoid scores plus a score-correction bias choose the top-k
+    # among the `topk_group` best of `n_group` expert groups; the weights (the scores alone) are scaled by
+    # `routed_scaling_factor`; the shared experts have no gate; the first `first_k_dense_replace` layers are dense.
+    moe_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0 = none): keys and values from a compressed latent
+    # of kv_lora_rank dims plus one shared rope key of head_dim dims (transformers' qk_rope_head_dim); a head's q/k
+    # are qk_nope_head_dim + head_dim wide, its values v_head_dim; q_lora_rank: q through a low-rank latent too.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back on save
 
     def __post_init__(self):
@@ -90,6 +106,18 @@ class ModelConfig:
                              f"{self.num_experts}")
         if self.num_experts and (self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1):
             raise ValueError("an MoE config needs moe_intermediate_size >= 1 and decoder_sparse_step >= 1")
+        if self.moe_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe_scoring must be softmax or sigmoid, got {self.moe_scoring!r}")
+        if self.num_experts and self.moe_scoring == "sigmoid" and not (
+                self.num_experts % self.n_group == 0 and self.num_experts // self.n_group >= 2
+                and 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts} into groups of "
+                             f"2 or more, and topk_group={self.topk_group} be in 1..n_group")
+        if self.kv_lora_rank:
+            for name in ("v_head_dim", "qk_nope_head_dim") + (("q_lora_rank",) if self.q_lora_rank is not None else ()):
+                _positive_int(name, getattr(self, name))
+            if self.head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim={self.head_dim} must be even")
 
     @property
     def rotary_dim(self) -> int:
@@ -97,8 +125,27 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers and layer >= self.first_k_dense_replace
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(pools, heads, dim) of the engine's KV cache per layer and token: keys and values per KV head; with
+        latent attention one pool of the compressed latent + rope key, which attention reads as keys and values."""
+        if self.kv_lora_rank:
+            return 1, 1, self.kv_lora_rank + self.head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
+    @property
+    def attn_params(self) -> int:
+        """One layer's attention parameters (its projections, and latent attention's norms)."""
+        d, H = self.hidden_size, self.num_heads
+        if not self.kv_lora_rank:
+            return d * self.head_dim * (2 * H + 2 * self.num_kv_heads)
+        qk, r = self.qk_nope_head_dim + self.head_dim, self.kv_lora_rank
+        q = d * H * qk if not self.q_lora_rank else (d + 1 + H * qk) * self.q_lora_rank
+        kv = d * (r + self.head_dim) + r + r * H * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + H * self.v_head_dim * d
 
     @property
     def moe_layers(self) -> list[int]:
@@ -120,14 +167,16 @@ class ModelConfig:
         d = self.hidden_size
         if not self.is_moe_layer(layer):
             return 3 * d * self.intermediate_size
-        shared = 3 * d * self.shared_expert_intermediate_size + (d if self.shared_expert_intermediate_size else 0)
-        return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts + shared  # + router
+        sigmoid = self.moe_scoring == "sigmoid"  # (DeepSeek: shared experts without a gate; a bias per expert)
+        shared = 3 * d * self.shared_expert_intermediate_size
+        shared += d if self.shared_expert_intermediate_size and not sigmoid else 0
+        router = (d + sigmoid) * self.num_experts
+        return experts * 3 * d * self.moe_intermediate_size + router + shared
 
     def _params(self, experts: int) -> int:
         d, v, L = self.hidden_size, self.vocab_size, self.num_layers
-        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = sum(self.mlp_params(i, experts) for i in range(L))
-        return L * (attn + 2 * d) + mlp + v * d * (1 if self.tie_word_embeddings else 2) + d
+        return L * (self.attn_params + 2 * d) + mlp + v * d * (1 if self.tie_word_embeddings else 2) + d
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -147,7 +196,7 @@ class ModelConfig:
             if hf.get(key) is not None:
                 _positive_int(key, hf[key])
         heads = hf["num_attention_heads"]
-        return cls(
+        return cls(**dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -165,8 +214,7 @@ class ModelConfig:
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
             extra={k: v for k, v in hf.items() if k not in KNOWN and k not in fam.unsupported},
-            **fam.read(hf),
-        )
+        ) | fam.read(hf))  # (a family's reading wins: its own defaults, its rope)
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:

@@ -129,11 +129,12 @@ def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def read_partial_rotary(hf: dict) -> float:
-    """`partial_rotary_factor` as transformers reads it: from `rope_parameters` (5.x), else the top level (4.x)."""
+def read_partial_rotary(hf: dict, default: float = 1.0) -> float:
+    """`partial_rotary_factor` as transformers reads it: from `rope_parameters` (5.x), else the top level (4.x),
+    else the family's `default`."""
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     value = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    return 1.0 if value is None else value
+    return default if value is None else value
 
 
 def longrope_attention_factor(cfg: ModelConfig) -> float:

@@ -204,7 +204,8 @@ def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: to
     r = cfg.rollout
     dtype = runtime.rollout_dtype(cfg.model, device)
     kernels, _ = backends.rollout_kernels(device, dtype, r.kernels, check=kernel_self_check)
-    _, block_size = backends.paged_attention_backend(device, dtype, mc.head_dim, kernels, flex_check=flex_decode_agrees)
+    _, block_size = backends.paged_attention_backend(device, dtype, mc.head_dim, kernels, flex_check=flex_decode_agrees,
+                                                     latent=getattr(mc, "kv_lora_rank", 0) > 0)
     reserved = int(backends.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
     pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,
                 prompt_tokens + r.max_new_tokens)

@@ -272,6 +272,9 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
                     ("train.router_aux_loss_coef", cfg.train.router_aux_loss_coef > 0)):
         if on and not mc.num_experts:
             raise ConfigError(f"{key}: needs a mixture-of-experts model, {mc.model_type} is dense")
+    if cfg.train.router_aux_loss_coef > 0 and getattr(mc, "moe_scoring", "softmax") != "softmax":
+        raise ConfigError(f"train.router_aux_loss_coef: the load-balancing loss is for softmax routers; "
+                          f"{mc.model_type}'s sigmoid router is balanced by its score-correction bias (set 0)")
     if cfg.rollout.backend == "vllm" and mc.num_experts:
         raise ConfigError(f"rollout.backend=vllm: mixture-of-experts models ({mc.model_type}) are not in this "
                           "backend's weight sync; use rollout.backend=twinplane")
