@@ -28,6 +28,7 @@ tests/train/test_packing.py, tests/rollout/test_paged_engine.py).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -63,6 +64,43 @@ class AttentionMetadata:
     backend: str = "sdpa"  # which kernel runs this layout (decided in twinplane.platform)
     paged: PagedLayout | None = None  # paged layout (B == 1): the KV pool and where each sequence's tokens are
     cache: dict = field(default_factory=dict, repr=False)  # per-forward derived data every layer reuses
+    # one layer's own attention (`for_layer`): the scores' scale (None: 1/sqrt(head_dim)) and tanh soft-cap
+    scale: float | None = None
+    softcap: float | None = None
+
+    def for_layer(self, window: int | None, scale: float | None = None,
+                  softcap: float | None = None) -> AttentionMetadata:
+        """This forward's metadata for a layer with its own window, score scale or soft-cap (Gemma's alternating
+        sliding and global layers): itself when they are the forward's, else a view made once per forward (the
+        layers of one kind share it and what backends derive from it). Soft-capped scores have no fused kernel
+        here: such a layer takes the portable path ("sdpa", explicit scores), as does a custom scale on the Triton
+        paged decode (fixed 1/sqrt(D))."""
+        if window == self.window and scale == self.scale and softcap == self.softcap:
+            return self
+        key = ("layer", window, scale, softcap)
+        view = self.cache.get(key)
+        if view is None:
+            backend = "sdpa" if softcap is not None or (scale is not None and self.backend == "triton") \
+                else self.backend
+            mask = self.mask
+            if window != self.window and not self.varlen and self.paged is None:
+                mask = self._dense_mask(window)
+            view = self.cache[key] = dataclasses.replace(self, window=window, scale=scale, softcap=softcap,
+                                                         backend=backend, mask=mask, cache={})
+        return view
+
+    def _dense_mask(self, window: int | None) -> torch.Tensor | None:
+        """The dense layout's mask with another window, from the key validity `Transformer.dense_metadata`
+        keeps (`cache["valid"]`, None: no padding)."""
+        if "valid" not in self.cache and self.mask is not None:
+            raise ValueError("a dense mask with per-layer windows needs the rows' validity: build the metadata with "
+                             "Transformer.dense_metadata")
+        valid, T = self.cache.get("valid"), self.positions.shape[1]
+        if valid is None and (window is None or T <= window):
+            return None
+        if valid is None:
+            valid = torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
+        return build_mask(self.positions, self.positions, valid, torch.arange(T, device=valid.device), window)
 
     @property
     def varlen(self) -> bool:
@@ -99,14 +137,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
               layer: int = 0) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, H_kv, S, D] (GQA when H_kv < H) -> [B, H, T, D]. `layer` picks the paged pool's
     layer (paged layout only)."""
+    if meta.softcap is not None and meta.backend != "sdpa":
+        raise ValueError(f"the {meta.backend} attention backend cannot soft-cap scores: use sdpa")
     if meta.paged is not None:
         return meta.paged.attend(q, k, v, meta, layer)
-    gqa = q.shape[1] != k.shape[1]
     if meta.varlen:
         return VARLEN_BACKENDS[meta.backend](q, k, v, meta)
     if meta.mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=gqa)
+        return sdpa(q, k, v, meta, is_causal=True)
+    return sdpa(q, k, v, meta, attn_mask=meta.mask)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+         attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """The portable kernel: torch's SDPA at the layer's scale, or with soft-capped scores `capped_attention`."""
+    if meta.softcap is not None:
+        return capped_attention(q, k, v, attn_mask, is_causal, meta.scale, meta.softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=meta.scale,
+                                          enable_gqa=q.shape[-3] != k.shape[-3])
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                     is_causal: bool, scale: float | None, softcap: float) -> torch.Tensor:
+    """Attention with tanh soft-capped scores (Gemma 2), which SDPA cannot do: scores in q's dtype, capped, masked,
+    softmax in fp32 and cast back, as transformers' eager attention. q [..., H, T, D], k/v [..., H_kv, S, D]."""
+    rep = q.shape[-3] // k.shape[-3]
+    if rep > 1:
+        k, v = (x.repeat_interleave(rep, dim=-3) for x in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:  # top-left aligned, as SDPA's
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 VARLEN_GROUP_TOKENS = 4096  # portable varlen path: rows x longest of one batched SDPA call (bounds its padding)
@@ -120,14 +184,12 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
     no real query looks, and the fused causal kernel needs no mask. Work is O(sum of L^2) with at most 2x padding
     per group, instead of a block-diagonal mask over many sequences (O(T x block), mostly masked out). Consecutive
     sequences of one length (uniform batches) are a view of the row: no gather, no scatter."""
-    gqa = q.shape[1] != k.shape[1]
     groups, unpermute = varlen_plan(meta)
     outs = []
     for index, key_index, G, L, Lk, mask in groups:
         qg, kg, vg = (_rows(x, i).unflatten(1, (G, n)).transpose(0, 1)  # [G, h, n, D]
                       for x, i, n in ((q, index, L), (k, key_index, Lk), (v, key_index, Lk)))
-        y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=gqa)  # [G, H, L, D]
+        y = sdpa(qg, kg, vg, meta, attn_mask=mask, is_causal=mask is None)  # [G, H, L, D]
         outs.append(y.transpose(0, 1).flatten(1, 2))  # [H, G * L, D], padding included
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return (out if unpermute is None else out.index_select(1, unpermute))[None]
@@ -227,7 +289,8 @@ def varlen_mask(meta: AttentionMetadata) -> torch.Tensor:
 def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """FlexAttention with a document mask (sparse blocks are skipped). Compiled on GPUs; eager elsewhere, where
     torch 2.13 runs its forward only (tests compare it with the portable path on CPU without grad)."""
-    return flex_attention_for(q.device.type)(q, k, v, block_mask=flex_block_mask(meta),
+    scale = {} if meta.scale is None else {"scale": meta.scale}
+    return flex_attention_for(q.device.type)(q, k, v, block_mask=flex_block_mask(meta), **scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -331,7 +394,7 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
     cu, L = meta.cu_seqlens.to(q.device, torch.int32), meta.max_seqlen
     window = (-1, -1) if meta.window is None else (meta.window - 1, 0)
     out = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, L, L,
-                                 causal=True, window_size=window)  # [T, H, D]
+                                 softmax_scale=meta.scale, causal=True, window_size=window)  # [T, H, D]
     return out.transpose(0, 1)[None]
 
 
@@ -347,7 +410,7 @@ def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attent
     x, kk, vv = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D], [T, H_kv, D]
     if keys is not None:
         kk, vv = kk.index_select(0, keys), vv.index_select(0, keys)  # [T_k, H_kv, D]
-    kw = {}
+    kw = {} if meta.scale is None else {"scale": meta.scale}
     if kk.shape[1] != x.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True

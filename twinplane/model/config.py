@@ -28,7 +28,10 @@ KNOWN = {
     "layer_types", "bos_token_id", "eos_token_id", "pad_token_id", "architectures", "hidden_act", "num_experts",
     "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "partial_rotary_factor",
+    "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+    "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern",
 }
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -81,6 +84,14 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # Per-layer attention (Gemma): `layer_types` says which layers slide (None: all alike, `sliding_window` on
+    # every layer); scores scaled by 1/sqrt(query_pre_attn_scalar) (None: 1/sqrt(head_dim)); tanh soft-capping of
+    # attention scores and of the final logits (None: none); sliding layers' own rope base (None: the global rope).
+    layer_types: list[str] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back on save
 
     def __post_init__(self):
@@ -101,6 +112,15 @@ class ModelConfig:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1] and leave an "
                              f"even rotary size (head_dim {self.head_dim})")
         check_scaling(self.rope_scaling, self.rotary_dim)
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers
+                                             or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types must name {self.num_layers} layers, each one of {LAYER_TYPES}, got "
+                             f"{self.layer_types!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (finite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0 or null, got {value!r}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                              f"{self.num_experts}")
@@ -123,6 +143,20 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """How many leading dims of each head rope rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: full causal attention)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_attention(self, layer: int) -> tuple[int | None, float | None, float | None] | None:
+        """(window, score scale, score soft-cap) of `layer` where layers differ from the forward's metadata
+        (`AttentionMetadata.for_layer`), None where every layer attends as the metadata says."""
+        if self.layer_types is None and self.query_pre_attn_scalar is None and self.attn_logit_softcapping is None:
+            return None
+        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+        return self.layer_window(layer), scale, self.attn_logit_softcapping
 
     def is_moe_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers and layer >= self.first_k_dense_replace
@@ -188,7 +222,7 @@ class ModelConfig:
             raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method}); use the "
                              "unquantized model")
         act = hf.get("hidden_act", "silu")  # (transformers: "swish" is silu too)
-        if act not in ("silu", "swish"):
+        if fam.activation_key == "hidden_act" and act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported ({model_type} is implemented with silu)")
         fam.check(hf)
         theta, scaling = read_rope(hf)
@@ -257,8 +291,8 @@ class ModelConfig:
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
-            **fam.write(self),
         )
+        hf.update(fam.write(self))
         return hf
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from twinplane.model.blocks import dense_mlp
+from twinplane.model.blocks import RMSNorm, dense_mlp
 from twinplane.model.layer import DecoderLayer
 
 if TYPE_CHECKING:
@@ -57,6 +57,10 @@ class Family:
     # (cfg, layer, mlp builder) -> the decoder layer: the pre-norm block, or a subclass overriding `block`
     decoder_layer: Callable[..., nn.Module] = DecoderLayer
     unsupported: Mapping[str, Option] = field(default_factory=dict)
+    # the config key whose activation ModelConfig.from_hf holds to silu; None: the family's `read` checks its own
+    activation_key: str | None = "hidden_act"
+    norm: Callable[[int, float], nn.Module] = RMSNorm  # (dim, eps) -> the final norm
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), rounded to the weights' dtype (Gemma)
     # checkpoint tensor name -> (parameter name, expert index of a stacked parameter or None)
     from_checkpoint: Callable[[str], tuple[str, int | None]] = same_name
     # (parameter name, tensor) -> its tensors by published name

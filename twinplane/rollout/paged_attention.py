@@ -20,14 +20,14 @@ Every fast path is tested against the portable one, and that against dense SDPA 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from twinplane.model.attention import AttentionMetadata, flex_attention_for, sdpa_varlen
+from twinplane.model.attention import AttentionMetadata, flex_attention_for, sdpa, sdpa_varlen
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -62,13 +62,13 @@ class PagedKV:
     # Decode-only with fixed-width block tables (the rollout engine's static / graph-captured decode): the decode
     # group spans every table slot, masked by `context_lens` on the device: no host reads, no data-dependent shapes.
     static: bool = False
-    # built once per forward, shared by every layer
+    # built once per forward, shared by every layer (per window: a model's layers may slide differently)
     _lens: list[int] | None = None  # host copy of context_lens (not in the static decode)
-    _decodes: Group | None = None  # portable path: the decode group's gather slots and mask
-    _chunks: list[Group] | None = None  # portable path: each prefill chunk's gather slots and mask
+    _decodes: dict[int | None, Group] = field(default_factory=dict)  # portable path: the decode group's gathers
+    _chunks: dict[int | None, list[Group]] = field(default_factory=dict)  # portable path: each prefill chunk's
     _fresh_start: int | None = None  # see `fresh_start`
-    _fresh: tuple[int, AttentionMetadata] | None = None  # the trailing prompts' first token and packed layout
-    _flex_mask: BlockMask | None = None  # flex path: the decode group's BlockMask over the pool
+    _fresh: dict[int | None, tuple[int, AttentionMetadata]] = field(default_factory=dict)  # see `fresh`
+    _flex_mask: dict[tuple, BlockMask] = field(default_factory=dict)  # flex path: the decodes' BlockMask
 
     @property
     def block_size(self) -> int:
@@ -84,13 +84,15 @@ class PagedKV:
         group all keys) per group: all decodes as one group (first; left out with `decodes=False`, for a path that
         reads them in place), each prefill chunk before `fresh_start` as its own."""
         d = self.num_decodes
-        if self._chunks is None:
-            self._chunks = self._chunk_groups(window)
+        chunks = self._chunks.get(window)
+        if chunks is None:
+            chunks = self._chunks[window] = self._chunk_groups(window)
         if not (decodes and d):
-            return self._chunks
-        if self._decodes is None:
-            self._decodes = self._decode_group(window)
-        return [self._decodes, *self._chunks]
+            return chunks
+        group = self._decodes.get(window)
+        if group is None:
+            group = self._decodes[window] = self._decode_group(window)
+        return [group, *chunks]
 
     @property
     def fresh_start(self) -> int:
@@ -111,11 +113,11 @@ class PagedKV:
         first = self.fresh_start
         if first == len(self.query_lens):
             return None
-        if self._fresh is None:
+        if window not in self._fresh:
             lens = self.query_lens[first:]
-            self._fresh = sum(self.query_lens[:first]), AttentionMetadata.packed(lens, self.block_tables.device,
-                                                                                 window)
-        return self._fresh
+            self._fresh[window] = sum(self.query_lens[:first]), AttentionMetadata.packed(
+                lens, self.block_tables.device, window)
+        return self._fresh[window]
 
     def _host_lens(self) -> list[int]:
         if self._lens is None:
@@ -170,8 +172,8 @@ class PagedKV:
         calls it on every key of the pool; so the mask_mod is exact everywhere: a key is kept when its block is
         listed for b and, in b's first or last block, its offset is inside the window / the written tokens. A
         physical block appears at most once in a table, so its id tells b's first and last blocks apart."""
-        if self._flex_mask is not None:
-            return self._flex_mask
+        if (window, queries) in self._flex_mask:
+            return self._flex_mask[window, queries]
         from torch.nn.attention.flex_attention import BlockMask
 
         d, bs, N, dev = self.num_decodes, self.block_size, self.k_cache.shape[1], self.block_tables.device
@@ -205,10 +207,11 @@ class PagedKV:
         def rows(x):  # [d] or [d, W] -> [d, 1, 1] or [d, 1, 1, W] int32: one head group, one query tile
             return x.to(torch.int32)[:, None, None]
 
-        self._flex_mask = BlockMask.from_kv_blocks(rows(num_partial), rows(partial), rows(num_full), rows(full),
-                                                   BLOCK_SIZE=(FLEX_Q_BLOCK, bs), mask_mod=paged_decode,
-                                                   seq_lengths=(queries, N * bs), compute_q_blocks=False)
-        return self._flex_mask
+        mask = BlockMask.from_kv_blocks(rows(num_partial), rows(partial), rows(num_full), rows(full),
+                                        BLOCK_SIZE=(FLEX_Q_BLOCK, bs), mask_mod=paged_decode,
+                                        seq_lengths=(queries, N * bs), compute_q_blocks=False)
+        self._flex_mask[window, queries] = mask
+        return mask
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -223,7 +226,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
         v_pool.index_copy_(0, p.slot_mapping, v[0].transpose(0, 1))
     if meta.backend == "flash":
         return _flash_paged(q, meta, layer)
-    gqa = q.shape[1] != k.shape[1]
     outs = []
     in_place = meta.backend in ("flex", "triton") and p.num_decodes > 0
     if in_place:  # [H, d, D]
@@ -237,14 +239,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
         vals = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
         if a < p.num_decodes:  # the decode group: one query per sequence, batched over sequences
             qg = q[0, :, a:b].transpose(0, 1)[:, :, None]  # decodes: [G, H, 1, D]
-            y = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, enable_gqa=gqa)
+            y = sdpa(qg, keys, vals, meta, attn_mask=mask)
             outs.append(y[:, :, 0].transpose(0, 1))  # [H, G, D]
         else:
-            y = F.scaled_dot_product_attention(q[:, :, a:b], keys, vals, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=gqa)
+            y = sdpa(q[:, :, a:b], keys, vals, meta, attn_mask=mask, is_causal=mask is None)
             outs.append(y[0])  # [H, q_len, D]
     if fresh is not None:
         a, packed = fresh
+        if meta.scale is not None or meta.softcap is not None:  # (the layer's own scores)
+            packed = dataclasses.replace(packed, scale=meta.scale, softcap=meta.softcap)
         outs.append(sdpa_varlen(q[:, :, a:], k[:, :, a:], v[:, :, a:], packed)[0])  # [H, T - a, D]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))[None]
 
@@ -271,7 +274,8 @@ def _flex_decodes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     keys, vals = (x.permute(1, 0, 2)[None] for x in (k_pool, v_pool))  # [1, H_kv, N * bs, D]
     qd = q[0, :, :d].transpose(0, 1).reshape(d, H_kv, G, D)  # [d, H_kv, G, D]: head h uses KV head h // G
     flex = flex_attention_for(q.device.type)
-    y = flex(qd, keys, vals, block_mask=p.flex_block_mask(meta.window, G))  # [d, H_kv, G, D]
+    scale = {} if meta.scale is None else {"scale": meta.scale}
+    y = flex(qd, keys, vals, block_mask=p.flex_block_mask(meta.window, G), **scale)  # [d, H_kv, G, D]
     return y.reshape(d, H, D).transpose(0, 1)
 
 
@@ -296,7 +300,8 @@ def _flash_paged(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.
     cu_k[1:] = p.context_lens.cumsum(0)
     window = (-1, -1) if meta.window is None else (meta.window - 1, 0)
     y = flash_attn_varlen_func(q[0].transpose(0, 1), p.k_cache[layer], p.v_cache[layer], p.cu_seqlens_q, cu_k,
-                               max(p.query_lens), p.max_context, causal=True, window_size=window,
+                               max(p.query_lens), p.max_context, softmax_scale=meta.scale, causal=True,
+                               window_size=window,
                                block_table=p.block_tables)  # [T, H, D]
     return y.transpose(0, 1)[None]
 

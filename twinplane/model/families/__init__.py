@@ -3,12 +3,24 @@ declaration holds, docs/models.md for how to add one)."""
 
 from __future__ import annotations
 
-from twinplane.model.families import deepseek_v3, llama, mistral, mixtral, olmo2, qwen2, qwen2_moe, qwen3, qwen3_moe
+from twinplane.model.families import (
+    deepseek_v3,
+    gemma2,
+    gemma3_text,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from twinplane.model.family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
-    olmo2.FAMILY, deepseek_v3.FAMILY)}
+    olmo2.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, deepseek_v3.FAMILY)}
 
 
 def family(model_type: str) -> Family:
