@@ -17,10 +17,9 @@ from twinplane.model.config import ModelConfig
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Matmul parameters one token runs through (active experts only)."""
-    d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
-    attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    d, L = cfg.hidden_size, cfg.num_layers
     mlp = sum(cfg.mlp_params(i, cfg.num_experts_per_tok) for i in range(L))
-    return L * attn + mlp + d * cfg.vocab_size  # + LM head
+    return L * cfg.attn_params + mlp + d * cfg.vocab_size  # + LM head
 
 
 def mlp_width(cfg: ModelConfig) -> float:
@@ -51,7 +50,9 @@ def lm_head_flops(cfg: ModelConfig) -> float:
 
 def forward_flops_per_token(cfg: ModelConfig, context: float, lm_head: bool = True) -> float:
     """One token's forward over `context` visible keys, its logits included or not (`lm_head`)."""
-    flops = 2.0 * matmul_params(cfg) + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    # QK^T over the q/k width, AV over the values' (latent attention: they differ)
+    qk, v = (cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim) if cfg.kv_lora_rank else (cfg.head_dim,) * 2
+    flops = 2.0 * matmul_params(cfg) + 2.0 * cfg.num_layers * cfg.num_heads * (qk + v) * context
     return flops if lm_head else flops - lm_head_flops(cfg)
 
 

@@ -58,6 +58,15 @@ class HFConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    kv_lora_rank: int = 0  # (latent attention's caches are transformers' own here)
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        return 2, self.num_kv_heads, self.head_dim
+
+    @property
+    def attn_params(self) -> int:
+        return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 
     @property
     def active_params(self) -> int:
@@ -72,8 +81,7 @@ class HFConfig:
 
     def mlp_params(self, layer: int, experts: int) -> int:
         """A layer's matmul parameters outside q/k/v/o (what FLOP counts add to attention's)."""
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        return max(self.layer_matmul_params - attn, 0)
+        return max(self.layer_matmul_params - self.attn_params, 0)
 
     def to_hf(self) -> dict:
         return dict(self.hf_dict)

@@ -106,9 +106,10 @@ class RolloutMemory:
 
 def kv_bytes_per_token(cfg: ModelConfig, nbytes: int, tp: int = 1) -> float:
     """2 (K and V) * layers * kv_heads * head_dim * bytes per element, per token, on one TP rank (KV heads
-    replicate when tp > kv_heads)."""
-    kv_heads = max(cfg.num_kv_heads / tp, 1)
-    return 2.0 * cfg.num_layers * kv_heads * cfg.head_dim * nbytes
+    replicate when tp > kv_heads); latent attention: layers * (kv_lora_rank + rope dims), one copy on every rank
+    (`ModelConfig.kv_layout`)."""
+    pools, heads, dim = cfg.kv_layout
+    return float(pools) * cfg.num_layers * max(heads / tp, 1) * dim * nbytes
 
 
 def activation_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int) -> float:

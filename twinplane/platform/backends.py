@@ -232,7 +232,7 @@ FlexCheck = Callable[[torch.device, torch.dtype, int], bool]  # (device, dtype, 
 
 
 def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32, head_dim: int = 64,
-                            kernels: str = "torch", *, flex_check: FlexCheck) -> tuple[str, int]:
+                            kernels: str = "torch", *, flex_check: FlexCheck, latent: bool = False) -> tuple[str, int]:
     """(backend, block size) for the rollout engine's paged KV cache (twinplane.rollout.paged_attention):
     flash-attn's paged varlen kernel where it is installed and eligible (CUDA sm80+, ROCm MI200/MI300/MI350) and
     the engine runs in 16 bits;
@@ -242,7 +242,10 @@ def paged_attention_backend(device: torch.device, dtype: torch.dtype = torch.flo
     self-check, `flex_decode_agrees`) passed here (`flex_paged_ok`); else the portable gather + SDPA with 16-token
     blocks (small blocks waste less of the pool on partly filled last blocks). TWINPLANE_PAGED_BACKEND=sdpa|flex|
     flash|triton forces one, unchecked (flex on CPU runs torch's eager reference: slow, for debugging; triton on
-    CPU needs TRITON_INTERPRET=1)."""
+    CPU needs TRITON_INTERPRET=1). `latent`: a pool of latent attention's compressed KV (twinplane.model.mla: one
+    KV head as wide as the latent plus the rope key, beyond the fused kernels' head sizes): the portable path."""
+    if latent:
+        return "sdpa", 16
     forced = os.environ.get("TWINPLANE_PAGED_BACKEND")
     if forced:
         if forced not in PAGED_BLOCK_SIZES:

@@ -37,6 +37,7 @@ from twinplane.errors import InputError
 from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_weights
 from twinplane.model.checksum import weights_checksum
 from twinplane.model.moe import RoutingState
+from twinplane.model.transformer import cap_logits
 from twinplane.platform import backends, runtime
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
@@ -159,7 +160,8 @@ class RolloutEngine:
         self.on_weights = None  # called after each weight change
         # paged attention kernel and the pool's block size (twinplane.rollout.paged_attention), passed to every forward
         self.backend, self.block_size = backends.paged_attention_backend(self.device, self.dtype, model.config.head_dim,
-                                                                         self.kernels, flex_check=flex_decode_agrees)
+                                                                         self.kernels, flex_check=flex_decode_agrees,
+                                                                         latent=model.config.kv_lora_rank > 0)
         # "cuda_graph" | "eager" from the platform; tests set "static" (the graph path's buffers, not captured)
         self.graph_backend = backends.decode_graph_backend(self.device, graphs)
         self.graph_max_batch = graph_max_batch or max_num_seqs
@@ -422,7 +424,8 @@ class RolloutEngine:
             return []
         if len(rows) < T:  # (in a decode-only step every token's row is sampled)
             h = h[torch.tensor(rows, device=dev)]
-        logits = lm_head(h, self.model.output_weight(), self.head)  # [R, V]
+        logits = cap_logits(lm_head(h, self.model.output_weight(), self.head),  # [R, V]
+                            getattr(self.model.config, "final_logit_softcapping", None))
         return self._sample(logits, ready, sched)
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler) -> list[Seq]:

@@ -1,6 +1,7 @@
 """The rollout plane's KV cache: one pool of fixed-size blocks per layer, allocated once from a byte budget.
 
-Layout [L, N, block_size, H_kv, D] for keys and for values: a block is `block_size` consecutive token slots of
+Layout [L, N, block_size, H_kv, D] for keys and for values (latent attention: one pool of [L, N, block_size, 1,
+kv_lora_rank + rope dims], read as both, `ModelConfig.kv_layout`): a block is `block_size` consecutive token slots of
 one sequence; slot s of the flattened pool is block s // block_size, offset s % block_size. This is the layout
 flash-attn's paged kernels read. Which block belongs to whom is twinplane.rollout.block_manager's business.
 """
@@ -21,10 +22,16 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        pools, heads, dim = cfg.kv_layout
+        shape = (cfg.num_layers, num_blocks, block_size, heads, dim)
         # Zeroed: slots that were never written are read (masked) by the portable path, and must not be NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # latent attention: one pool, the values are the keys' latent part (twinplane.model.mla)
+        self.v = torch.zeros(shape, dtype=dtype, device=device) if pools == 2 else self.k
+
+    @property
+    def pools(self) -> tuple[torch.Tensor, ...]:
+        return (self.k,) if self.v is self.k else (self.k, self.v)
 
     @property
     def num_blocks(self) -> int:
@@ -40,15 +47,15 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(pool.nbytes for pool in self.pools)
 
     def zero_(self) -> None:
-        self.k.zero_()
-        self.v.zero_()
+        for pool in self.pools:
+            pool.zero_()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src -> dst in every layer."""
         src = torch.tensor([s for s, _ in pairs], device=self.k.device)
         dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-        for pool in (self.k, self.v):  # index_select/index_copy_: ~10x faster than advanced indexing on CPU
+        for pool in self.pools:  # index_select/index_copy_: ~10x faster than advanced indexing on CPU
             pool.index_copy_(1, dst, pool.index_select(1, src))

@@ -7,6 +7,8 @@ from twinplane.model.families import (
     deepseek_v3,
     gemma2,
     gemma3_text,
+    glm,
+    glm4,
     llama,
     mistral,
     mixtral,
@@ -20,7 +22,7 @@ from twinplane.model.family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
-    olmo2.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, deepseek_v3.FAMILY)}
+    olmo2.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, deepseek_v3.FAMILY, glm.FAMILY, glm4.FAMILY)}
 
 
 def family(model_type: str) -> Family:
