@@ -93,3 +93,26 @@ def test_lora_on_a_model_without_the_target_names_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["twinplane: error: train.lora.targets: GPTNeoXForCausalLM has no linear layer named q_proj (its "
                    "decoder layers' linears: dense, dense_4h_to_h, dense_h_to_4h, query_key_value)"]
+
+
+@pytest.mark.slow
+def test_on_ray_equals_the_local_run(whole, olmo, tmp_path):
+    """A trainer actor and an engine actor, each building the model from its transformers config: the same run."""
+    ray = pytest.importorskip("ray")
+    from conftest import ray_init
+
+    threads = torch.get_num_threads()
+    ray_init(num_cpus=2)
+    try:
+        assert train(tmp_path, f"model.path={olmo}", "cluster.backend=ray", "cluster.timeout_s=120", "threads=1",
+                     args=RUN) == 0
+    finally:
+        ray.shutdown()
+        torch.set_num_threads(threads)
+    got, want = rows(tmp_path), rows(whole)
+    assert [r["step"] for r in got if r["step"] >= 1] == [1, 2, 3]
+    for g, w in zip([r for r in got if r["step"] >= 1], [r for r in want if r["step"] >= 1], strict=True):
+        learned = {k: v for k, v in w.items() if k.startswith(("actor/", "reward", "grad", "kl"))}
+        assert "actor/logprob_gap" in learned and len(learned) > 5
+        for key, value in learned.items():
+            assert g[key] == pytest.approx(value, abs=1e-5), key

@@ -139,7 +139,7 @@ def build_engine(cfg: Config, model: Transformer, tokenizer: Tokenizer, seed_off
     `rollout.backend=vllm`, vLLM's engine starting from its weights; `shared`: it shares its device with a trainer
     (`runtime.keep_kv_pool` then decides whether its KV pool stays; vLLM sleeps between calls on GPUs)."""
     r = cfg.rollout
-    if isinstance(model, HFCausalLM):  # transformers' code: its own cache, static batches (preflight refuses vllm)
+    if isinstance(model, HFCausalLM) and r.backend != "vllm":  # transformers' code: its own cache, static batches
         from twinplane.rollout.hf_engine import HFEngine
 
         return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.max_num_seqs, cfg.seed + seed_offset)

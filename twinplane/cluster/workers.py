@@ -35,6 +35,8 @@ from twinplane.config import Config, LoraSection
 from twinplane.model import ModelConfig, Transformer, load_weights
 from twinplane.model.checksum import combine_checksums, tensor_checksum
 from twinplane.model.export import export_shapes, exported
+from twinplane.model.hf import HFCausalLM, build_hf
+from twinplane.model.hf_config import HFConfig
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.platform import hardware, runtime
 from twinplane.rollout import MultiTurnRollout, SamplingParams
@@ -339,11 +341,11 @@ class CriticWorker(_CriticCalls, _Worker):
         self.critic_group = dist.group.WORLD
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                lora: LoraSection | None = None, merge: bool = False) -> Transformer:
+def build_model(config: ModelConfig | HFConfig, state: dict[str, torch.Tensor], device: torch.device,
+                dtype: torch.dtype, lora: LoraSection | None = None, merge: bool = False) -> Transformer | HFCausalLM:
     """The model from named tensors (with `lora.rank` > 0: base and adapters; `merge`: folded into plain Linears),
     the base in `dtype` and adapters in fp32."""
-    model = Transformer(copy.deepcopy(config))
+    model = build_hf(config, device) if isinstance(config, HFConfig) else Transformer(copy.deepcopy(config))
     if lora is not None and lora.rank > 0:
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
     load_weights(model, state.items())

@@ -17,6 +17,8 @@ MoE routing record/replay is twinplane's own experts' and is refused here.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -122,10 +124,17 @@ class HFCausalLM(nn.Module):
         packed rows only without one."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        extra = {} if cache is None else {"cache": cache}
+        extra = {} if cache is None else {self.cache_argument: cache}
         out = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                  use_cache=cache is not None, **extra)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    @functools.cached_property
+    def cache_argument(self) -> str:
+        """The KV cache's keyword: `cache` from transformers 5.2x on, `past_key_values` before (which newer versions
+        would take as an unknown keyword and ignore, decoding without the context)."""
+        forward = inspect.signature(self.hf.base_model.forward).parameters
+        return "cache" if "cache" in forward else "past_key_values"
 
     def unpacked(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A packed row [1, T] run as right-padded rows, one per sequence (a sequence continuing a parent, shared
@@ -245,6 +254,22 @@ def load_hf(path: str | Path, device: torch.device | str | None = None,
     model = HFCausalLM(hf.to(device))
     model.check_head()
     return model.eval()
+
+
+def build_hf(config: HFConfig, device: torch.device | str = "cpu") -> HFCausalLM:
+    """The model `config` describes, its weights left uninitialised for a load by name to fill (a Ray worker's copy
+    of the driver's model); buffers (rope tables) are computed, on `device`."""
+    import transformers
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+
+    cfg = transformers.AutoConfig.for_model(**config.hf_dict)
+    with no_init_weights():
+        hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    return HFCausalLM(hf.to(device))
 
 
 def is_hf(model: nn.Module) -> bool:

@@ -36,14 +36,15 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from twinplane.model import Transformer, save_pretrained
 from twinplane.model.checksum import combine_checksums, tensor_checksum
 from twinplane.model.config import ModelConfig
-from twinplane.model.families import family
+from twinplane.model.hf import HFCausalLM
+from twinplane.model.weights import naming
 from twinplane.rollout.engine import Done, EngineStats, call_seed, request_caps
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.sequence import Sample, sample_seed
@@ -112,9 +113,10 @@ def to_sample(index: int, prompt: list[int], out, sampling: SamplingParams, vers
     return Sample(index, prompt, tokens, logprobs, reason, version)
 
 
-def checkpoint_named(config: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Our parameters by their checkpoint names (MoE experts one tensor each), what vLLM's loaders take."""
-    return [pair for n, t in named for pair in family(config.model_type).to_checkpoint(n, t)]
+def checkpoint_named(published: Callable, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The parameters by their checkpoint names (`published`: the model's `weights.naming`; a native family's MoE
+    experts one tensor each, a transformers model's names as they are), what vLLM's loaders take."""
+    return [pair for n, t in named for pair in published(n, t)]
 
 
 def sync_layout(config: ModelConfig) -> dict:
@@ -206,14 +208,18 @@ class VllmEngine:
 
     model = None  # the weights live in vLLM, not in this process's modules: syncs are verified by checksum
 
-    def __init__(self, model: Transformer, eos_token_id: int | None, seed: int = 0, max_num_seqs: int = 512,
+    def __init__(self, model: Transformer | HFCausalLM, eos_token_id: int | None, seed: int = 0,
+                 max_num_seqs: int = 512,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.9,
                  temperature: float = 1.0, sleep: bool = False):
-        self.own_process = foreign_world()
+        # vLLM serves many architectures through its Transformers backend, which changes transformers' model classes
+        # in the process that loads them: a trainer running those classes (model.impl=hf) keeps vLLM out of its process
+        self.own_process = foreign_world() or isinstance(model, HFCausalLM)
         vllm_environment(self.own_process)
         from vllm import LLM
 
         self.config, self.dtype = model.config, model.output_weight().dtype
+        self.published = naming(model)[1]
         self.device = model.output_weight().device
         self.eos_token_id = eos_token_id
         self.generator = torch.Generator().manual_seed(seed)  # one draw per call: that call's seed
@@ -221,7 +227,7 @@ class VllmEngine:
         cpu = self.device.type == "cpu"
         self.sleeps = sleep and not cpu
         folder = tempfile.mkdtemp(prefix="twinplane-vllm-")  # read once: later weights come by reference
-        save_pretrained(model, folder)
+        model.save_pretrained(folder) if isinstance(model, HFCausalLM) else save_pretrained(model, folder)
         # vLLM's CPU build cannot rewind a seeded request's generator after a prefill chunk (a CPU torch.Generator has
         # no offset): on CPU every prompt is prefilled in one step, so the budget holds the longest sequence
         chunks = {} if not cpu else {"enable_chunked_prefill": False, "max_num_batched_tokens": max(
@@ -255,7 +261,7 @@ class VllmEngine:
         of what it loaded."""
         if not strict:
             raise ValueError("the vllm backend loads full (or LoRA-merged) weights only")
-        named = checkpoint_named(self.config, named)
+        named = checkpoint_named(self.published, named)
         payload = to_bytes(named) if self.own_process else named
         with self._awake():
             self._checksum = self.llm.collective_rpc("twinplane_reload", args=(payload, sync_layout(self.config)))[0]

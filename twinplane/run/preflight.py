@@ -56,10 +56,8 @@ def model_config(path: str, impl: str = "auto") -> ModelConfig | HFConfig:
 
 def check_hf_run(cfg: Config, mc: HFConfig) -> None:
     """What a run on transformers' modeling code (`model.impl=hf`) cannot do yet, refused before any work."""
-    c, r, arch = cfg.cluster, cfg.rollout, mc.architecture
+    c, r, arch = cfg.cluster, cfg.rollout, mc.architecture  # (vLLM serves what it knows: its own refusal)
     refused = [
-        (c.backend != "local", "cluster.backend", "must be local (the Ray workers build native models)"),
-        (r.backend != "twinplane", "rollout.backend", "must be twinplane (vLLM's weight sync maps native names)"),
         (c.max_staleness > 0, "cluster.max_staleness", "must be 0 (the asynchronous producer drives the native "
          "engine step by step)"),
         (cfg.agent.entrypoint is not None, "agent.entrypoint", "needs the native engine's sessions"),
@@ -83,6 +81,15 @@ def check_hf_run(cfg: Config, mc: HFConfig) -> None:
         if (lora.targets == "all" and len(missing) == len(wanted)) or (lora.targets != "all" and missing):
             raise ConfigError(f"train.lora.targets: {arch} has no linear layer named {missing[0]} (its decoder "
                               f"layers' linears: {', '.join(sorted(linears))})")
+
+
+def check_vllm_serves(architecture: str) -> None:
+    """rollout.backend=vllm for a model without a native family: vLLM must have the architecture in its registry."""
+    from vllm import ModelRegistry
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        raise ConfigError(f"rollout.backend=vllm: this vLLM does not serve {architecture}; use rollout.backend="
+                          "twinplane (the own engine runs it through transformers' code)")
 
 
 def check_weight_files(path: str) -> None:

@@ -278,6 +278,8 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     if cfg.rollout.backend == "vllm" and mc.num_experts:
         raise ConfigError(f"rollout.backend=vllm: mixture-of-experts models ({mc.model_type}) are not in this "
                           "backend's weight sync; use rollout.backend=twinplane")
+    if cfg.rollout.backend == "vllm" and isinstance(mc, HFConfig):
+        preflight.check_vllm_serves(mc.architecture)
     device = runtime.resolve_device(cfg.device) if cfg.cluster.backend == "local" else torch.device("cpu")
     if cfg.cluster.backend == "local":
         memory = hardware.device_memory(device)
