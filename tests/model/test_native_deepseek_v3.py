@@ -99,10 +99,14 @@ def test_packed_equals_padded(kind, folders):
 
 
 @pytest.mark.parametrize("kind", list(CASES))
-def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, folders):
+@pytest.mark.parametrize("mode", ["eager", "static", "batch_invariant"])  # static: the decode-graph path, uncaptured
+def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, mode, folders):
     ref = reference(folders[kind])
-    engine = RolloutEngine(twinplane.load_model(folders[kind]), eos_token_id=EOS)
-    assert engine.backend == "sdpa"
+    engine = RolloutEngine(twinplane.load_model(folders[kind]), eos_token_id=EOS,
+                           batch_invariant=mode == "batch_invariant")
+    if mode == "static":
+        engine.graph_backend = "static"
+    assert engine.backend == "sdpa" and engine.prepacked == (mode == "batch_invariant")
     for prompt in PROMPTS:
         got = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=12))[0]
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=EOS,
