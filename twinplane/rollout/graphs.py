@@ -50,6 +50,7 @@ import torch
 from twinplane.errors import first_line
 from twinplane.model import AttentionMetadata, Transformer
 from twinplane.model.moe import Experts
+from twinplane.model.transformer import cap_logits
 from twinplane.platform import backends
 from twinplane.rollout.kv_cache import KVCache
 from twinplane.rollout.paged_attention import PagedKV
@@ -288,7 +289,8 @@ class DecodeGraphs:
                         self.max_blocks * bs, static=True)
         meta = AttentionMetadata(x[None, :, POS], window=self.window, backend=self.backend, paged=paged)
         h = self.model.hidden_states(x[None, :, TOK], meta=meta)[0]  # [size, D]
-        return lm_head(h, self.model.output_weight(), self.head)
+        return cap_logits(lm_head(h, self.model.output_weight(), self.head),
+                          getattr(self.model.config, "final_logit_softcapping", None))
 
     def _stage_padding(self, size: int) -> None:
         """The first `size` staged rows: padding rows (what the device runs them on until the host stages more)."""

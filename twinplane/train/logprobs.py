@@ -60,7 +60,8 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
         ids, mask, meta, targets, where = batch.input_ids, batch.attention_mask, None, batch.response_ids[resp], None
 
     def head(h: torch.Tensor, weight: torch.Tensor):
-        return token_logprobs(h.flatten(0, 1)[rows], weight, targets, temperature, chunk_tokens, with_entropy)
+        return token_logprobs(h.flatten(0, 1)[rows], weight, targets, temperature, chunk_tokens, with_entropy,
+                              softcap=getattr(model.config, "final_logit_softcapping", None))
 
     lp, ent = model(ids, mask, meta=meta, head=head, routing=routing)
 
