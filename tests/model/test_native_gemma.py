@@ -153,10 +153,13 @@ def test_fast_backends_fall_back_for_soft_capped_layers(folders):
 
 
 @pytest.mark.parametrize("kind", list(CASES))
-@pytest.mark.parametrize("budget", [4096, 3])  # 3: prompts prefilled in chunks, over the pool
-def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, budget, folders):
+@pytest.mark.parametrize("budget, batch_invariant", [(4096, False), (3, False), (4096, True)])
+def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, budget, batch_invariant, folders):
+    """Budget 3: prompts prefilled in chunks, over the pool; batch_invariant: every GEMM prepacked (oneDNN)."""
     ref = reference(folders[kind])
-    engine = RolloutEngine(twinplane.load_model(folders[kind]), eos_token_id=EOS, max_num_batched_tokens=budget)
+    engine = RolloutEngine(twinplane.load_model(folders[kind]), eos_token_id=EOS, max_num_batched_tokens=budget,
+                           batch_invariant=batch_invariant)
+    assert engine.prepacked == batch_invariant
     for prompt in PROMPTS:  # one request at a time, as `generate` runs it; contexts past the window
         got = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10))[0]
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=EOS,
@@ -172,6 +175,20 @@ def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, budget, f
     for i, s in enumerate(samples):
         rollout[i, :len(s.logprobs)] = torch.tensor(s.logprobs)
     torch.testing.assert_close(lp[m], rollout[m], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_static_decode_equals_eager(kind, folders):
+    """The decode-graph path's fixed buffers (run uncaptured on the CPU): per-window masks over full-width block
+    tables, the soft-capped logits it samples from."""
+    engines = [RolloutEngine(twinplane.load_model(folders[kind]), eos_token_id=EOS) for _ in range(2)]
+    engines[0].graph_backend = "static"
+    sp = SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=3)
+    got, want = (e.generate(PROMPTS, sp) for e in engines)
+    assert engines[0].pop_metrics()["rollout/engine_steps_graphed"] > 5
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", list(CASES))
