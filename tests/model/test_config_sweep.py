@@ -18,7 +18,8 @@ MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_interm
            shared_expert_intermediate_size=24)
 CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
-           "olmo2": "Olmo2Config", "deepseek_v3": "DeepseekV3Config", "glm": "GlmConfig", "glm4": "Glm4Config"}
+           "olmo2": "Olmo2Config", "deepseek_v3": "DeepseekV3Config", "glm": "GlmConfig", "glm4": "Glm4Config",
+           "phi3": "Phi3Config"}
 CONFIGS.update(gemma2="Gemma2Config", gemma3_text="Gemma3TextConfig")
 # Keys that do not describe the model (labels, output switches, bookkeeping), or that the sweep can't turn alone.
 SKIP = {"model_type", "architectures", "transformers_version", "dtype", "_name_or_path", "id2label", "label2id",
@@ -70,7 +71,8 @@ def changed(key: str, value, n_layers: int):
 FAMILY_SETTINGS = {"deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                                        head_dim=8, qk_nope_head_dim=10, v_head_dim=12, n_group=2, topk_group=1,
                                        first_k_dense_replace=1)}
-FAMILY_SETTINGS.update(glm=dict(pad_token_id=0), glm4=dict(pad_token_id=0))  # (their default is past the vocab)
+FAMILY_SETTINGS.update(glm=dict(pad_token_id=0), glm4=dict(pad_token_id=0), phi3=dict(pad_token_id=0))  # (their
+# default padding token is past the sweep's vocabulary)
 
 
 def settings(model_type: str) -> dict:

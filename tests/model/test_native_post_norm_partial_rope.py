@@ -9,6 +9,7 @@ import torch
 from conftest import make_batch, saved_and_reloaded, train
 
 import twinplane
+from twinplane.errors import InputError
 from twinplane.model.impl import choose
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.tokenizer import build_char_tokenizer
@@ -24,6 +25,9 @@ CASES = {  # model type -> (config class, its distinguishing options)
     "olmo2": ("Olmo2Config", dict(attention_bias=True, rms_norm_eps=1e-5)),
     "glm": ("GlmConfig", dict(attention_bias=True, partial_rotary_factor=0.5, head_dim=24)),
     "glm4": ("Glm4Config", dict(attention_bias=True, partial_rotary_factor=0.5, head_dim=24)),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, original_max_position_embeddings=LONG, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 4 for i in range(6)],
+        "long_factor": [2.0 + i for i in range(6)]})),
 }
 EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
@@ -97,12 +101,12 @@ def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, batch_inv
     ref = reference(folders[kind])
     engine = RolloutEngine(twinplane.load_model(folders[kind]), eos_token_id=EOS, batch_invariant=batch_invariant)
     assert engine.prepacked == batch_invariant
-    for prompt in PROMPTS:  # one request at a time, as `generate` runs it (Phi-3's longrope picks per call)
-        got = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=12))[0]
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=EOS,
+    got = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=9))  # (Phi-3: up to LONG tokens)
+    for prompt, s in zip(PROMPTS, got, strict=True):
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, eos_token_id=EOS,
                             pad_token_id=0)[0, len(prompt):].tolist()
-        assert got.token_ids == want
-    # sampled together (within Phi-3's pretraining length): the engine's log-probs are the trainer's
+        assert s.token_ids == want
+    # sampled: the engine's log-probs are the trainer's
     sp = SamplingParams(temperature=0.8, max_new_tokens=6, n=2, seed=5)
     samples = engine.generate(PROMPTS, sp)
     batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], 0)
@@ -113,6 +117,14 @@ def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, batch_inv
     for i, s in enumerate(samples):
         rollout[i, :len(s.logprobs)] = torch.tensor(s.logprobs)
     torch.testing.assert_close(lp[m], rollout[m], atol=1e-5, rtol=0)
+
+
+def test_engine_refuses_sequences_past_longrope_pretraining_length(folders):
+    """Past it transformers re-encodes the whole sequence with the long factors (Phi-3's `generate` drops its KV
+    cache), which a paged cache does not: refused, not run with keys of mixed factors."""
+    engine = RolloutEngine(twinplane.load_model(folders["phi3"]), eos_token_id=EOS)
+    with pytest.raises(InputError, match="original_max_position_embeddings=16"):
+        engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=LONG))
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -136,7 +148,8 @@ RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "roll
 def test_three_step_train_run(kind, tmp_path):
     tok = build_char_tokenizer("0123456789+=")
     folder = tmp_path / "model"
-    hf_model(kind, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    long = dict(original_max_position_embeddings=64) if kind == "phi3" else {}  # (rollouts stay within it)
+    hf_model(kind, **long, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
              pad_token_id=tok.pad_token_id).save_pretrained(folder)
     tok.save(folder)
     assert train(tmp_path / "run", f"model.path={folder}", args=RUN) == 0

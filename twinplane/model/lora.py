@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # The targetable layers: every linear of attention and MLP (never the embedding or the LM head).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (qkv_proj, gate_up_proj: the fused projections of the families that publish them so, GLM's MLP and Phi-3)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
 

@@ -136,8 +136,25 @@ def lora_params(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = TARGETS)
     d, f = cfg.hidden_size, cfg.intermediate_size
     a, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     sides = {"q_proj": d + a, "k_proj": d + k, "v_proj": d + k, "o_proj": a + d, "gate_proj": d + f,
-             "up_proj": d + f, "down_proj": f + d}
-    return rank * cfg.num_layers * sum(sides[t] for t in targets)
+             "up_proj": d + f, "down_proj": f + d, "qkv_proj": d + a + 2 * k, "gate_up_proj": d + 2 * f}
+    absent = unfused_names(cfg)
+    return rank * cfg.num_layers * sum(sides[t] for t in targets if t not in absent)
+
+
+def unfused_names(cfg: ModelConfig) -> set[str]:
+    """The projection names a family's layers do not have: the fused ones (`qkv_proj`, `gate_up_proj`) where it
+    keeps them apart, the separate ones where it publishes them fused (GLM's MLP, Phi-3)."""
+    import torch
+
+    from twinplane.model.families import FAMILIES
+
+    if cfg.model_type not in FAMILIES or not isinstance(cfg, ModelConfig):  # (transformers' model: as Llama's)
+        return {"qkv_proj", "gate_up_proj"}
+    with torch.device("meta"):
+        layer = FAMILIES[cfg.model_type].layer(cfg, 0)
+    qkv, gate_up = hasattr(layer.self_attn, "qkv_proj"), hasattr(layer.mlp, "gate_up_proj")
+    return ({"q_proj", "k_proj", "v_proj"} if qkv else {"qkv_proj"}) | (
+        {"gate_proj", "up_proj"} if gate_up else {"gate_up_proj"})
 
 
 def logits_bytes(cfg: ModelConfig, response_tokens: int, act_bytes: int, chunk: int = 512) -> float:

@@ -222,6 +222,10 @@ class RolloutEngine:
         """A request as the scheduler sees it: one sequence per prompt, one random stream per sample."""
         if len(prompt) == 0:
             raise ValueError(f"request {request_index}: empty prompt")
+        longrope = getattr(self.model, "_longrope", None)  # (longrope's pretraining length, see check_longrope)
+        if longrope is not None:
+            check_longrope(request_index, len(prompt), min(max_new_tokens or sampling.max_new_tokens,
+                                                           sampling.max_new_tokens), longrope)
         stops = frozenset(t for t in [self.eos_token_id, *sampling.stop_token_ids] if t is not None)
         return Seq(list(prompt), request_index, sampling, seeds, stops, max_new_tokens=max_new_tokens)
 
@@ -594,3 +598,14 @@ def engine_options(rollout) -> dict:
             "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing,
             "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch, "kernels": rollout.kernels,
             "batch_invariant": rollout.batch_invariant, "run_ahead": rollout.run_ahead}
+
+
+def check_longrope(request_index: int, prompt_len: int, max_new: int, old_ctx: int) -> None:
+    """A longrope model's sequence must stay within its pretraining length `old_ctx`: past it transformers re-encodes
+    the whole sequence with the long factors (Phi-3's `generate` drops its KV cache there), which a paged KV cache
+    does not; within it every token takes the short factors, as in the trainer's forward."""
+    if prompt_len + max_new > old_ctx:
+        raise InputError(f"request {request_index}: {prompt_len} prompt tokens + up to {max_new} new ones pass the "
+                         f"model's longrope original_max_position_embeddings={old_ctx}, past which its rope switches "
+                         "factors for the whole sequence; the engine serves sequences within it (shorten "
+                         "rollout.max_new_tokens or the prompt)")

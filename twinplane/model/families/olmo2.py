@@ -51,8 +51,8 @@ class Olmo2Layer(DecoderLayer):
 
 def read(hf: dict) -> dict:
     bias = bool(hf.get("attention_bias", False))  # on q/k/v and o alike
-    return dict(qkv_bias=bias, o_bias=bias)
+    return dict(qkv_bias=bias, o_bias=bias, rms_norm_eps=hf.get("rms_norm_eps", 1e-5))
 
 
 FAMILY = Family("olmo2", "Olmo2ForCausalLM", read, write=lambda cfg: dict(attention_bias=cfg.qkv_bias),
-                decoder_layer=Olmo2Layer, unsupported=DROPOUT)
+                decoder_layer=Olmo2Layer, norm=Olmo2RMSNorm, unsupported=DROPOUT)

@@ -116,6 +116,8 @@ def swap_in_triton_layers(model: nn.Module) -> int:
     count = 0
     for m in model.modules():
         cls = SWAPS.get(type(m))
+        if cls is TritonAttention and m.cfg.rotary_dim != m.cfg.head_dim:
+            continue  # (rope_write ropes whole heads: partial rotary stays on the portable path)
         if cls is not None:
             m.__class__ = cls
             count += 1
