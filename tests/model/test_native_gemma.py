@@ -192,6 +192,23 @@ def test_static_decode_equals_eager(kind, folders):
 
 
 @pytest.mark.parametrize("kind", list(CASES))
+def test_triton_engine_equals_the_torch_engine(kind, folders):
+    """kernels=triton (Triton's interpreter on the CPU): Gemma 2's attention takes the Triton layer, whose
+    soft-capped layers attend on the portable path; Gemma's own norms, MLP and layers keep the torch code."""
+    pytest.importorskip("triton")
+    engines = [RolloutEngine(twinplane.load_model(folders[kind]), eos_token_id=EOS, kernels=k)
+               for k in ("triton", "torch")]
+    assert engines[0].kernels == "triton"
+    swapped = {type(m).__name__ for m in engines[0].model.modules()} & {"TritonAttention", "TritonDecoderLayer"}
+    assert swapped == ({"TritonAttention"} if kind == "gemma2" else set())
+    sp = SamplingParams(temperature=0, max_new_tokens=6)
+    got, want = (e.generate(PROMPTS[:2], sp) for e in engines)
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
 def test_saved_weights_load_in_transformers(kind, tmp_path):
     ours, back, again = saved_and_reloaded(hf_model(kind), tmp_path, max_shard_bytes=40_000)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
