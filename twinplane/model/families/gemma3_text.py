@@ -27,9 +27,9 @@ class Gemma3DecoderLayer(GemmaDecoderLayer):
 
 def read_ropes(hf: dict) -> dict:
     """The global and the sliding layers' rope, as transformers' Gemma3TextConfig reads either form: 5.x keeps one
-    entry per layer type in `rope_parameters` (other keys there, which transformers ignores, are refused); 4.x has `rope_theta` and
-    `rope_scaling` for the global layers and `rope_local_base_freq` for the sliding ones. The sliding layers' rope
-    is never scaled here; one that is, is refused."""
+    entry per layer type in `rope_parameters` (other keys there, which transformers ignores, are refused); 4.x has
+    `rope_theta` and `rope_scaling` for the global layers and `rope_local_base_freq` for the sliding ones. The
+    sliding layers' rope is never scaled here; one that is, is refused."""
     params = hf.get("rope_parameters") or {}
     loose = sorted(set(params) - {"full_attention", "sliding_attention"})
     if loose:  # (transformers' Gemma 3 would ignore them)
