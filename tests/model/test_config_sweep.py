@@ -18,8 +18,8 @@ MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_interm
            shared_expert_intermediate_size=24)
 CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
-           "olmo2": "Olmo2Config", "deepseek_v3": "DeepseekV3Config", "glm": "GlmConfig", "glm4": "Glm4Config",
-           "phi3": "Phi3Config"}
+           "olmo2": "Olmo2Config", "olmo3": "Olmo3Config", "deepseek_v3": "DeepseekV3Config", "glm": "GlmConfig",
+           "glm4": "Glm4Config", "phi3": "Phi3Config"}
 CONFIGS.update(gemma2="Gemma2Config", gemma3_text="Gemma3TextConfig")
 # Keys that do not describe the model (labels, output switches, bookkeeping), or that the sweep can't turn alone.
 SKIP = {"model_type", "architectures", "transformers_version", "dtype", "_name_or_path", "id2label", "label2id",

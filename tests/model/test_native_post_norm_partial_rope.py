@@ -1,5 +1,6 @@
-"""OLMo-2, GLM, GLM-4 and Phi-3 natively: each on a tiny config with every feature that sets it apart turned on
-(post-norms, whole-projection q/k norms, partial and interleaved rope, fused projections, longrope) against
+"""OLMo-2/3, GLM, GLM-4 and Phi-3 natively: each on a tiny config with every feature that sets it apart turned on
+(post-norms, whole-projection q/k norms, OLMo-3's sliding layers with their own rope beside yarn-scaled full
+layers, partial and interleaved rope, fused projections, longrope) against
 transformers' logits, padded and packed log-probs, the rollout engine against `generate`, saving, and a short run."""
 
 import json
@@ -23,6 +24,11 @@ SIZES = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_lay
 LONG = 16  # Phi-3's pretraining length here: sequences past it take the long factors
 CASES = {  # model type -> (config class, its distinguishing options)
     "olmo2": ("Olmo2Config", dict(attention_bias=True, rms_norm_eps=1e-5)),
+    "olmo3": ("Olmo3Config", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                   "full_attention": {"rope_type": "yarn", "rope_theta": 5e5,
+                                                                      "factor": 4.0,
+                                                                      "original_max_position_embeddings": 16}})),
     "glm": ("GlmConfig", dict(attention_bias=True, partial_rotary_factor=0.5, head_dim=24)),
     "glm4": ("Glm4Config", dict(attention_bias=True, partial_rotary_factor=0.5, head_dim=24)),
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, original_max_position_embeddings=LONG, rope_parameters={

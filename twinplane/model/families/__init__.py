@@ -13,6 +13,7 @@ from twinplane.model.families import (
     mistral,
     mixtral,
     olmo2,
+    olmo3,
     phi3,
     qwen2,
     qwen2_moe,
@@ -23,7 +24,8 @@ from twinplane.model.family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
-    olmo2.FAMILY, glm.FAMILY, glm4.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, deepseek_v3.FAMILY)}
+    olmo2.FAMILY, olmo3.FAMILY, glm.FAMILY, glm4.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY,
+    deepseek_v3.FAMILY)}
 
 
 def family(model_type: str) -> Family:

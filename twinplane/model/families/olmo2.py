@@ -1,9 +1,7 @@
 """OLMo-2: post-norm layers (an RMSNorm on the attention's and on the MLP's output, before each residual add; none on
 their input) and an RMSNorm on q and on k over the whole projection (every head at once), before rope. OLMo-2's
 RMSNorm scales by its weight before casting back to the input's dtype (Llama's casts first).
-
-OLMo-3 (`olmo3`) is OLMo-2 with sliding-window attention on three layers of every four and rope per layer kind; it
-is not declared here: it runs through transformers' code (model.impl=auto picks it)."""
+"""
 
 from __future__ import annotations
 
