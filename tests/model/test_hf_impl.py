@@ -26,7 +26,12 @@ SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
              max_position_embeddings=64, bos_token_id=1, eos_token_id=3, pad_token_id=0)
 CONFIGS = {"olmo": lambda: transformers.OlmoConfig(**SIZES, num_key_value_heads=2),
            "gpt_neox": lambda: transformers.GPTNeoXConfig(**SIZES, rotary_pct=0.5, tie_word_embeddings=False),
-           "llama": lambda: transformers.LlamaConfig(**SIZES, num_key_value_heads=2)}
+           "llama": lambda: transformers.LlamaConfig(**SIZES, num_key_value_heads=2),
+           # logits scaled after the LM head (Granite), soft-capped (Gemma 2, here forced through transformers' code)
+           "granite": lambda: transformers.GraniteConfig(**SIZES, num_key_value_heads=2, logits_scaling=4.0,
+                                                         embedding_multiplier=2.0, residual_multiplier=0.5),
+           "gemma2": lambda: transformers.Gemma2Config(**SIZES, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                                       final_logit_softcapping=2.0, attn_logit_softcapping=5.0)}
 
 
 def hf_folder(path, kind, seed=0):
@@ -71,7 +76,7 @@ def test_auto_native_hf_and_refusals(folders, tmp_path):
         choose(broken)
 
 
-@pytest.mark.parametrize("kind", ["olmo", "gpt_neox"])
+@pytest.mark.parametrize("kind", ["olmo", "gpt_neox", "granite", "gemma2"])
 def test_logits_names_and_save_match_transformers(kind, folders, tmp_path):
     ours, ref = load_hf(folders[kind], "cpu"), reference(folders[kind])
     ids = torch.randint(0, 64, (2, 9))
@@ -112,6 +117,22 @@ def test_packed_equals_padded_and_shared_prompts(kind, folders):
     torch.testing.assert_close(shared, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["granite", "gemma2"])
+def test_trainer_logprobs_through_a_scaled_or_capped_head(kind, folders):
+    """The trainer's chunked log-probs (the shared head path) equal log-softmax of transformers' own logits."""
+    model, ref = load_hf(folders[kind], "cpu"), reference(folders[kind])
+    batch = make_batch(model)
+    with torch.no_grad():
+        got, _ = response_logprobs(model, batch, 1.0, packed=False)
+        mask = batch.attention_mask
+        logits = ref(input_ids=batch.input_ids, attention_mask=mask,
+                     position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    want = lp[:, batch.prompt_len - 1:]
+    keep = batch.response_mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
 def test_a_model_that_ignores_packing_falls_back_to_padded_rows(folders, monkeypatch):
     import transformers.masking_utils as mu
 
@@ -129,7 +150,7 @@ def test_a_model_that_ignores_packing_falls_back_to_padded_rows(folders, monkeyp
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
 
 
-@pytest.mark.parametrize("kind", ["olmo", "gpt_neox"])
+@pytest.mark.parametrize("kind", ["olmo", "gpt_neox", "granite", "gemma2"])
 def test_engine_greedy_equals_generate_and_sampling_is_seeded(kind, folders):
     model = load_hf(folders[kind], "cpu")
     engine = HFEngine(model, eos_token_id=3, pad_token_id=0, max_num_seqs=3)  # two static batches

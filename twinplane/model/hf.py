@@ -30,6 +30,7 @@ from torch import nn
 
 from twinplane.model.attention import AttentionMetadata
 from twinplane.model.hf_config import HFConfig, decoder_layers
+from twinplane.model.transformer import cap_logits
 
 NO_ROUTING = ("MoE routing record/replay needs a native model: model.impl=hf runs transformers' experts, whose "
               "choices twinplane does not see")
@@ -44,6 +45,13 @@ class HFCausalLM(nn.Module):
         for name, child in hf.named_children():
             self.add_module(name, child)
         self.config = HFConfig.from_model(hf, decoder_layers(hf))
+        # What some families do to the LM head's output, which the shared head path (the trainer's chunked
+        # log-probs, the engine's sampling) reproduces: a scale, folded into the hidden states (the LM head is
+        # linear), and Gemma 2's tanh soft-cap, applied wherever logits are made. `check_head` proves the result.
+        c = hf.config
+        self.logit_scale = float(getattr(c, "logit_scale", None) or 1.0) / float(getattr(c, "logits_scaling", None)
+                                                                                  or 1.0)
+        self.config.final_logit_softcapping = getattr(c, "final_logit_softcapping", None)
         self._checkpointing = False
         self._compiled = False
         self._packs: bool | None = None  # measured on the first packed forward (`packing_agrees`)
@@ -96,9 +104,9 @@ class HFCausalLM(nn.Module):
                 head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None, routing=None) -> torch.Tensor:
         """As `Transformer.forward`: logits [B, T - logits_start, V], or `head(hidden, output weight)`."""
         h = self.hidden_states(input_ids, attention_mask, meta, routing)
-        if head is not None:
+        if head is not None:  # (the head applies `config.final_logit_softcapping` itself)
             return head(h, self.output_weight())
-        return F.linear(h[:, logits_start:], self.output_weight())
+        return cap_logits(F.linear(h[:, logits_start:], self.output_weight()), self.config.final_logit_softcapping)
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       meta: AttentionMetadata | None = None, routing=None) -> torch.Tensor:
@@ -127,7 +135,8 @@ class HFCausalLM(nn.Module):
         extra = {} if cache is None else {self.cache_argument: cache}
         out = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                  use_cache=cache is not None, **extra)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return h if self.logit_scale == 1.0 else h * self.logit_scale
 
     @functools.cached_property
     def cache_argument(self) -> str:
@@ -191,8 +200,9 @@ class HFCausalLM(nn.Module):
             hook.remove()
         h, out = seen["h"], seen["out"]
         plain = F.linear(h, self.output_weight())
-        if not (torch.equal(logits, out.to(logits.dtype)) and torch.allclose(out.float(), plain.float(), rtol=1e-3,
-                                                                               atol=1e-3 * plain.abs().max().item())):
+        made = cap_logits(out.float() * self.logit_scale, self.config.final_logit_softcapping)
+        if not (torch.allclose(logits.float(), made, rtol=1e-5, atol=1e-5 * made.abs().max().item())
+                and torch.allclose(out.float(), plain.float(), rtol=1e-3, atol=1e-3 * plain.abs().max().item())):
             raise ValueError(f"{self.config.architecture}: its logits are not the final hidden states times the "
                              "output embedding (a bias, soft-capping or scaling), which twinplane's log-probs and "
                              "sampling compute; model.impl=hf cannot train it")

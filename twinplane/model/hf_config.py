@@ -58,6 +58,7 @@ class HFConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    final_logit_softcapping: float | None = None  # (set by the model adapter from the HF config)
     kv_lora_rank: int = 0  # (latent attention's caches are transformers' own here)
 
     @property

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from twinplane.model.checksum import weights_checksum
 from twinplane.model.hf import HFCausalLM
+from twinplane.model.transformer import cap_logits
 from twinplane.model.weights import load_weights
 from twinplane.rollout.engine import Done, EngineStats, call_seed, request_caps
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
@@ -109,7 +110,7 @@ class HFEngine:
         self.stats.prefill_tokens += int(mask.sum())
         while live:
             h = self.model.backbone(ids, mask, positions, cache)[:, -1]  # [B, D]
-            logits = F.linear(h, self.model.output_weight())  # [B, V]
+            logits = cap_logits(F.linear(h, self.model.output_weight()), self.model.config.final_logit_softcapping)
             tokens, chosen = self._choose(logits[live], [seqs[i] for i in live], sp)
             self.stats.steps += 1
             self.stats.running_sum += len(live)
