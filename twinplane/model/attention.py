@@ -67,6 +67,8 @@ class AttentionMetadata:
     # one layer's own attention (`for_layer`): the scores' scale (None: 1/sqrt(head_dim)) and tanh soft-cap
     scale: float | None = None
     softcap: float | None = None
+    # one layer's attention sinks (`with_sinks`): a learned logit per head [H] in the softmax's denominator
+    sinks: torch.Tensor | None = None
 
     def for_layer(self, window: int | None, scale: float | None = None,
                   softcap: float | None = None) -> AttentionMetadata:
@@ -88,6 +90,12 @@ class AttentionMetadata:
             view = self.cache[key] = dataclasses.replace(self, window=window, scale=scale, softcap=softcap,
                                                          backend=backend, mask=mask, cache={})
         return view
+
+    def with_sinks(self, sinks: torch.Tensor) -> AttentionMetadata:
+        """This metadata for a layer whose softmax also counts a learned logit per head that takes no value
+        (GPT-OSS's attention sinks, a parameter, so a view per layer and forward: it shares this one's derived
+        data). No fused kernel here adds sinks: such a layer takes the portable path ("sdpa", explicit scores)."""
+        return dataclasses.replace(self, sinks=sinks, backend="sdpa", cache=self.cache)
 
     def _dense_mask(self, window: int | None) -> torch.Tensor | None:
         """The dense layout's mask with another window, from the key validity `Transformer.dense_metadata`
@@ -137,8 +145,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
               layer: int = 0) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, H_kv, S, D] (GQA when H_kv < H) -> [B, H, T, D]. `layer` picks the paged pool's
     layer (paged layout only)."""
-    if meta.softcap is not None and meta.backend != "sdpa":
-        raise ValueError(f"the {meta.backend} attention backend cannot soft-cap scores: use sdpa")
+    if (meta.softcap is not None or meta.sinks is not None) and meta.backend != "sdpa":
+        raise ValueError(f"the {meta.backend} attention backend cannot soft-cap scores or add sinks: use sdpa")
     if meta.paged is not None:
         return meta.paged.attend(q, k, v, meta, layer)
     if meta.varlen:
@@ -150,26 +158,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
          attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-    """The portable kernel: torch's SDPA at the layer's scale, or with soft-capped scores `capped_attention`."""
-    if meta.softcap is not None:
-        return capped_attention(q, k, v, attn_mask, is_causal, meta.scale, meta.softcap)
+    """The portable kernel: torch's SDPA at the layer's scale, or with soft-capped scores or sinks
+    `capped_attention`."""
+    if meta.softcap is not None or meta.sinks is not None:
+        return capped_attention(q, k, v, attn_mask, is_causal, meta.scale, meta.softcap, meta.sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=meta.scale,
                                           enable_gqa=q.shape[-3] != k.shape[-3])
 
 
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                     is_causal: bool, scale: float | None, softcap: float) -> torch.Tensor:
-    """Attention with tanh soft-capped scores (Gemma 2), which SDPA cannot do: scores in q's dtype, capped, masked,
-    softmax in fp32 and cast back, as transformers' eager attention. q [..., H, T, D], k/v [..., H_kv, S, D]."""
+                     is_causal: bool, scale: float | None, softcap: float | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with tanh soft-capped scores (Gemma 2) or sinks (GPT-OSS: a logit per head [H] that joins each
+    row's softmax and takes no value), which SDPA cannot do: scores in q's dtype, capped, masked, softmax in fp32
+    and cast back, as transformers' eager attention. q [..., H, T, D], k/v [..., H_kv, S, D]."""
     rep = q.shape[-3] // k.shape[-3]
     if rep > 1:
         k, v = (x.repeat_interleave(rep, dim=-3) for x in (k, v))
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:  # top-left aligned, as SDPA's
         attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        return probs.to(q.dtype) @ v
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 

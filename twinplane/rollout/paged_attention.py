@@ -246,8 +246,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
             outs.append(y[0])  # [H, q_len, D]
     if fresh is not None:
         a, packed = fresh
-        if meta.scale is not None or meta.softcap is not None:  # (the layer's own scores)
-            packed = dataclasses.replace(packed, scale=meta.scale, softcap=meta.softcap)
+        if meta.scale is not None or meta.softcap is not None or meta.sinks is not None:  # (the layer's own scores)
+            packed = dataclasses.replace(packed, scale=meta.scale, softcap=meta.softcap, sinks=meta.sinks)
         outs.append(sdpa_varlen(q[:, :, a:], k[:, :, a:], v[:, :, a:], packed)[0])  # [H, T - a, D]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))[None]
 

@@ -9,6 +9,7 @@ from twinplane.model.families import (
     gemma3_text,
     glm,
     glm4,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -25,7 +26,7 @@ from twinplane.model.family import Family
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
     olmo2.FAMILY, olmo3.FAMILY, glm.FAMILY, glm4.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY,
-    deepseek_v3.FAMILY)}
+    deepseek_v3.FAMILY, gpt_oss.FAMILY)}
 
 
 def family(model_type: str) -> Family:
