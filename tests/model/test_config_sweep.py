@@ -21,6 +21,7 @@ CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Co
            "olmo2": "Olmo2Config", "olmo3": "Olmo3Config", "deepseek_v3": "DeepseekV3Config", "glm": "GlmConfig",
            "glm4": "Glm4Config", "phi3": "Phi3Config"}
 CONFIGS.update(gemma2="Gemma2Config", gemma3_text="Gemma3TextConfig")
+CONFIGS.update(gpt_oss="GptOssConfig")
 # Keys that do not describe the model (labels, output switches, bookkeeping), or that the sweep can't turn alone.
 SKIP = {"model_type", "architectures", "transformers_version", "dtype", "_name_or_path", "id2label", "label2id",
         "return_dict", "output_hidden_states", "output_attentions", "problem_type", "is_encoder_decoder",
