@@ -211,10 +211,62 @@ def test_config_forms_and_refusals():
     again = ModelConfig.from_hf(cfg.to_hf())
     assert (again.rope_scaling, again.rope_theta, again.layer_types) == (cfg.rope_scaling, cfg.rope_theta,
                                                                          cfg.layer_types)
-    with pytest.raises(ValueError, match="mxfp4"):
-        ModelConfig.from_hf(base | dict(quantization_config={"quant_method": "mxfp4"}))
+    with pytest.raises(ValueError, match="gptq"):
+        ModelConfig.from_hf(base | dict(quantization_config={"quant_method": "gptq"}))
+    assert "quantization_config" not in ModelConfig.from_hf(base | dict(quantization_config={
+        "quant_method": "mxfp4"})).to_hf()  # (saved weights are plain)
     with pytest.raises(ValueError, match="attention_dropout"):
         ModelConfig.from_hf(base | dict(attention_dropout=0.1))
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [E, C, R] as an MXFP4 checkpoint holds it: blocks [E, R, C / 32, 16], scales [E, R, C / 32]."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    x = w.transpose(1, 2).unflatten(-1, (-1, 32))  # [E, R, G, 32]
+    exp = torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 6))
+    y = x / torch.exp2(exp)
+    codes = (y.abs()[..., None] - values).abs().argmin(-1) + 8 * (y < 0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp[..., 0] + 127).to(torch.uint8)
+
+
+def test_mxfp4_checkpoint_is_dequantized_on_load(tmp_path):
+    """The experts of an MXFP4 checkpoint load as transformers dequantizes them (`convert_moe_packed_tensors`), and
+    the model then gives transformers' logits with those weights; what twinplane saves is plain."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ref = hf_model()
+    ref.save_pretrained(tmp_path / "plain")
+    state = load_file(tmp_path / "plain" / "model.safetensors")
+    for name in [n for n in state if n.endswith(("gate_up_proj", "down_proj"))]:
+        w = state.pop(name)
+        blocks, scales = mxfp4(w)
+        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+        plain = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert (plain - w).norm() < 0.2 * w.norm()  # (the test's quantizer is MXFP4)
+        with torch.no_grad():  # the reference: transformers' own dequantization of the same bytes
+            ref.get_parameter(name).copy_(plain)
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((tmp_path / "plain" / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(hf))
+    assert choose(folder).impl == "native"
+    ours = twinplane.load_model(folder)
+    x = ids(13)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x).logits, atol=1e-4, rtol=0)
+    twinplane.save_pretrained(ours, tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    back = reference(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ref(x).logits, atol=1e-4, rtol=0)
+    del state["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj has _blocks or _scales but not both"):
+        twinplane.load_model(folder)
 
 
 RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",

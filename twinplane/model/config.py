@@ -30,6 +30,7 @@ KNOWN = {
     "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "partial_rotary_factor",
     "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
     "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern",
+    "quantization_config",  # (dequantized on load where accepted: saved weights are plain)
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -217,8 +218,8 @@ class ModelConfig:
         model_type = hf.get("model_type", "llama")
         fam = family(model_type)  # first: another family's keys mean nothing here
         quant = hf.get("quantization_config")  # (GPTQ/AWQ/FP8 weights are packed integers plus scales)
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        method = (quant.get("quant_method", "?") if isinstance(quant, dict) else quant) if quant else None
+        if quant and method not in fam.dequantize:  # (a family's own methods are made plain weights on load)
             raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method}); use the "
                              "unquantized model")
         act = hf.get("hidden_act", "silu")  # (transformers: "swish" is silu too)

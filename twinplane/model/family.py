@@ -14,7 +14,7 @@ planes, `save_pretrained` and the vLLM weight mapping read the declaration; none
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +65,10 @@ class Family:
     from_checkpoint: Callable[[str], tuple[str, int | None]] = same_name
     # (parameter name, tensor) -> its tensors by published name
     to_checkpoint: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] = same_tensor
+    # quantization method (`quantization_config.quant_method`) -> what turns a checkpoint's (name, tensor) stream of
+    # that method into plain weights on load (`weights.load_weights`); any other quantized checkpoint is refused
+    dequantize: Mapping[str, Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]] = \
+        field(default_factory=dict)
 
     def layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return self.decoder_layer(cfg, index, self.mlp)

@@ -60,6 +60,9 @@ def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], 
 
     params = dict(model.named_parameters())
     to_param = naming(model)[0]
+    if isinstance(model, Transformer):  # quantized tensors the family reads (`Family.dequantize`) made plain
+        for plain in family(model.config.model_type).dequantize.values():
+            named = plain(named)
     seen, slices = set(), {}
     with torch.no_grad():
         for name, tensor in named:

@@ -7,9 +7,11 @@ its logits, softmax over those k) and experts with biases and a clamped SwiGLU (
 
 The sinks reach attention through `AttentionMetadata.with_sinks`: sink layers take the portable explicit-scores
 path on both planes (the engine's fast attention paths fall back for them). transformers' reference is its eager
-attention. MXFP4 checkpoints are refused (as every quantized checkpoint)."""
+attention. MXFP4 checkpoints (the experts' weights as `*_blocks` / `*_scales`) are dequantized on load."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +140,38 @@ class GptOssLayer(DecoderLayer):
         self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+# the 4-bit codes of MXFP4 (e2m1): sign bit, then the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [E, R, G, 16] uint8 (two codes a byte, low nibble first) and scales [E, R, G] uint8 (a power of two
+    per 32 values, biased by 127) -> the weight [E, G * 32, R] in fp32, as transformers' `convert_moe_packed_tensors`
+    (the checkpoint holds rows of R; the parameter is its transpose)."""
+    b = blocks.to(torch.uint8).long()
+    vals = torch.stack((FP4[b & 0x0F], FP4[b >> 4]), dim=-1).flatten(-2)  # [E, R, G, 32]
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None])
+    return vals.flatten(-2).transpose(1, 2).contiguous()
+
+
+def dequantize_mxfp4(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with each `X_blocks` / `X_scales` pair (in any order, any shards) replaced by the
+    plain `X`; everything else passes through."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        part = next((p for p in ("_blocks", "_scales") if name.endswith(p)), None)
+        if part is None:
+            yield name, tensor
+            continue
+        pair = pending.setdefault(name.removesuffix(part), {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            yield name.removesuffix(part), mxfp4_weight(pair["_blocks"], pair["_scales"])
+            del pending[name.removesuffix(part)]
+    if pending:
+        raise ValueError(f"mxfp4 checkpoint: {sorted(pending)[0]} has _blocks or _scales but not both")
+
+
 def read(hf: dict) -> dict:
     from twinplane.model.rope import read_rope
 
@@ -166,4 +200,4 @@ def write(cfg) -> dict:
 
 
 FAMILY = Family("gpt_oss", "GptOssForCausalLM", read, write, mlp=mlp, decoder_layer=GptOssLayer,
-                unsupported=DROPOUT, activation_key=None, norm=GptOssRMSNorm)
+                unsupported=DROPOUT, activation_key=None, norm=GptOssRMSNorm, dequantize={"mxfp4": dequantize_mxfp4})
