@@ -69,6 +69,15 @@ FAMILIES = {
     "ernie4_5": ("Ernie4_5Config", {}),
     "exaone4": ("Exaone4Config", dict(sliding_window=6)),
     "ministral": ("MinistralConfig", dict(sliding_window=6)),
+    "llama4_text": ("Llama4TextConfig", dict(MOE, num_local_experts=4, intermediate_size_mlp=96)),
+    "granitemoe": ("GraniteMoeConfig", dict(MOE, logits_scaling=4.0)),
+    "nemotron_h": ("NemotronHConfig", dict(hybrid_override_pattern="M*M-", mamba_num_heads=4, mamba_head_dim=16,
+                                           ssm_state_size=16, n_groups=1)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(MOE, linear_num_key_heads=2, linear_num_value_heads=4,
+                                                      linear_key_head_dim=8, linear_value_head_dim=8,
+                                                      shared_expert_intermediate_size=32)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(MOE, moe_num_experts=4, moe_k=2)),
+    "olmoe": ("OlmoeConfig", dict(MOE)),
 }
 TOKENS = "0123456789+="
 

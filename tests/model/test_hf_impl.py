@@ -31,7 +31,10 @@ CONFIGS = {"olmo": lambda: transformers.OlmoConfig(**SIZES, num_key_value_heads=
            "granite": lambda: transformers.GraniteConfig(**SIZES, num_key_value_heads=2, logits_scaling=4.0,
                                                          embedding_multiplier=2.0, residual_multiplier=0.5),
            "gemma2": lambda: transformers.Gemma2Config(**SIZES, num_key_value_heads=2, head_dim=8, sliding_window=4,
-                                                       final_logit_softcapping=2.0, attn_logit_softcapping=5.0)}
+                                                       final_logit_softcapping=2.0, attn_logit_softcapping=5.0),
+           # a causal LM whose `base_model` and `get_decoder()` are itself: the decoder is found by its layers
+           "llama4": lambda: transformers.Llama4TextConfig(**SIZES, num_key_value_heads=2, head_dim=8,
+                                                           num_local_experts=2, intermediate_size_mlp=64)}
 
 
 def hf_folder(path, kind, seed=0):
@@ -76,7 +79,7 @@ def test_auto_native_hf_and_refusals(folders, tmp_path):
         choose(broken)
 
 
-@pytest.mark.parametrize("kind", ["olmo", "gpt_neox", "granite", "gemma2"])
+@pytest.mark.parametrize("kind", ["olmo", "gpt_neox", "granite", "gemma2", "llama4"])
 def test_logits_names_and_save_match_transformers(kind, folders, tmp_path):
     ours, ref = load_hf(folders[kind], "cpu"), reference(folders[kind])
     ids = torch.randint(0, 64, (2, 9))
