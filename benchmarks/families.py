@@ -40,7 +40,7 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(sliding_window=6)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(attention_bias=True, use_sliding_window=True, sliding_window=6,
-                                  max_window_layers=0)),
+                                  max_window_layers=2)),  # windows on the last two layers
     "qwen2_moe": ("Qwen2MoeConfig", dict(MOE, shared_expert_intermediate_size=48, mlp_only_layers=[0])),
     "qwen3_moe": ("Qwen3MoeConfig", dict(MOE, norm_topk_prob=True, decoder_sparse_step=2)),
     "mixtral": ("MixtralConfig", dict(MOE, sliding_window=6)),

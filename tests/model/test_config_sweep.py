@@ -146,16 +146,21 @@ def test_every_option_matches_transformers_or_is_refused(model_type, tmp_path):
     assert sum(v == "refused" for v in outcome.values()) >= 3, outcome
 
 
-def test_refusals_name_the_feature():
+def test_refusals_name_the_feature_and_windows_round_trip():
     base = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=4,
                 num_attention_heads=2)
-    with pytest.raises(ValueError, match="some layers only"):
-        ModelConfig.from_hf(base | dict(use_sliding_window=True, sliding_window=4, max_window_layers=2))
+    with pytest.raises(ValueError, match="layer_types has sliding_attention layers but no sliding_window"):
+        ModelConfig.from_hf(base | dict(layer_types=["sliding_attention"] * 4))
     with pytest.raises(ValueError, match="attention_dropout=0.1 turns on dropout"):
         ModelConfig.from_hf(base | dict(attention_dropout=0.1))
     with pytest.raises(ValueError, match="'nemotron_h' has no native implementation"):
         ModelConfig.from_hf(dict(model_type="nemotron_h", hybrid_override_pattern="M-M*"))
-    # a window on every layer is Mistral's: honoured, and written back in a form transformers reads the same way
+    # windows from max_window_layers on (4.x) become per-layer kinds; every layer sliding is Mistral's window.
+    # Both are written back in a form that reads the same way (the sweep checks transformers' side).
+    cfg = ModelConfig.from_hf(base | dict(use_sliding_window=True, sliding_window=4, max_window_layers=2))
+    assert (cfg.sliding_window, cfg.layer_types) == (4, ["full_attention"] * 2 + ["sliding_attention"] * 2)
+    again = ModelConfig.from_hf(cfg.to_hf())
+    assert (again.sliding_window, again.layer_types) == (cfg.sliding_window, cfg.layer_types)
     cfg = ModelConfig.from_hf(base | dict(use_sliding_window=True, sliding_window=4, max_window_layers=0))
-    assert cfg.sliding_window == 4
+    assert (cfg.sliding_window, cfg.layer_types) == (4, None)
     assert ModelConfig.from_hf(cfg.to_hf()).sliding_window == 4

@@ -81,27 +81,22 @@ class Family:
                                  "does not implement")
 
 
-def uniform_window(hf: dict, window: int | None, derived: Callable[[int], bool]) -> int | None:
-    """The sliding window of a config whose layers may differ (transformers 5.x's `layer_types`, else `derived(i)`:
-    whether layer i slides), when every layer attends alike: `window` if all slide, None if none does. A mix, or a
-    kind other than full or sliding attention, is refused by name."""
-    layers = hf["num_hidden_layers"]
+def layer_windows(hf: dict, window: int | None, derived: Callable[[int], bool]) -> dict:
+    """`sliding_window` and `layer_types` of a config whose layers may differ (transformers 5.x's `layer_types`,
+    else `derived(i)`: whether layer i slides): `layer_types` stays None where every layer attends alike. A kind
+    other than full or sliding attention, or sliding layers without a window, is refused by name."""
     types = hf.get("layer_types") or ["sliding_attention" if window and derived(i) else "full_attention"
-                                      for i in range(layers)]
+                                      for i in range(hf["num_hidden_layers"])]
     kinds = set(types)
     if not kinds <= {"full_attention", "sliding_attention"}:
         raise ValueError(f"{hf.get('model_type')}: layer_types {sorted(kinds)}: only full_attention and "
                          "sliding_attention are implemented")
     if kinds == {"full_attention"}:
-        return None
+        return dict(sliding_window=None, layer_types=None)
     if not window:
         raise ValueError(f"{hf.get('model_type')}: layer_types has sliding_attention layers but no sliding_window "
                          "is in use (use_sliding_window / sliding_window)")
-    if kinds == {"sliding_attention"}:
-        return window
-    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    raise ValueError(f"{hf.get('model_type')}: sliding-window attention on some layers only ({len(sliding)} of "
-                     f"{layers}, from layer_types / use_sliding_window + max_window_layers) is not implemented")
+    return dict(sliding_window=window, layer_types=None if kinds == {"sliding_attention"} else list(types))
 
 
 # Options several families' transformers configs define that change what the model computes.
