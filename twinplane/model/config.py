@@ -31,6 +31,8 @@ KNOWN = {
     "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
     "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern",
     "quantization_config",  # (dequantized on load where accepted: saved weights are plain)
+    "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "full_attention_interval",
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -93,6 +95,15 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
+    # Gated DeltaNet (Qwen3-Next): the layers in `linear_layers` mix tokens by the gated delta rule
+    # (twinplane.model.gated_deltanet) instead of attention, with these head counts and sizes and a causal
+    # depthwise convolution of `linear_conv_kernel_dim` taps
+    linear_layers: list[int] = field(default_factory=list)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back on save
 
     def __post_init__(self):
@@ -139,6 +150,14 @@ class ModelConfig:
                 _positive_int(name, getattr(self, name))
             if self.head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim={self.head_dim} must be even")
+
+        if self.linear_layers:
+            for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel_dim"):
+                _positive_int(name, getattr(self, name))
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                                 f"linear_num_key_heads={self.linear_num_key_heads}")
 
     @property
     def rotary_dim(self) -> int:

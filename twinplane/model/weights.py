@@ -71,6 +71,8 @@ def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], 
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy of the embedding
             target, expert = to_param(name)
+            if target is None:  # a tensor the family leaves out (Qwen3-Next's multi-token prediction)
+                continue
             p = params.get(target)
             if p is None or (expert is not None and expert >= p.shape[0]):
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {model.config.model_type} model")
