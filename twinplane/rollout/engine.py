@@ -53,6 +53,7 @@ from twinplane.rollout.prepacked import (
     repack,
     worth_prepacking,
 )
+from twinplane.rollout.recurrent_state import RecurrentStates, StateBlocks
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.rollout.scheduler import ScheduledBatch, Scheduler
 from twinplane.rollout.sequence import Sample, sample_seed
@@ -167,6 +168,7 @@ class RolloutEngine:
         self.graph_max_batch = graph_max_batch or max_num_seqs
         self.warmth = decode_graphs.Warmth()  # what later captures need not redo (decode_graphs.Warmth)
         self.kv: KVCache | None = None
+        self.states: RecurrentStates | None = None  # linear-attention layers' per-sequence states
         self.blocks: BlockManager | None = None
         self.decoder: decode_graphs.DecodeGraphs | None = None  # this call's static decode (None = all eager)
         self.run_ahead = run_ahead
@@ -327,7 +329,7 @@ class RolloutEngine:
         """Drop the KV pool and the decode graphs that point at it, so that their memory can go back; the next
         call allocates and captures again. Until then the engine keeps both: a later call that fits in the pool
         replays the graphs already captured."""
-        self.decoder = self.kv = None  # (`blocks` stays to inspect)
+        self.decoder = self.kv = self.states = None  # (`blocks` stays to inspect)
 
     def pop_stats(self) -> EngineStats:
         """The counters since the last call (what a remote engine hands to the driver, which merges them)."""
@@ -367,6 +369,11 @@ class RolloutEngine:
             self.decoder = self.kv = None  # free the old pool (and the graphs over it) before the new one exists
             self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, bs)  # the reserved block (the pool's last) is never handed out
+        if cfg.linear_layers:  # per-sequence states, held and released with the blocks
+            if self.states is None or self.states.conv.dtype != self.dtype:
+                self.states = RecurrentStates(cfg, self.dtype, self.device, min(limit, self.max_num_seqs))
+            self.states.reset()
+            self.blocks = StateBlocks(num_blocks, bs, self.states)
         if not reserved:
             self.decoder = None
         elif self.decoder is None or not self.decoder.serves(mode, need_one, limit):
@@ -380,6 +387,8 @@ class RolloutEngine:
         """One forward over `batch`; sample for the sequences whose pending tokens all ran. Returns the finished."""
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
+        if self.states is not None:  # (before any of the batch's tokens count as computed)
+            self.states.prepare(batch.seqs, [s.num_computed == 0 for s in batch.seqs])
         if self.decoder is not None and self.decoder.fits(batch) and shares_sampling(batch.seqs, sp):
             step = self.decoder.launch(batch.seqs, sp)  # None: a capture failed, the step runs eagerly below
             if step is not None:
@@ -415,7 +424,7 @@ class RolloutEngine:
                 tables += [0] * (width - len(s.block_table))
         ints = torch.tensor(ctx + list(itertools.accumulate(qlens, initial=0)) + tables, dtype=torch.int32).to(dev)
         paged = PagedKV(self.kv.k, self.kv.v, longs[2 * T:], ints[2 * S + 1:].view(S, width), ints[:S],
-                        ints[S:2 * S + 1], qlens, batch.num_decodes, max(ctx))
+                        ints[S:2 * S + 1], qlens, batch.num_decodes, max(ctx), states=self.states)
         meta = AttentionMetadata(longs[T:2 * T][None], window=self.model.config.sliding_window,
                                  backend=self.backend, paged=paged)
         rec = RoutingState() if self.record_routing else None

@@ -77,10 +77,11 @@ def buckets(max_batch: int) -> list[int]:
 def decode_mode(requested: str, model: Transformer, record_routing: bool) -> str:
     """The mode a `generate` call runs its decode steps in: `requested`, or "eager" where the static forward cannot
     serve: MoE routing being recorded (the record is a host-side side effect of the forward), or a capture of a
-    MoE model whose experts run the per-expert loop (it reads the expert counts on the host)."""
+    MoE model whose experts run the per-expert loop (it reads the expert counts on the host), or a model with
+    linear-attention layers (their per-sequence states live in a pool the static buffers do not address)."""
     if requested not in MODES:
         raise ValueError(f"decode graph mode must be one of {', '.join(MODES)}, got {requested!r}")
-    if requested == "eager" or record_routing:
+    if requested == "eager" or record_routing or model.config.linear_layers:
         return "eager"
     if requested == "cuda_graph" and model.config.num_experts:
         experts = next(m for m in model.modules() if isinstance(m, Experts))

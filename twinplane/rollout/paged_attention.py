@@ -32,6 +32,8 @@ from twinplane.model.attention import AttentionMetadata, flex_attention_for, sdp
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
+    from twinplane.rollout.recurrent_state import RecurrentStates
+
 # The flex BlockMask's query tile. A decode's queries are the query heads sharing one KV head (`_flex_decodes`), at
 # most a few dozen, but flex's kernels need the tile to be a multiple of their BLOCK_M (16 to 128 in torch 2.13);
 # 128 is flex's default.
@@ -62,6 +64,8 @@ class PagedKV:
     # Decode-only with fixed-width block tables (the rollout engine's static / graph-captured decode): the decode
     # group spans every table slot, masked by `context_lens` on the device: no host reads, no data-dependent shapes.
     static: bool = False
+    # linear-attention layers: each sequence's recurrent state (twinplane.rollout.recurrent_state), at `states.slots`
+    states: RecurrentStates | None = None
     # built once per forward, shared by every layer (per window: a model's layers may slide differently)
     _lens: list[int] | None = None  # host copy of context_lens (not in the static decode)
     _decodes: dict[int | None, Group] = field(default_factory=dict)  # portable path: the decode group's gathers

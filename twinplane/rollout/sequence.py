@@ -104,6 +104,7 @@ class Sequence:
         self.rngs = [random.Random(s) for s in seeds]  # > 1 only before the fork: one per sample
         self.num_computed = 0  # leading tokens whose k/v are in the pool
         self.block_table: list[int] = []
+        self.state_slot: int | None = None  # linear-attention models: its slot of the engine's recurrent states
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # per generated token, the weights' version that sampled it
         self.finish_reason: str | None = None
