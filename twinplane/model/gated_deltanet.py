@@ -52,12 +52,15 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim, self.taps = 2 * key + value, cfg.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.taps, groups=self.conv_dim, bias=False,
                                 padding=self.taps - 1)
-        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * key + 2 * value, bias=False)
-        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.heads, bias=False)
+        self.projections(cfg.hidden_size, key, value)
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(1, 16).log())
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value, cfg.hidden_size, bias=False)
+
+    def projections(self, d: int, key: int, value: int) -> None:
+        self.in_proj_qkvz = nn.Linear(d, 2 * key + 2 * value, bias=False)
+        self.in_proj_ba = nn.Linear(d, 2 * self.heads, bias=False)
 
     def project(self, x: torch.Tensor):
         """x [B, T, d] -> the convolution's input [B, T, C] (q, k, v flattened), z [B, T, H, dv], beta and the
@@ -69,9 +72,12 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
         b, a = self.in_proj_ba(x).unflatten(-1, (self.heads_k, -1)).split([r, r], -1)
         mixed = torch.cat((q.flatten(2), k.flatten(2), v.flatten(2)), -1)
-        b, a = b.reshape(B, T, self.heads), a.reshape(B, T, self.heads)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (fp32: A may overflow in fp16)
-        return mixed, z.reshape(B, T, self.heads, self.dv), b.sigmoid(), g
+        return mixed, z.reshape(B, T, self.heads, self.dv), *self.gates(b.reshape(B, T, -1), a.reshape(B, T, -1))
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """beta = sigmoid(b) and the log decay g = -exp(A_log) softplus(a + dt_bias), in fp32 (A may overflow in
+        fp16)."""
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
         B, T, _ = x.shape
@@ -168,3 +174,18 @@ class GatedDeltaNet(nn.Module):
             states.index_copy_(0, at, state1)
             y[starts[first]:starts[last - 1] + lens[last - 1]] = out
         return y
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's Gated DeltaNet: the same mixer with its projections apart and unpermuted (`in_proj_qkv` making q,
+    k and v as the convolution takes them, `in_proj_z`, `in_proj_b`, `in_proj_a`)."""
+
+    def projections(self, d: int, key: int, value: int) -> None:
+        self.in_proj_qkv = nn.Linear(d, 2 * key + value, bias=False)
+        self.in_proj_z = nn.Linear(d, value, bias=False)
+        self.in_proj_b = nn.Linear(d, self.heads, bias=False)
+        self.in_proj_a = nn.Linear(d, self.heads, bias=False)
+
+    def project(self, x: torch.Tensor):
+        z = self.in_proj_z(x).unflatten(-1, (self.heads, self.dv))
+        return self.in_proj_qkv(x), z, *self.gates(self.in_proj_b(x), self.in_proj_a(x))

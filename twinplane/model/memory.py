@@ -150,9 +150,10 @@ def unfused_names(cfg: ModelConfig) -> set[str]:
 
     if cfg.model_type not in FAMILIES or not isinstance(cfg, ModelConfig):  # (transformers' model: as Llama's)
         return {"qkv_proj", "gate_up_proj"}
+    index = next((i for i in range(cfg.num_layers) if i not in cfg.linear_layers), 0)  # an attention layer
     with torch.device("meta"):
-        layer = FAMILIES[cfg.model_type].layer(cfg, 0)
-    qkv, gate_up = hasattr(layer.self_attn, "qkv_proj"), hasattr(layer.mlp, "gate_up_proj")
+        layer = FAMILIES[cfg.model_type].layer(cfg, index)
+    qkv, gate_up = hasattr(getattr(layer, "self_attn", None), "qkv_proj"), hasattr(layer.mlp, "gate_up_proj")
     return ({"q_proj", "k_proj", "v_proj"} if qkv else {"qkv_proj"}) | (
         {"gate_proj", "up_proj"} if gate_up else {"gate_up_proj"})
 

@@ -56,10 +56,12 @@ class GatedAttention(Attention):
 class HybridLayer(DecoderLayer):
     """Pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`)."""
 
+    linear: type[nn.Module] = GatedDeltaNet
+
     def __init__(self, cfg, layer: int, mlp: Callable[..., nn.Module] = moe.sparse_mlp_shared):
         nn.Module.__init__(self)
         if layer in cfg.linear_layers:
-            self.linear_attn = GatedDeltaNet(cfg, layer)
+            self.linear_attn = self.linear(cfg, layer)
         else:
             self.self_attn = GatedAttention(cfg, layer)
         self.mlp = mlp(cfg, layer)
@@ -83,15 +85,12 @@ def layer_kinds(hf: dict) -> list[str]:
     return kinds
 
 
-def read(hf: dict) -> dict:
+def read_hybrid(hf: dict) -> dict:
+    """What Qwen3-Next and Qwen3.5 share: the layer kinds, DeltaNet's sizes, the gated attention's options."""
     bias = bool(hf.get("attention_bias", False))
     kinds = layer_kinds(hf)
     return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, partial_rotary_factor=read_partial_rotary(hf, 0.25),
-                head_dim=hf.get("head_dim") or 256, **(moe.read_moe(hf) | dict(
-                    num_experts=hf.get("num_experts", 512), moe_intermediate_size=hf.get("moe_intermediate_size", 512),
-                    num_experts_per_tok=hf.get("num_experts_per_tok", 10),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", True)))),
-                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 512),
+                head_dim=hf.get("head_dim") or 256,
                 linear_layers=[i for i, k in enumerate(kinds) if k == "linear_attention"],
                 linear_num_key_heads=hf.get("linear_num_key_heads", 16),
                 linear_num_value_heads=hf.get("linear_num_value_heads", 32),
@@ -100,9 +99,8 @@ def read(hf: dict) -> dict:
                 linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4))
 
 
-def write(cfg) -> dict:
-    return dict(attention_bias=cfg.qkv_bias, partial_rotary_factor=cfg.partial_rotary_factor, **moe.write_moe(cfg),
-                shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+def write_hybrid(cfg) -> dict:
+    return dict(attention_bias=cfg.qkv_bias, partial_rotary_factor=cfg.partial_rotary_factor,
                 layer_types=["linear_attention" if i in cfg.linear_layers else "full_attention"
                              for i in range(cfg.num_layers)],
                 linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
@@ -110,10 +108,25 @@ def write(cfg) -> dict:
                 linear_conv_kernel_dim=cfg.linear_conv_kernel_dim)
 
 
+def read(hf: dict) -> dict:
+    return read_hybrid(hf) | moe.read_moe(hf) | dict(
+        num_experts=hf.get("num_experts", 512), moe_intermediate_size=hf.get("moe_intermediate_size", 512),
+        num_experts_per_tok=hf.get("num_experts_per_tok", 10), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 512))
+
+
+def write(cfg) -> dict:
+    return write_hybrid(cfg) | dict(**moe.write_moe(cfg),
+                                    shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+
+
+def skip_mtp(name: str) -> tuple[str | None, int | None]:
+    """Checkpoint names as they are, the multi-token-prediction tensors left out (None)."""
+    return (None, None) if name.startswith("mtp.") else (name, None)
+
+
 def from_checkpoint(name: str) -> tuple[str | None, int | None]:
-    if name.startswith("mtp."):
-        return None, None
-    return moe.expert_from_checkpoint(name)
+    return skip_mtp(name) if name.startswith("mtp.") else moe.expert_from_checkpoint(name)
 
 
 FAMILY = Family("qwen3_next", "Qwen3NextForCausalLM", read, write, mlp=moe.sparse_mlp_shared,
