@@ -1,5 +1,6 @@
-"""Qwen3-Next natively, on a tiny config with both layer kinds (Gated DeltaNet with value heads sharing key heads,
-gated attention with partial rotary and biases), routed and shared experts and a dense layer, against transformers:
+"""Qwen3-Next and Qwen3.5 (text) natively, on tiny configs with both layer kinds (Gated DeltaNet with value heads
+sharing key heads, gated attention with partial rotary and biases) and, for Qwen3-Next, routed and shared experts
+and a dense layer, against transformers:
 the delta rule's two forms, logits over dense, padded, packed and shared-prefix rows, the trainer's log-probs, the
 rollout engine against `generate` (prefill chunks, forks, preemption), saving, and a short run."""
 
@@ -26,16 +27,22 @@ from transformers.models.qwen3_next import modeling_qwen3_next as reference_code
 SIZES = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=3,
              pad_token_id=0, attention_bias=True, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4,
-             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[2],
+             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+CASES = {  # model type -> (config class, model class, its own options)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[2])),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+}
 EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
 
 
-def hf_model(seed=0, **over):
+def hf_model(kind="qwen3_next", seed=0, **over):
+    config, model, extra = CASES[kind]
     torch.manual_seed(seed)
-    m = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**SIZES, **over})).eval()
+    m = getattr(transformers, model)(getattr(transformers, config)(**{**SIZES, **extra, **over})).eval()
     with torch.no_grad():  # larger-than-default weights, random norms, biases and decays
         for n, p in m.named_parameters():
             if n.endswith("bias") or "norm" in n:
@@ -47,10 +54,10 @@ def hf_model(seed=0, **over):
     return m
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next") / "model"
-    hf_model().save_pretrained(path)
+@pytest.fixture(scope="module", params=list(CASES))
+def folder(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / "model"
+    hf_model(request.param).save_pretrained(path)
     return path
 
 
@@ -92,6 +99,8 @@ def test_logits_padded_packed_and_shared_prefix_match_transformers(folder):
     assert choose(folder).impl == "native"
     ours, ref = twinplane.load_model(folder), reference(folder)
     assert ours.config.linear_layers == [0, 2, 3] and ours.config.rotary_dim == 4
+    assert type(ours.model.layers[0].linear_attn).__name__ == (
+        "SplitGatedDeltaNet" if ours.config.model_type == "qwen3_5_text" else "GatedDeltaNet")
     x = ids(70)  # longer than one chunk of the delta rule
     with torch.no_grad():
         torch.testing.assert_close(ours(x), ref(x).logits, atol=1e-4, rtol=0)
@@ -127,7 +136,7 @@ def test_packed_equals_padded_and_trainer_logprobs_are_transformers(folder):
     with torch.no_grad():
         want = F.log_softmax(ref(x).logits[0, 4:-1] / 0.7, -1).gather(-1, x[0, 5:, None])[:, 0]
     torch.testing.assert_close(lp[0].detach(), want, atol=1e-5, rtol=0)
-    lp.sum().backward()  # through both forms' solves and the convolution
+    lp.sum().backward()  # through the chunked form's solves and the convolution
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad
                and p.grad is not None) and model.model.layers[0].linear_attn.A_log.grad.abs().sum() > 0
 
@@ -190,10 +199,11 @@ def test_static_decode_falls_back_to_eager(folder):
     assert engine.pop_metrics()["rollout/engine_steps_graphed"] == 0
 
 
-def test_saved_weights_load_in_transformers(tmp_path):
-    ours, back, again = saved_and_reloaded(hf_model(), tmp_path, max_shard_bytes=40_000)
+@pytest.mark.parametrize("kind", list(CASES))
+def test_saved_weights_load_in_transformers(kind, tmp_path):
+    ours, back, again = saved_and_reloaded(hf_model(kind), tmp_path, max_shard_bytes=40_000)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert saved["architectures"] == ["Qwen3NextForCausalLM"] and saved["layer_types"] == SIZES["layer_types"]
+    assert saved["architectures"] == [CASES[kind][1]] and saved["layer_types"] == SIZES["layer_types"]
     x = ids(13)
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, ours(x), atol=1e-4, rtol=0)
@@ -222,10 +232,11 @@ RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "roll
 
 
 @pytest.mark.slow
-def test_three_step_train_run(tmp_path):
+@pytest.mark.parametrize("kind", list(CASES))
+def test_three_step_train_run(kind, tmp_path):
     tok = build_char_tokenizer("0123456789+=")
     folder = tmp_path / "model"
-    hf_model(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    hf_model(kind, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
              pad_token_id=tok.pad_token_id).save_pretrained(folder)
     tok.save(folder)
     assert train(tmp_path / "run", f"model.path={folder}", args=RUN) == 0
@@ -233,4 +244,4 @@ def test_three_step_train_run(tmp_path):
     assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
     assert all(r["actor/logprob_gap"] < 1e-4 for r in rows if r["step"] >= 1)
     final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
-    assert final.config.model_type == "qwen3_next"
+    assert final.config.model_type == kind
