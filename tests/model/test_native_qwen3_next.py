@@ -141,11 +141,14 @@ def test_packed_equals_padded_and_trainer_logprobs_are_transformers(folder):
                and p.grad is not None) and model.model.layers[0].linear_attn.A_log.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("budget", [4096, 3])
-def test_engine_greedy_equals_generate_and_logprobs_the_trainers(budget, folder):
-    """Budget 3: prompts prefilled in chunks, each chunk from the state the one before left."""
+@pytest.mark.parametrize("budget, batch_invariant", [(4096, False), (3, False), (4096, True)])
+def test_engine_greedy_equals_generate_and_logprobs_the_trainers(budget, batch_invariant, folder):
+    """Budget 3: prompts prefilled in chunks, each chunk from the state the one before left; batch_invariant:
+    every linear (DeltaNet's projections too) through the prepacked GEMMs."""
     ref = reference(folder)
-    engine = RolloutEngine(twinplane.load_model(folder), eos_token_id=EOS, max_num_batched_tokens=budget)
+    engine = RolloutEngine(twinplane.load_model(folder), eos_token_id=EOS, max_num_batched_tokens=budget,
+                           batch_invariant=batch_invariant)
+    assert engine.prepacked == batch_invariant
     for prompt in PROMPTS:
         got = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=12))[0]
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=EOS,
