@@ -32,7 +32,7 @@ from twinplane.platform import hardware
 from twinplane.producer import Producer
 from twinplane.rewards import Scorer
 from twinplane.rollout import Sample, SamplingParams, multi_turn_metrics
-from twinplane.rollout.engine import EngineStats
+from twinplane.rollout.stats import EngineStats
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch
 from twinplane.train.critic import explained_variance

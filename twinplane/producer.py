@@ -37,8 +37,8 @@ from twinplane.data import PromptStream
 from twinplane.data.prompts import Prompt
 from twinplane.rewards import Scorer
 from twinplane.rollout import Sample, SamplingParams
-from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.sequence import sample_from_state, sample_seed, sample_state
+from twinplane.rollout.stats import EngineStats
 from twinplane.rollout.stream import GroupRequest, StreamRequest, StreamResult
 from twinplane.tokenizer import Tokenizer
 

@@ -13,11 +13,11 @@ from twinplane.model import AttentionMetadata
 from twinplane.platform import hardware
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.block_manager import BlockManager
-from twinplane.rollout.engine import EngineStats
 from twinplane.rollout.kv_cache import bytes_per_block
 from twinplane.rollout.paged_attention import paged_attention
 from twinplane.rollout.scheduler import Scheduler
 from twinplane.rollout.sequence import Sequence
+from twinplane.rollout.stats import EngineStats
 
 
 def assert_pool_empty(engine):

@@ -28,7 +28,7 @@ from twinplane.model.hf import HFCausalLM
 from twinplane.model.lora import cast_base, merge_lora
 from twinplane.platform import backends, runtime
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
-from twinplane.rollout.engine import EngineStats
+from twinplane.rollout.stats import EngineStats
 from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer, sharded

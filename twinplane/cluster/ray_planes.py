@@ -30,7 +30,7 @@ from twinplane.errors import first_line
 from twinplane.model import ModelConfig
 from twinplane.platform import runtime
 from twinplane.rollout import SamplingParams
-from twinplane.rollout.engine import EngineStats
+from twinplane.rollout.stats import EngineStats
 from twinplane.rollout.stream import StreamRequest
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch

@@ -40,7 +40,7 @@ from twinplane.model.hf_config import HFConfig
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.platform import hardware, runtime
 from twinplane.rollout import MultiTurnRollout, SamplingParams
-from twinplane.rollout.engine import EngineStats
+from twinplane.rollout.stats import EngineStats
 from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest, StreamResult
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer, sharded

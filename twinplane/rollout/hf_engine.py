@@ -25,10 +25,11 @@ from twinplane.model.checksum import weights_checksum
 from twinplane.model.hf import HFCausalLM
 from twinplane.model.transformer import cap_logits
 from twinplane.model.weights import load_weights
-from twinplane.rollout.engine import Done, EngineStats, call_seed, request_caps
+from twinplane.rollout.engine import call_seed, request_caps
 from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
 from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.rollout.sequence import Sequence as Seq
+from twinplane.rollout.stats import Done, EngineStats
 
 
 class HFEngine:

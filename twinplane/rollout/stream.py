@@ -23,12 +23,13 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from twinplane.rollout.engine import EngineStats, RolloutEngine
+from twinplane.rollout.engine import RolloutEngine
 from twinplane.rollout.multi_turn import MultiTurnRollout
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.scheduler import Scheduler
 from twinplane.rollout.sequence import Sample, sample_from_state, sample_state
 from twinplane.rollout.sequence import Sequence as Seq
+from twinplane.rollout.stats import EngineStats
 
 
 @dataclass

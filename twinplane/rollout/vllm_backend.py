@@ -45,9 +45,10 @@ from twinplane.model.checksum import combine_checksums, tensor_checksum
 from twinplane.model.config import ModelConfig
 from twinplane.model.hf import HFCausalLM
 from twinplane.model.weights import naming
-from twinplane.rollout.engine import Done, EngineStats, call_seed, request_caps
+from twinplane.rollout.engine import call_seed, request_caps
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.sequence import Sample, sample_seed
+from twinplane.rollout.stats import Done, EngineStats
 
 # vLLM's fused parameters: the checkpoint tensors stacked in them along dim 0, in order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
