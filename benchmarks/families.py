@@ -46,6 +46,7 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", dict(MOE, sliding_window=6)),
     "olmo2": ("Olmo2Config", {}),
     "olmo3": ("Olmo3Config", dict(sliding_window=6)),
+    "glm": ("GlmConfig", dict(partial_rotary_factor=0.5, attention_bias=True)),
     "glm4": ("Glm4Config", dict(partial_rotary_factor=0.5, attention_bias=True)),
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
