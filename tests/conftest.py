@@ -131,6 +131,33 @@ def model():
     return tiny_model()
 
 
+def peaked_weights(model: torch.nn.Module, norm_offset: float = 0.0, special=()) -> torch.nn.Module:
+    """A transformers model's weights made larger than their init, so greedy decoding has clear winners and every
+    weight matters: matrices N(0, 0.15); biases and norm weights N(0, 0.2), plus `norm_offset` where a norm scales by
+    its weight rather than by 1 + it. `special`: (name suffix, in-place init) pairs, tried first."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            init = next((f for suffix, f in special if n.endswith(suffix)), None)
+            if init is not None:
+                init(p)
+            elif n.endswith("bias") or "norm" in n:
+                p.normal_(0, 0.2).add_(norm_offset if "norm" in n else 0.0)
+            elif p.ndim >= 2:
+                p.normal_(0, 0.15)
+    return model.eval()
+
+
+def hf_reference(path, **kwargs):
+    """transformers' own model of a folder, fp32: the reference the native families are tested against."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+def token_ids(t: int, batch: int = 3) -> torch.Tensor:
+    return torch.randint(4, 64, (batch, t), generator=torch.Generator().manual_seed(1))
+
+
 def saved_and_reloaded(src, tmp_path, max_shard_bytes: int):
     """`src` (a transformers model) loaded by twinplane, every weight perturbed, saved sharded; returns (ours,
     transformers' load of what we saved, twinplane's reload of it)."""

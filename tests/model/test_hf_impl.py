@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_batch
+from conftest import hf_reference, make_batch
 
 from twinplane.cli import main
 from twinplane.errors import InputError
@@ -55,8 +55,7 @@ def folders(tmp_path_factory):
     return {k: hf_folder(root / k, k) for k in CONFIGS}
 
 
-def reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+reference = hf_reference
 
 
 def test_auto_native_hf_and_refusals(folders, tmp_path):

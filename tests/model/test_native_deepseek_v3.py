@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_batch, saved_and_reloaded, train
+from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, token_ids, train
 
 import twinplane
 from twinplane.config import AlgoSection, TrainSection
@@ -40,13 +40,8 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
 def hf_model(kind, seed=0, **over):
     torch.manual_seed(seed)
     cfg = transformers.DeepseekV3Config(**{**SIZES, **FEATURES, **CASES[kind], **over})
-    m = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger-than-default weights (peaked distributions), random norms, biases, corrections
-        for n, p in m.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.normal_(0, 0.2).add_(1.0 if "norm" in n else 0.0)
-            elif p.ndim >= 2:
-                p.normal_(0, 0.15)
+    m = peaked_weights(transformers.DeepseekV3ForCausalLM(cfg), norm_offset=1.0)
+    with torch.no_grad():  # random score corrections
         for name, b in m.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
@@ -61,12 +56,7 @@ def folders(tmp_path_factory):
     return {kind: root / kind for kind in CASES}
 
 
-def reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def ids(t, batch=3):
-    return torch.randint(4, 64, (batch, t), generator=torch.Generator().manual_seed(1))
+reference, ids = hf_reference, token_ids
 
 
 @pytest.mark.parametrize("kind", list(CASES))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_batch, saved_and_reloaded, train
+from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, token_ids, train
 
 import twinplane
 from twinplane.model import AttentionMetadata, ModelConfig
@@ -36,14 +36,8 @@ def hf_model(seed=0, **over):
     torch.manual_seed(seed)
     cfg = transformers.GptOssConfig(**{**SIZES, **over})
     cfg._attn_implementation = "eager"
-    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # larger-than-default weights (peaked distributions), random norms, biases and sinks
-        for n, p in m.named_parameters():
-            if n.endswith("bias") or "norm" in n or n.endswith("sinks"):
-                p.normal_(0, 0.5 if n.endswith("sinks") else 0.2)
-            elif p.ndim >= 2:
-                p.normal_(0, 0.15)
-    return m
+    return peaked_weights(transformers.AutoModelForCausalLM.from_config(cfg),
+                          special=[("sinks", lambda p: p.normal_(0, 0.5))])  # (and large sinks)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +48,10 @@ def folder(tmp_path_factory):
 
 
 def reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
+    return hf_reference(path, attn_implementation="eager")
 
 
-def ids(t, batch=3):
-    return torch.randint(4, 64, (batch, t), generator=torch.Generator().manual_seed(1))
+ids = token_ids
 
 
 def test_logits_and_padded_batch_match_transformers(folder):

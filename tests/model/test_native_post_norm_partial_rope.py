@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_batch, saved_and_reloaded, train
+from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, token_ids, train
 
 import twinplane
 from twinplane.errors import InputError
@@ -43,14 +43,7 @@ def hf_model(kind, seed=0, **over):
     cls, extra = CASES[kind]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cls)(**{**SIZES, **extra, **over})
-    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # larger-than-default weights (peaked distributions), random norms and biases
-        for n, p in m.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.normal_(0, 0.2).add_(1.0 if "norm" in n else 0.0)
-            elif p.ndim >= 2:
-                p.normal_(0, 0.15)
-    return m
+    return peaked_weights(transformers.AutoModelForCausalLM.from_config(cfg), norm_offset=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +56,7 @@ def folders(tmp_path_factory):
     return out
 
 
-def reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def ids(t, batch=3):
-    return torch.randint(4, 64, (batch, t), generator=torch.Generator().manual_seed(1))
+reference, ids = hf_reference, token_ids
 
 
 @pytest.mark.parametrize("kind", list(CASES))

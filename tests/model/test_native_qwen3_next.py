@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_batch, saved_and_reloaded, train
+from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, token_ids, train
 
 import twinplane
 from twinplane.model import AttentionMetadata, deltanet, load_weights
@@ -42,16 +42,8 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
 def hf_model(kind="qwen3_next", seed=0, **over):
     config, model, extra = CASES[kind]
     torch.manual_seed(seed)
-    m = getattr(transformers, model)(getattr(transformers, config)(**{**SIZES, **extra, **over})).eval()
-    with torch.no_grad():  # larger-than-default weights, random norms, biases and decays
-        for n, p in m.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.normal_(0, 0.2)
-            elif n.endswith("A_log"):
-                p.uniform_(-1, 1)
-            elif p.ndim >= 2:
-                p.normal_(0, 0.15)
-    return m
+    m = getattr(transformers, model)(getattr(transformers, config)(**{**SIZES, **extra, **over}))
+    return peaked_weights(m, special=[("A_log", lambda p: p.uniform_(-1, 1))])  # (and random decays)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -61,12 +53,7 @@ def folder(request, tmp_path_factory):
     return path
 
 
-def reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def ids(t, batch=3):
-    return torch.randint(4, 64, (batch, t), generator=torch.Generator().manual_seed(1))
+reference, ids = hf_reference, token_ids
 
 
 def test_delta_rule_forms_match_transformers_reference():
