@@ -58,10 +58,9 @@ def vllm_environment(own_process: bool = False) -> None:
     """Before vLLM is imported: its engine core in this process (no spawned process, no copy of the weights) or,
     with `own_process`, in a process of its own (which makes a torch.distributed world of its own); its log at
     warnings, no thread pinning, and the CPU build as the target when no GPU is there."""
-    if own_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    else:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # (set either way: the engine's own `own_process` decides how weights travel, so vLLM must agree with it, also
+    # after an earlier engine of the process chose the other way)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (its INFO lines would bury the run's progress)
     # its CPU worker would pin the process's OpenMP threads to cores of its choosing: the trainer shares this process,
     # so `threads` (torch's setting) governs both planes
