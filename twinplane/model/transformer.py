@@ -1,5 +1,5 @@
-"""One decoder implementation for the Llama/Mistral/Qwen2/Qwen3 family and their MoE variants (Qwen2-MoE,
-Qwen3-MoE, Mixtral), serving both planes.
+"""One decoder implementation for every native family (twinplane/model/families/), serving both planes: embeddings,
+the family's decoder layers, the final norm and the LM head, with the ropes and per-layer attention the config asks.
 
 - training plane: `model(input_ids, attention_mask)` over a padded batch (left- or right-padded), or
   `model(input_ids, meta=AttentionMetadata.packed(lengths))` over packed sequences;
@@ -8,7 +8,7 @@ Qwen3-MoE, Mixtral), serving both planes.
 Attention only sees an `AttentionMetadata` (twinplane.model.attention): the layout of the tokens is the caller's.
 Module and parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`),
 so checkpoints load with no renaming and what we save loads in transformers (stacked experts are the one
-exception, mapped by the family's declaration). A family's blocks come from its declaration (twinplane/model/families/).
+exception, mapped by the family's declaration).
 """
 
 from __future__ import annotations
