@@ -279,3 +279,16 @@ def test_three_step_train_run(tmp_path):
     assert all(r["actor/logprob_gap"] < 1e-4 for r in rows if r["step"] >= 1)
     final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert final.config.model_type == "gpt_oss"
+
+
+def test_doctor_says_which_layers_take_the_portable_path(folder, tmp_path):
+    from twinplane.model.impl import describe
+
+    lines = describe(folder)
+    assert "portable path: attention sinks: no flash/flex/Triton kernel adds them to the softmax" in lines
+    assert any(line.startswith("portable path: gpt_oss's own blocks") for line in lines)
+    llama = tmp_path / "llama"
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(llama)
+    assert not [line for line in describe(llama) if line.startswith("portable path")]  # every fast path applies

@@ -70,6 +70,9 @@ class Family:
     dequantize: Mapping[str, Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]] = \
         field(default_factory=dict)
 
+    # what in this family's layers no fused kernel implements, so they run the portable path (`doctor --model`)
+    portable: tuple[str, ...] = ()
+
     def layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return self.decoder_layer(cfg, index, self.mlp)
 

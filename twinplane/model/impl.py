@@ -16,6 +16,7 @@ from pathlib import Path
 from twinplane.errors import InputError, first_line
 from twinplane.model.config import ModelConfig
 from twinplane.model.families import FAMILIES
+from twinplane.model.layer import DecoderLayer
 
 IMPLS = ("auto", "native", "hf")
 
@@ -101,6 +102,27 @@ def choose(path: str | Path, impl: str = "auto") -> Choice:
                   "modeling code (model.impl=auto)", arch)
 
 
+def portable_paths(mc: ModelConfig) -> list[str]:
+    """Where a native model leaves the fast kernels for the portable torch path, and why (the backends decide this
+    per layer as they run; this says it up front)."""
+    fam = FAMILIES[mc.model_type]
+    out = []
+    if fam.decoder_layer is not DecoderLayer:
+        out.append(f"{mc.model_type}'s own blocks are not swapped for the engine's Triton or CPU-prepacked variants "
+                   "(written for the shared Llama-style blocks)")
+    if mc.attn_logit_softcapping is not None:
+        out.append("soft-capped attention scores (attn_logit_softcapping): no flash/flex/Triton kernel caps scores")
+    if mc.query_pre_attn_scalar is not None:
+        out.append("a score scale other than 1/sqrt(head_dim) (query_pre_attn_scalar): the Triton paged decode's is "
+                   "fixed")
+    out += fam.portable
+    if mc.kv_lora_rank:
+        out.append("latent attention's compressed KV pool: wider than the fused kernels' head sizes")
+    if mc.linear_layers:
+        out.append("Gated DeltaNet layers: torch's chunked and recurrent forms, no fused kernel, no decode graphs")
+    return out
+
+
 def describe(path: str | Path, impl: str = "auto") -> list[str]:
     """`twinplane doctor --model DIR`: which implementation the folder gets and why, and what that means for a
     run, one fact per line (nothing is loaded but config.json: hf models are built on the meta device)."""
@@ -112,7 +134,8 @@ def describe(path: str | Path, impl: str = "auto") -> list[str]:
     if choice.impl == "native":
         mc = ModelConfig.from_file(path)
         return lines + [f"parameters: {mc.num_params:,} (from config.json)",
-                        "rollout: the own engine (paged KV cache, continuous batching) or vLLM"]
+                        "rollout: the own engine (paged KV cache, continuous batching) or vLLM",
+                        *(f"portable path: {why}" for why in portable_paths(mc))]
     from twinplane.model.hf_config import HFConfig, build_meta, decoder_layers
 
     try:

@@ -200,4 +200,5 @@ def write(cfg) -> dict:
 
 
 FAMILY = Family("gpt_oss", "GptOssForCausalLM", read, write, mlp=mlp, decoder_layer=GptOssLayer,
-                unsupported=DROPOUT, activation_key=None, norm=GptOssRMSNorm, dequantize={"mxfp4": dequantize_mxfp4})
+                unsupported=DROPOUT, activation_key=None, norm=GptOssRMSNorm, dequantize={"mxfp4": dequantize_mxfp4},
+                portable=("attention sinks: no flash/flex/Triton kernel adds them to the softmax",))
