@@ -10,8 +10,9 @@ for the native decoder. The forward takes what `Transformer`'s does:
   transformers builds a block-diagonal causal mask (`masking_utils.find_packed_sequence_indices`). Whether the
   model's attention honours it is measured once (`packing_agrees`); where it does not, and for shared prompts
   (`meta.prefix`, which position restarts cannot express), the sequences run as padded rows instead;
-- the LM head is `hidden @ output_weight().T`, checked at load (`check_head`): a model whose logits add a bias,
-  soft-capping or scaling is refused, since the trainer's chunked log-probs and the engines compute that product.
+- logits are `hidden @ output_weight().T`, then the final soft-cap where the config has one (the trainer's chunked
+  log-probs and the engines compute that); a scale after the LM head is folded into the hidden states. `check_head`
+  proves it at load against the model's own logits; a bias or another transform is refused.
 MoE routing record/replay is twinplane's own experts' and is refused here.
 """
 
