@@ -7,10 +7,11 @@ Each request's n samples are n rows; rows go through in batches of at most `max_
 (positions count real tokens only), then one decode step for every row until all have finished. There is no
 continuous batching, no paged pool and no preemption: memory is the batch's cache, `rows x longest sequence`.
 
-Samples are chosen as the native engine chooses them: `policy_logprobs` of the logits (the final hidden state
-times `output_weight()`, soft-capped where the model caps, as the trainer scores them) and `sampling.sample` with one uniform per token from
-each sample's own stream, seeded from (call seed, request index, sample index). So temperature, top-k/top-p,
-min_new_tokens, stop tokens and sequences, seeds and the returned log-probs mean what they mean there.
+Samples are chosen as the native engine chooses them: `policy_logprobs` of the logits (the final hidden state times
+`output_weight()`, soft-capped where the model caps, as the trainer scores them) and `sampling.sample` with one
+uniform per token from each sample's own stream, seeded from (call seed, request index, sample index). So
+temperature, top-k/top-p, min_new_tokens, stop tokens and sequences, seeds and the returned log-probs mean what they
+mean there.
 """
 
 from __future__ import annotations
