@@ -378,6 +378,28 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+NATIVE_RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4",
+              "rollout.max_new_tokens=4", "task.heldout_size=8", "eval.before=false", "eval.every=0",
+              "log.progress=false", "checkpoint.every=0", "train.micro_batch_size=8", "algo.kl_coef=0.05"]
+
+
+def three_step_run(tmp_path, build, *extra) -> Path:
+    """`build(**token ids)` (a transformers model) saved with the demo's character tokenizer and trained 3 GRPO steps
+    by `twinplane train`; checks the steps ran with engine and trainer agreeing, returns the run's `final/`."""
+    from twinplane.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer("0123456789+=")
+    folder = tmp_path / "model"
+    build(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+          pad_token_id=tok.pad_token_id).save_pretrained(folder)
+    tok.save(folder)
+    assert train(tmp_path / "run", f"model.path={folder}", *extra, args=NATIVE_RUN) == 0
+    steps = [r for r in rows(tmp_path / "run") if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["actor/logprob_gap"] < 1e-4 for r in steps)
+    return tmp_path / "run" / "final"
+
+
 def computed(row):
     """A metrics row without its measurements (timings, throughput, memory): what a rerun must give exactly."""
     return {k: v for k, v in row.items()

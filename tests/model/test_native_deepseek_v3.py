@@ -5,10 +5,11 @@ engine over the compressed KV pool against `generate`; routing record and replay
 
 import copy
 import json
+from functools import partial
 
 import pytest
 import torch
-from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, token_ids, train
+from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, three_step_run, token_ids
 
 import twinplane
 from twinplane.config import AlgoSection, TrainSection
@@ -18,7 +19,6 @@ from twinplane.model.memory import kv_bytes_per_token
 from twinplane.model.moe import RoutingState
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.kv_cache import KVCache, bytes_per_block
-from twinplane.tokenizer import build_char_tokenizer
 from twinplane.train import Batch, Trainer
 from twinplane.train.logprobs import response_logprobs
 
@@ -187,17 +187,6 @@ def test_refusals():
             ModelConfig.from_hf(base | bad)
 
 
-RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
-       "task.heldout_size=8", "eval.before=false", "eval.every=0", "log.progress=false", "checkpoint.every=0",
-       "train.micro_batch_size=8", "algo.kl_coef=0.05", "algo.routing_replay=true",
-       "rollout.record_routing=true"]
-
-
 @pytest.mark.slow
 def test_three_step_train_run(tmp_path):
-    tok = build_char_tokenizer("0123456789+=")
-    folder = tmp_path / "model"
-    hf_model("q_latent", vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-             pad_token_id=tok.pad_token_id).save_pretrained(folder)
-    tok.save(folder)
-    assert train(tmp_path / "run", f"model.path={folder}", args=RUN) == 0
+    three_step_run(tmp_path, partial(hf_model, "q_latent"), "algo.routing_replay=true", "rollout.record_routing=true")

@@ -4,18 +4,18 @@ query_pre_attn_scalar other than head_dim, Gemma 3's q/k norms and local/global 
 transformers: logits, padded and packed log-probs, the rollout engine against `generate`, saving, and a short run."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, token_ids, train
+from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, three_step_run, token_ids
 
 import twinplane
 from twinplane.model import AttentionMetadata, ModelConfig
 from twinplane.model.attention import capped_attention
 from twinplane.model.impl import choose
 from twinplane.rollout import RolloutEngine, SamplingParams
-from twinplane.tokenizer import build_char_tokenizer
 from twinplane.train import Batch
 from twinplane.train.chunked_logprobs import token_logprobs
 from twinplane.train.logprobs import response_logprobs
@@ -232,22 +232,8 @@ def test_legacy_gemma3_config_form_and_refusals(tmp_path):
         ModelConfig.from_hf(base | dict(model_type="gemma3_text", attn_logit_softcapping=50.0))
 
 
-RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
-       "task.heldout_size=8", "eval.before=false", "eval.every=0", "log.progress=false", "checkpoint.every=0",
-       "train.micro_batch_size=8", "algo.kl_coef=0.05"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(CASES))
 def test_three_step_train_run(kind, tmp_path):
-    tok = build_char_tokenizer("0123456789+=")
-    folder = tmp_path / "model"
-    hf_model(kind, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-             pad_token_id=tok.pad_token_id).save_pretrained(folder)
-    tok.save(folder)
-    assert train(tmp_path / "run", f"model.path={folder}", args=RUN) == 0
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2, 3]
-    assert all(r["actor/logprob_gap"] < 1e-4 for r in rows if r["step"] >= 1)
-    final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    final = transformers.AutoModelForCausalLM.from_pretrained(three_step_run(tmp_path, partial(hf_model, kind)))
     assert final.config.model_type == kind
