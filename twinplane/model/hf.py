@@ -293,7 +293,3 @@ def build_hf(config: HFConfig, device: torch.device | str = "cpu") -> HFCausalLM
     with no_init_weights():
         hf = transformers.AutoModelForCausalLM.from_config(cfg)
     return HFCausalLM(hf.to(device))
-
-
-def is_hf(model: nn.Module) -> bool:
-    return isinstance(model, HFCausalLM)

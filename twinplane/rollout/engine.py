@@ -387,7 +387,7 @@ class RolloutEngine:
         if len(rows) < T:  # (in a decode-only step every token's row is sampled)
             h = h[torch.tensor(rows, device=dev)]
         logits = cap_logits(lm_head(h, self.model.output_weight(), self.head),  # [R, V]
-                            getattr(self.model.config, "final_logit_softcapping", None))
+                            self.model.config.final_logit_softcapping)
         return self._sample(logits, ready, sched)
 
     def _sample(self, logits: torch.Tensor, ready: list[Seq], sched: Scheduler) -> list[Seq]:

@@ -291,7 +291,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(x[None, :, POS], window=self.window, backend=self.backend, paged=paged)
         h = self.model.hidden_states(x[None, :, TOK], meta=meta)[0]  # [size, D]
         return cap_logits(lm_head(h, self.model.output_weight(), self.head),
-                          getattr(self.model.config, "final_logit_softcapping", None))
+                          self.model.config.final_logit_softcapping)
 
     def _stage_padding(self, size: int) -> None:
         """The first `size` staged rows: padding rows (what the device runs them on until the host stages more)."""

@@ -61,7 +61,7 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
 
     def head(h: torch.Tensor, weight: torch.Tensor):
         return token_logprobs(h.flatten(0, 1)[rows], weight, targets, temperature, chunk_tokens, with_entropy,
-                              softcap=getattr(model.config, "final_logit_softcapping", None))
+                              softcap=model.config.final_logit_softcapping)
 
     lp, ent = model(ids, mask, meta=meta, head=head, routing=routing)
 
