@@ -46,6 +46,18 @@ class RoutingState:
         self.used: dict[int, torch.Tensor] = {}  # m -> [N, k] experts that ran (replayed or own)
         self.logits: dict[int, torch.Tensor] = {}  # m -> [N, E] router logits
 
+    def experts(self, m: int, own: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The experts MoE layer `m` runs [N, k]: the replayed ones where a row has them, else the router's `own`;
+        records both (and `logits`, with `keep_logits`)."""
+        idx = own
+        if self.replay is not None:
+            replay = self.replay[:, m].to(own.device, torch.long)  # [N, k]
+            idx = torch.where((replay >= 0).all(-1, keepdim=True), replay, own)
+        self.chosen[m], self.used[m] = own, idx
+        if self.keep_logits:
+            self.logits[m] = logits
+        return idx
+
     def indices(self) -> torch.Tensor:
         """The router's own choices [N, M, k] (long)."""
         return torch.stack([self.chosen[m] for m in sorted(self.chosen)], 1)
@@ -115,14 +127,7 @@ class SparseMoE(nn.Module):
         logits = self.gate(x)  # [N, E]
         probs = logits.float().softmax(-1)  # fp32 as in HF
         own = probs.topk(self.top_k, dim=-1).indices  # [N, k]
-        idx = own
-        if routing is not None:
-            if routing.replay is not None:
-                replay = routing.replay[:, self.moe_index].to(own.device, torch.long)  # [N, k]
-                idx = torch.where((replay >= 0).all(-1, keepdim=True), replay, own)
-            routing.chosen[self.moe_index], routing.used[self.moe_index] = own, idx
-            if routing.keep_logits:
-                routing.logits[self.moe_index] = logits
+        idx = own if routing is None else routing.experts(self.moe_index, own, logits)
         w = probs.gather(-1, idx)  # [N, k]
         if self.norm_topk:
             w = w / w.sum(-1, keepdim=True)

@@ -59,14 +59,7 @@ class DeepseekMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         logits, scores, own = self.gate(x)
-        idx = own
-        if routing is not None:
-            if routing.replay is not None:
-                replay = routing.replay[:, self.moe_index].to(own.device, torch.long)  # [N, k]
-                idx = torch.where((replay >= 0).all(-1, keepdim=True), replay, own)
-            routing.chosen[self.moe_index], routing.used[self.moe_index] = own, idx
-            if routing.keep_logits:
-                routing.logits[self.moe_index] = logits
+        idx = own if routing is None else routing.experts(self.moe_index, own, logits)
         w = scores.gather(1, idx)
         if self.norm_topk:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)

@@ -114,15 +114,9 @@ class GptOssMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits = self.router(x)  # [N, E]
         top, own = logits.topk(self.top_k, dim=-1)
-        idx = own
-        if routing is not None:
-            if routing.replay is not None:
-                replay = routing.replay[:, self.moe_index].to(own.device, torch.long)
-                idx = torch.where((replay >= 0).all(-1, keepdim=True), replay, own)
-                top = logits.gather(1, idx)
-            routing.chosen[self.moe_index], routing.used[self.moe_index] = own, idx
-            if routing.keep_logits:
-                routing.logits[self.moe_index] = logits
+        idx = own if routing is None else routing.experts(self.moe_index, own, logits)
+        if idx is not own:  # replayed: the router's logits at the replayed experts
+            top = logits.gather(1, idx)
         w = torch.softmax(top, dim=-1, dtype=top.dtype)
         return self.experts(x, idx, w).reshape(shape)
 
