@@ -100,6 +100,8 @@ class Controller:
             if self.producer is not None:
                 with timer("rollout"):
                     samples, rewards, correct, groups, reward_metrics = self._take()
+                if self.agents is not None:  # (the episodes that ended while the step waited and trained before)
+                    reward_metrics |= self.agents.streamed.pop_metrics()
             elif self.agents is not None:
                 with timer("rollout"):
                     samples, rewards, correct, reward_metrics = self.agents.run(prompts, self.version)
@@ -269,7 +271,8 @@ class Controller:
     def sync_weights(self) -> SyncReport:
         """Push the trainer's weights to every engine and verify each holds exactly them."""
         self.version += 1
-        report = self.planes.sync(self.version)
+        with self.agents.held() if self.agents is not None else nullcontext():  # (episodes' calls wait)
+            report = self.planes.sync(self.version)
         bad = report.mismatched()
         if bad:
             raise WeightSyncError(f"weight sync to version {self.version} failed on {', '.join(bad)}: "

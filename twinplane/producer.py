@@ -20,6 +20,10 @@ in completion order, never staler than `cluster.max_staleness` policy versions.
   and one on Ray give the same samples, and a resumed run continues bitwise.
 - **Checkpoints** hold everything not yet trained on: groups waiting (samples, scores), groups in flight (each
   sequence's tokens, behaviour log-probs, versions and random-stream state, from the engines) and the counters.
+- **Agents** (`streams`: `agents.runner.AgentStream`): a group is a prompt's n episodes of the user's agent, which
+  run on by themselves between calls and come back scored by the agent. Episodes in flight cannot be saved: a
+  resumed run plays them again (a new attempt), so every prompt still trains exactly once. A group whose episodes
+  all failed uses up its prompt, like a filtered one.
 """
 
 from __future__ import annotations
@@ -78,14 +82,17 @@ class StepCounts:
 class Producer:
     def __init__(self, planes: Planes, prompts: PromptStream, scorer: Scorer, tokenizer: Tokenizer,
                  sampling: SamplingParams, algo: Algorithm, per_step: int, max_staleness: int, schedule: int,
-                 partial: bool, seed: int):
+                 partial: bool, seed: int, streams: list | None = None):
+        """`streams`: the engines' streams when something other than the planes' engines generates (agents)."""
         self.planes, self.prompts, self.scorer, self.tokenizer = planes, prompts, scorer, tokenizer
         self.sampling, self.algo, self.per_step, self.k = sampling, algo, per_step, max_staleness
         self.schedule, self.seed = schedule, seed
         self.local = planes.in_process or planes.colocated  # engines share the trainer's devices: no overlap
         self.capacity = (max_staleness + 1) * per_step
         longest = max(len(p.ids) for p in prompts.items)
-        self.engines = planes.open_streams(StreamRequest(sampling, self.capacity, longest, partial, max_staleness))
+        self.background = streams is not None  # the streams run on between calls (agents' episodes)
+        self.engines = streams or planes.open_streams(
+            StreamRequest(sampling, self.capacity, longest, partial, max_staleness))
         self.next_uid = 0
         self.in_flight: dict[int, Group] = {}  # by uid
         self.load = [0] * len(self.engines)  # groups in flight per engine
@@ -127,7 +134,8 @@ class Producer:
         g.engine = min(range(len(self.load)), key=lambda i: (self.load[i], i))
         self.load[g.engine] += 1
         seeds = [sample_seed(self.seed + 7919 * g.attempt, g.draw, j) for j in range(self.sampling.n)]
-        self.outbox[g.engine].append(GroupRequest(g.uid, list(g.prompt.ids), seeds))
+        task = g.prompt.task if self.background else None
+        self.outbox[g.engine].append(GroupRequest(g.uid, list(g.prompt.ids), seeds, task))
         self.in_flight[g.uid] = g
         self.counts.generated += 1
 
@@ -166,11 +174,17 @@ class Producer:
         busy[engine] += r.stats.seconds
         c.regenerated += r.restarted  # too stale in flight: its engine generated it again
         self.in_flight_tokens[engine] = r.tokens_in_flight
-        for samples in r.groups:
+        for i, samples in enumerate(r.groups):
             g = self.in_flight.pop(samples[0].request_index)
             self.load[engine] -= 1
             g.samples = samples
+            if r.scores is not None:  # scored where it was generated (an agent's rewards)
+                g.rewards, g.correct = r.scores[i], [v >= 1.0 for v in r.scores[i]]
             self.finished.append(g)
+        for uid in r.failed:  # nothing to train: its prompt is used up
+            g = self.in_flight.pop(uid)
+            self.load[engine] -= 1
+            self.counts.filtered_draws.append(g.draw)
 
     def _score(self) -> None:
         """Score the finished groups: each is kept or, with dynamic sampling, filtered. Then ready groups too stale
@@ -186,16 +200,20 @@ class Producer:
 
     def _score_finished(self) -> None:
         groups, self.finished = self.finished, []
-        samples = [s for g in groups for s in g.samples]
-        completions = self.tokenizer.batch_decode([s.token_ids for s in samples])
-        rewards, metrics = self.scorer(completions, [g.prompt.answer for g in groups for _ in g.samples],
-                                       [g.prompt.text for g in groups for _ in g.samples])
-        correct = [v >= 1.0 for v in self.scorer.last_verifier]
-        self.counts.reward_metrics.append(metrics)
-        n, cap = self.sampling.n, (self.algo.cfg.max_gen_batches - 1) * self.per_step
-        for i, g in enumerate(groups):
-            g.rewards, g.correct = list(rewards[i * n:(i + 1) * n]), correct[i * n:(i + 1) * n]
-            labels = torch.zeros(n, dtype=torch.long)
+        unscored = [g for g in groups if g.rewards is None]
+        if unscored:
+            samples = [s for g in unscored for s in g.samples]
+            completions = self.tokenizer.batch_decode([s.token_ids for s in samples])
+            rewards, metrics = self.scorer(completions, [g.prompt.answer for g in unscored for _ in g.samples],
+                                           [g.prompt.text for g in unscored for _ in g.samples])
+            correct = [v >= 1.0 for v in self.scorer.last_verifier]
+            self.counts.reward_metrics.append(metrics)
+            n = self.sampling.n
+            for i, g in enumerate(unscored):
+                g.rewards, g.correct = list(rewards[i * n:(i + 1) * n]), correct[i * n:(i + 1) * n]
+        cap = (self.algo.cfg.max_gen_batches - 1) * self.per_step
+        for g in groups:
+            labels = torch.zeros(len(g.rewards), dtype=torch.long)
             # past the step's cap, uninformative groups only fill the step's batch (the synchronous filter's rule)
             forced = self.counts.filtered >= cap and len(self.ready) < self.per_step
             if self.algo.filters_groups and not forced and \
@@ -231,6 +249,9 @@ class Producer:
     def overlap(self) -> Iterator[None]:
         """Engines on devices of their own run on while the trainer works: the schedule's engine steps, or with
         none as long as the trainer works (topped up as groups complete)."""
+        if self.background:  # (they run on by themselves: given the next groups, they need no driving)
+            self._top_up(during_training=True)
+            self._advance(0, None, overlap=True)
         if self.local:
             yield
             return
@@ -270,8 +291,9 @@ class Producer:
         busy = max(a + b for a, b in zip(c.busy, c.overlap_busy, strict=True))
         overlap = 0.0 if self.local else min(max(c.overlap_busy), train_seconds)
         m |= {"async/rollout_busy_s": busy, "async/rollout_idle_s": max(step_seconds - busy, 0.0),
-              "async/train_busy_s": train_seconds, "async/train_idle_s": max(step_seconds - train_seconds, 0.0),
-              "async/overlap_s": overlap}
+              "async/train_busy_s": train_seconds, "async/train_idle_s": max(step_seconds - train_seconds, 0.0)}
+        if not self.background:  # (episodes overlap training in ways the engine's counters do not separate)
+            m["async/overlap_s"] = overlap
         if self.algo.filters_groups:
             m |= {"rollout/gen_batches": c.generated / self.per_step, "rollout/groups_dropped": c.filtered}
         return m
@@ -297,14 +319,14 @@ class Producer:
         in_flight = [group(d) for d in state["in_flight"]]
         self.finished = [group(d) for d in state["finished"]]
         self.ready = [group(d) for d in state["ready"]]
-        if len(state["engines"]) == len(self.engines):
+        if len(state["engines"]) == len(self.engines) and getattr(self.engines[0], "keeps_in_flight", True):
             self.in_flight = {g.uid: g for g in in_flight}
             for g in in_flight:
                 self.load[g.engine] += 1
             for e, s in zip(self.engines, state["engines"], strict=True):
                 e.load_state(s)
             self.outbox = [[GroupRequest(**r) for r in box] for box in state["outbox"]]
-        else:  # another engine count (cluster.rollout_devices changed): what was in flight is generated again
+        else:  # another engine count (cluster.rollout_devices changed), or episodes: generated again
             for g in in_flight:
                 self._submit(self._new_group(g.draw, g.attempt + 1, g.prompt))
 

@@ -13,6 +13,11 @@ An episode that raises, returns something else, or passes `agent.timeout_s` cost
 one) and trains nothing. A step where every episode failed stops the run with the first error (exit 2): the
 agent, not the run, needs fixing. Each session's calls are seeded from (run seed, step, prompt, episode, call),
 so a deterministic agent makes a seeded run reproducible.
+
+With `cluster.max_staleness=k >= 1` the episodes run on while the trainer trains (`AgentStream`, the producer's
+stream): the producer starts a prompt's n episodes as slots free up and takes back groups whose episodes have all
+ended, within the staleness bound. A weight sync lets the calls in flight finish, then the engine takes the new
+weights and the waiting calls go on with them; a trajectory's tokens each keep their version.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +40,8 @@ from twinplane.rewards.registry import load_user_fn
 from twinplane.rollout.engine import RolloutEngine
 from twinplane.rollout.sampling import SamplingParams
 from twinplane.rollout.sequence import Sample, sample_seed
+from twinplane.rollout.stats import Done
+from twinplane.rollout.stream import GroupRequest, StreamResult
 from twinplane.serving.engine_loop import EngineLoop
 from twinplane.serving.openai_api import Served
 from twinplane.serving.server import BackgroundServer, build_app
@@ -95,6 +103,8 @@ class AgentRollout:
         self.events.set_default_executor(ThreadPoolExecutor(concurrency, "twinplane-agent"))  # (plain-def agents)
         self.thread = threading.Thread(target=self.events.run_forever, name="twinplane-agents", daemon=True)
         self.thread.start()
+        self.gate: asyncio.Semaphore | None = None
+        self.streamed: AgentStream | None = None
 
     def run(self, prompts: Sequence[Prompt], step: int) -> tuple[list[Sample], torch.Tensor, torch.Tensor, dict]:
         """(samples, rewards [N], correct [N] (reward >= 1), metrics) of `sampling.n` episodes per prompt."""
@@ -116,37 +126,41 @@ class AgentRollout:
         if failed:
             self.log(f"agent: {len(failed)} of {len(episodes)} episodes of step {step} failed, the first with: "
                      f"{failed[0].error}")
-        done = [e for e in episodes if e.error is None]
-        metrics = {"agent/episodes": len(episodes), "agent/errors": sum(not e.timed_out for e in failed),
-                   "agent/timeouts": sum(e.timed_out for e in failed), "agent/splits": sum(e.splits for e in episodes),
-                   "agent/turns_mean": sum(s.num_turns for s in samples) / len(samples),
-                   "agent/reward_mean": sum(e.reward for e in done) / max(len(done), 1)}
-        keys = dict.fromkeys(k for e in done for k in e.metrics)
-        metrics |= {f"agent/{k}": sum(e.metrics[k] for e in done if k in e.metrics) / sum(k in e.metrics for e in done)
-                    for k in keys}
         rewards = torch.tensor(rewards, dtype=torch.float32)
-        return samples, rewards, rewards >= 1.0, metrics
+        return samples, rewards, rewards >= 1.0, episode_metrics(episodes)
 
     async def _episodes(self, prompts: Sequence[Prompt], step: int) -> list[Episode]:
-        gate = asyncio.Semaphore(self.concurrency)
+        return list(await asyncio.gather(*[
+            self._episode(f"s{step}-p{i}-e{j}", prompts[i].task, sample_seed(self.seed, step, i * 65_537 + j), i)
+            for i in range(len(prompts)) for j in range(self.sampling.n)]))
 
-        async def one(i: int, j: int) -> Episode:
-            async with gate:
-                return await self._episode(prompts[i], i, j, step)
+    def stream(self, per_step: int) -> AgentStream:
+        """The episodes as the asynchronous producer's stream (the engine serves them from now on)."""
+        self.loop.open()
+        self.streamed = AgentStream(self, per_step)
+        return self.streamed
 
-        return list(await asyncio.gather(*[one(i, j) for i in range(len(prompts)) for j in range(self.sampling.n)]))
+    def held(self) -> AbstractContextManager:
+        """The engine lent out (weight sync, validation, checkpoint): calls in flight finish, new ones wait."""
+        return self.loop.held()
 
-    async def _episode(self, prompt: Prompt, i: int, j: int, step: int) -> Episode:
-        sid = f"s{step}-p{i}-e{j}"
+    async def _episode(self, sid: str, task: dict, seed: int, index: int) -> Episode:
+        """One episode in session `sid`, its samples labelled `index` (the prompt's group); at most
+        `agent.concurrency` run at once."""
+        if self.gate is None:  # (made on the agents' loop, which it belongs to)
+            self.gate = asyncio.Semaphore(self.concurrency)
+        async with self.gate:
+            return await self._play(sid, task, seed, index)
+
+    async def _play(self, sid: str, task: dict, seed: int, index: int) -> Episode:
         session = self.sessions.open(Session(sid, self.tokenizer, self.sampling.max_new_tokens, self.max_turns,
-                                             seed=sample_seed(self.seed, step, i * 65_537 + j)))
-        task = dict(prompt.row) if prompt.row is not None else {"prompt": prompt.text, "answer": prompt.answer}
-        episode = Episode(i)
+                                             seed=seed))
+        episode = Episode(index)
         call = self.fn(f"{self.url}/sessions/{sid}/v1", task) if inspect.iscoroutinefunction(self.fn) else \
             asyncio.to_thread(self.fn, f"{self.url}/sessions/{sid}/v1", task)
         try:
             episode.reward, episode.metrics = episode_reward(await asyncio.wait_for(call, self.timeout_s))
-            episode.samples = session.samples(i)
+            episode.samples = session.samples(index)
         except asyncio.TimeoutError:
             episode.error, episode.timed_out = f"timed out after {self.timeout_s:g} s (agent.timeout_s)", True
             if self.abort is not None:
@@ -159,10 +173,104 @@ class AgentRollout:
         return episode
 
     def close(self) -> None:
+        if self.streamed is not None:
+            self.streamed.cancel()
+        self.loop.shut()  # (calls in flight finish; later ones are refused)
         self.server.stop()
         self.events.call_soon_threadsafe(self.events.stop)
         self.thread.join(timeout=10)
         self.loop.close()
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """agent/*: the episodes' counts, turns, rewards and the means of the metrics they returned."""
+    failed = [e for e in episodes if e.error is not None]
+    done = [e for e in episodes if e.error is None]
+    samples = [s for e in episodes for s in e.samples]
+    metrics = {"agent/episodes": len(episodes), "agent/errors": sum(not e.timed_out for e in failed),
+               "agent/timeouts": sum(e.timed_out for e in failed), "agent/splits": sum(e.splits for e in episodes),
+               "agent/turns_mean": sum(s.num_turns for s in samples) / max(len(samples), 1),
+               "agent/reward_mean": sum(e.reward for e in done) / max(len(done), 1)}
+    keys = dict.fromkeys(k for e in done for k in e.metrics)
+    return metrics | {f"agent/{k}": sum(e.metrics[k] for e in done if k in e.metrics)
+                      / sum(k in e.metrics for e in done) for k in keys}
+
+
+class AgentStream:
+    """The agents as the asynchronous producer's engine stream: a group request starts its prompt's n episodes at
+    once; a call returns the groups whose episodes have all ended, with the rewards their agents returned. The
+    episodes run on between calls, while the trainer trains."""
+
+    keeps_in_flight = False  # an episode is the user's code, not data: a resumed run plays it again
+
+    def __init__(self, agents: AgentRollout, per_step: int):
+        """`per_step`: groups per step; that many in a row with no episode ending well stop the run (exit 2)."""
+        self.agents, self.per_step = agents, per_step
+        self.cond = threading.Condition()
+        self.ended: list[tuple[int, list[Episode]]] = []  # (uid, its episodes), not yet handed over
+        self.in_flight = 0
+        self.episodes: list[Episode] = []  # ended since the last `pop_metrics`
+        self.failed_in_a_row, self.first_error = 0, None
+        self.tasks: set = set()  # the groups' futures on the agents' loop
+
+    def call(self, add: list[GroupRequest], steps: int | None, until: int | None) -> Done:
+        """Start `add`'s episodes; with `until`, wait until that many groups have ended (or none is left)."""
+        for r in add:
+            with self.cond:
+                self.in_flight += 1
+            self.tasks.add(task := asyncio.run_coroutine_threadsafe(self._group(r), self.agents.events))
+            task.add_done_callback(self.tasks.discard)
+        with self.cond:
+            if until:
+                self.cond.wait_for(lambda: len(self.ended) >= until or not self.in_flight)
+            ended, self.ended = self.ended, []
+            in_flight = self.in_flight
+        if self.failed_in_a_row >= self.per_step:
+            raise InputError(f"agent.entrypoint: {self.failed_in_a_row} prompts in a row had every episode fail, "
+                             f"the first with: {self.first_error}")
+        groups = [[s for e in eps for s in e.samples] for _, eps in ended]
+        scores = [[e.reward for e in eps for _ in e.samples] for _, eps in ended]
+        kept = [i for i, g in enumerate(groups) if g]
+        failed = [uid for i, (uid, _) in enumerate(ended) if not groups[i]]
+        result = StreamResult([groups[i] for i in kept], self.agents.loop.engine.pop_stats(), 0, 0, not in_flight,
+                              [scores[i] for i in kept], failed)
+        return Done(result, result.stats)
+
+    async def _group(self, r: GroupRequest) -> None:
+        episodes = await asyncio.gather(*[self.agents._episode(f"g{r.uid}-e{j}", r.task, seed, r.uid)
+                                          for j, seed in enumerate(r.seeds)])
+        with self.cond:
+            if any(e.samples for e in episodes):
+                self.failed_in_a_row = 0
+            else:
+                self.failed_in_a_row += 1
+                errors = [e.error for e in episodes if e.error is not None]
+                self.first_error = self.first_error or (errors[0] if errors else "no episode called the model")
+            self.ended.append((r.uid, episodes))
+            self.episodes += episodes
+            self.in_flight -= 1
+            self.cond.notify_all()
+
+    def pop_metrics(self) -> dict[str, float]:
+        """agent/* over the episodes that ended since the last call."""
+        with self.cond:
+            episodes, self.episodes = self.episodes, []
+        failed = [e for e in episodes if e.error is not None]
+        if failed:
+            self.agents.log(f"agent: {len(failed)} of {len(episodes)} episodes that ended this step failed, the first "
+                            f"with: {failed[0].error}")
+        return episode_metrics(episodes) if episodes else {}
+
+    def cancel(self) -> None:
+        """The episodes still in flight are cancelled (the run ends)."""
+        for f in self.tasks:
+            f.cancel()
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
 
 
 def _quietly(fn, *args) -> None:

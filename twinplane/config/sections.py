@@ -497,7 +497,6 @@ class AgentSection(Section):
         if self.entrypoint is None:
             return []
         return [(cfg.cluster.backend == "local", "agent.entrypoint", "needs cluster.backend=local"),
-                (cfg.cluster.max_staleness == 0, "agent.entrypoint", "needs cluster.max_staleness=0"),
                 (cfg.rollout.backend == "twinplane", "agent.entrypoint", "needs rollout.backend=twinplane"),
                 (not cfg.algo.dynamic_sampling, "agent.entrypoint", "does not combine with algo.dynamic_sampling")]
 

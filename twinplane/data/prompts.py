@@ -16,6 +16,11 @@ class Prompt:
     text: str  # the formatted prompt (for reward models and logs)
     row: dict | None = None  # the data row (prompt, answer, system, meta fields): an agent's task
 
+    @property
+    def task(self) -> dict:
+        """What an agent's episode gets: the data row, or the prompt's text and answer."""
+        return dict(self.row) if self.row is not None else {"prompt": self.text, "answer": self.answer}
+
 
 def encode_prompts(items: Sequence, format_fn: Callable[[object], str], tokenizer: Tokenizer,
                    max_prompt_tokens: int) -> tuple[list[Prompt], int]:

@@ -19,7 +19,7 @@ engine runs it and whenever it is added.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -37,6 +37,7 @@ class GroupRequest:
     uid: int  # the caller's name for the group; its samples come back with request_index = uid
     prompt_ids: list[int]
     seeds: list[int]  # one per sample
+    task: dict | None = None  # an agent's episodes: the data row they play (`Prompt.task`)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class StreamResult:
     restarted: int  # groups in flight restarted since the last call, too stale to train on
     tokens_in_flight: int  # generated so far by the samples still in flight
     idle: bool  # nothing left to generate
+    scores: list[list[float]] | None = None  # per group and sample: the rewards its agents returned (else unscored)
+    failed: list[int] = field(default_factory=list)  # groups whose episodes all failed: uids, nothing to train
 
 
 class EngineStream:

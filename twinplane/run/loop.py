@@ -9,7 +9,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import yaml
@@ -159,11 +159,12 @@ class Run:
         if recompute_old is None:
             recompute_old = self.planes.rollout_dtype != dtype or cfg.cluster.max_staleness > 0
         c = cfg.cluster
-        producer = None if not c.max_staleness else Producer(
-            self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.max_staleness,
-            c.async_schedule, r.partial, cfg.seed)
         if cfg.agent.entrypoint is not None:  # (the engine's; the config allows agents on local planes only)
             self.agents = build_agent_rollout(cfg, self.planes.engine, s.tokenizer, sampling, self.console.print)
+        producer = None if not c.max_staleness else Producer(
+            self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.max_staleness,
+            c.async_schedule, r.partial, cfg.seed,
+            streams=[self.agents.stream(r.prompts_per_step)] if self.agents is not None else None)
         self.controller = Controller(self.planes, s.scorer, s.tokenizer, sampling, cfg.train.mini_batches,
                                      recompute_old, algo=algo, critic_warmup=cfg.critic.warmup_steps,
                                      more_prompts=lambda: self.stream.next_batch(r.prompts_per_step),
@@ -283,10 +284,15 @@ class Run:
         last = step == self.cfg.train.steps and self.cfg.eval.after
         return bool(self.s.val_prompts) and (last or (self.cfg.eval.every > 0 and step % self.cfg.eval.every == 0))
 
+    def engine_lent(self):
+        """The engine for validation or a checkpoint: an asynchronous run's episodes wait meanwhile."""
+        return self.agents.held() if self.agents is not None else nullcontext()
+
     def validate(self, step: int) -> dict:
         self.faults("eval", step)
-        ev = {f"val/{k}": v for k, v in run_eval(self.s, self.planes.rollout, self.cfg.eval.n,
-                                                 self.cfg.eval.temperature).items()}
+        with self.engine_lent():
+            ev = {f"val/{k}": v for k, v in run_eval(self.s, self.planes.rollout, self.cfg.eval.n,
+                                                     self.cfg.eval.temperature).items()}
         self.live.print(f"validation at step {step}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()))
         return ev
 
@@ -302,7 +308,6 @@ class Run:
         t0 = time.perf_counter()
         cfg, s, c = self.cfg, self.s, self.controller
         shards = sharded_checkpoints(cfg, self.planes.train_devices)  # else full tensors, gathered here first
-        planes_state = None if shards else self.pull_policy()
         self.summary["wall_seconds"] = self.wall_before + time.perf_counter() - self.t_start
         extra = {"summary": self.summary, "phase_sums": self.phase_sums, "controller": c.state_dict()}
 
@@ -313,8 +318,10 @@ class Run:
                 reference=self.reference if self.warm else None, planes_state=planes_state or self.planes.state(out),
                 stream=self.stream, step=step, extra=extra, lora_base=self.lora_base)
 
-        path = checkpoint.save(self.run_dir, step, write, cfg.checkpoint.keep,
-                               before_manifest=lambda: self.faults("checkpoint"))
+        with self.engine_lent():  # (the engine's random state, settled)
+            planes_state = None if shards else self.pull_policy()
+            path = checkpoint.save(self.run_dir, step, write, cfg.checkpoint.keep,
+                                   before_manifest=lambda: self.faults("checkpoint"))
         self.live.print(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
 
     def pull_policy(self) -> dict:

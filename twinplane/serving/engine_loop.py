@@ -8,7 +8,8 @@ rollout. Streaming requests get their new tokens after each step.
 
 The loop owns the engine while it has work. A training run uses the same engine between rollouts (validation,
 weight syncs): it calls `idle()` first, which waits until nothing is in flight; nothing may be submitted until
-the rollout phase starts again.
+the rollout phase starts again. An asynchronous run's episodes go on calling the policy all the time: `held()`
+lets the calls in flight finish, keeps new ones waiting (not refused) and lends the engine out meanwhile.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +61,8 @@ class EngineLoop:
         self.sched: Scheduler | None = None
         self.closed = False
         self.serving = True  # `shut`: submits are refused until `open`
+        self.holds = 0  # `held`: submits wait until released
+        self.busy = False  # the loop's thread has taken requests and is stepping
         self.thread = threading.Thread(target=self._run, name="twinplane-engine", daemon=True)
         self.thread.start()
 
@@ -85,7 +89,7 @@ class EngineLoop:
     def idle(self) -> None:
         """Wait until no request is queued or running (the engine is then free for other calls)."""
         with self.cond:
-            self.cond.wait_for(lambda: not self.requests and not self.incoming)
+            self.cond.wait_for(lambda: not self.requests and not self.incoming and not self.busy)
 
     def shut(self) -> None:
         """Refuse new requests and wait for those in flight: the engine is free for others until `open`."""
@@ -97,6 +101,20 @@ class EngineLoop:
         with self.cond:
             self.serving = True
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The engine lent out (a weight sync, a validation, a checkpoint): the requests in flight finish first;
+        those submitted meanwhile wait for the end of the block."""
+        with self.cond:
+            self.holds += 1
+            self.cond.wait_for(lambda: not self.busy and not self.requests)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.holds -= 1
+                self.cond.notify_all()
+
     def close(self) -> None:
         with self.cond:
             self.closed = True
@@ -104,17 +122,27 @@ class EngineLoop:
         self.thread.join()
 
     # --- the loop's thread --------------------------------------------------------------------------------------
+    def _admits(self) -> bool:
+        return bool(self.incoming) and not self.holds
+
     def _run(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.closed or self.incoming or self.requests)
+                self.cond.wait_for(lambda: self.closed or self._admits() or self.requests)
                 if self.closed:
                     break
-                incoming, self.incoming = self.incoming, []
+                incoming = []
+                if not self.holds:
+                    incoming, self.incoming = self.incoming, []
+                self.busy = True
             try:
                 self._steps(incoming)
             except Exception as e:  # a failed step fails the requests in flight, not the server
                 self._fail_all(e)
+            finally:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
 
     @torch.no_grad()
     def _steps(self, incoming: list[tuple[Seq, _Request]]) -> None:
@@ -135,7 +163,7 @@ class EngineLoop:
                 self._book(e.engine_step(sched, first, ahead=False))
                 self._stream()
                 with self.cond:
-                    if self.incoming or self.closed:
+                    if self._admits() or self.closed:
                         break
         finally:
             e.end_steps(sched, t0)
