@@ -166,9 +166,9 @@ def test_bad_agent_settings_are_one_line_errors(tmp_path, capsys):
     assert "agent.entrypoint: agent '" in err and "missing_agent.py:run': cannot load (no such file" in err
     assert len(err.strip().splitlines()) == 1
     spec = agent_file(tmp_path, "def run(base_url, task):\n    return 1.0\n")
-    assert main(["train", "--run-dir", str(tmp_path / "r"), f"agent.entrypoint={spec}", "cluster.max_staleness=1"]) \
-        == 2
-    assert "agent.entrypoint: needs cluster.max_staleness=0" in capsys.readouterr().err
+    bad = ["train", "--run-dir", str(tmp_path / "r"), f"agent.entrypoint={spec}", "algo.dynamic_sampling=true"]
+    assert main(bad) == 2
+    assert "agent.entrypoint: does not combine with algo.dynamic_sampling" in capsys.readouterr().err
 
 
 def test_a_gym_style_environment_is_played_through_the_endpoint(tmp_path):

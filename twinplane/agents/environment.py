@@ -5,8 +5,8 @@
     reset(self, task: dict) -> str                              the first observation
     step(self, action: str) -> tuple[str, float, bool]          (observation, reward, done)
 
-(plain or `async` methods). Each episode makes a fresh instance; the policy's reply to each observation is the
-action. With a chat template the observations are user turns and the replies assistant turns; without one (the
+(plain methods run on a worker thread, `async` ones on the agents' loop). Each episode makes a fresh instance;
+the policy's reply to each observation is the action. With a chat template the observations are user turns and the replies assistant turns; without one (the
 demo's model) the text simply grows: observation, reply, next observation... The episode's reward is the sum of
 the step rewards (each also in `agent/step_reward_mean`); it ends when the environment says done or after
 `agent.max_turns` replies.
@@ -14,6 +14,7 @@ the step rewards (each also in `agent/step_reward_mean`); it ends when the envir
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
 import httpx
@@ -24,7 +25,9 @@ def is_environment(obj) -> bool:
 
 
 async def _call(fn, *args):
-    out = fn(*args)
+    """`fn(*args)`: a plain method on a worker thread (an environment that blocks must not stop the other
+    episodes), an `async` one on the agents' loop."""
+    out = await asyncio.to_thread(fn, *args) if not inspect.iscoroutinefunction(fn) else fn(*args)
     return await out if inspect.isawaitable(out) else out
 
 

@@ -218,8 +218,10 @@ class AgentStream:
         for r in add:
             with self.cond:
                 self.in_flight += 1
-            self.tasks.add(task := asyncio.run_coroutine_threadsafe(self._group(r), self.agents.events))
-            task.add_done_callback(self.tasks.discard)
+            task = asyncio.run_coroutine_threadsafe(self._group(r), self.agents.events)
+            with self.cond:
+                self.tasks.add(task)
+            task.add_done_callback(self._forget)
         with self.cond:
             if until:
                 self.cond.wait_for(lambda: len(self.ended) >= until or not self.in_flight)
@@ -259,12 +261,18 @@ class AgentStream:
         if failed:
             self.agents.log(f"agent: {len(failed)} of {len(episodes)} episodes that ended this step failed, the first "
                             f"with: {failed[0].error}")
-        return episode_metrics(episodes) if episodes else {}
+        return episode_metrics(episodes) if episodes else {"agent/episodes": 0}
 
     def cancel(self) -> None:
         """The episodes still in flight are cancelled (the run ends)."""
-        for f in self.tasks:
+        with self.cond:
+            tasks = list(self.tasks)
+        for f in tasks:
             f.cancel()
+
+    def _forget(self, task) -> None:
+        with self.cond:
+            self.tasks.discard(task)
 
     def state(self) -> dict:
         return {}
