@@ -6,10 +6,10 @@
     step(self, action: str) -> tuple[str, float, bool]          (observation, reward, done)
 
 (plain methods run on a worker thread, `async` ones on the agents' loop). Each episode makes a fresh instance;
-the policy's reply to each observation is the action. With a chat template the observations are user turns and the replies assistant turns; without one (the
-demo's model) the text simply grows: observation, reply, next observation... The episode's reward is the sum of
-the step rewards (each also in `agent/step_reward_mean`); it ends when the environment says done or after
-`agent.max_turns` replies.
+the policy's reply to each observation is the action. With a chat template the observations are user turns and the
+replies assistant turns; without one (the demo's model) the text simply grows: observation, reply, next
+observation... The episode's reward is the sum of the step rewards (each also in `agent/step_reward_mean`); it ends
+when the environment says done or after `agent.max_turns` replies.
 """
 
 from __future__ import annotations
