@@ -252,7 +252,7 @@ class Producer:
         if self.background:  # (they run on by themselves: given the next groups, they need no driving)
             self._top_up(during_training=True)
             self._advance(0, None, overlap=True)
-        if self.local:
+        if self.local or self.background:
             yield
             return
         stop, failure = threading.Event(), []

@@ -396,3 +396,40 @@ def test_ray_backend_without_ray_is_a_config_error(monkeypatch, tmp_path, capsys
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     assert main(["train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *RAY]) == 2
     assert "cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'" in capsys.readouterr().err
+
+
+SUM_AGENT = """
+from openai import OpenAI
+
+CLIENT = OpenAI(base_url="http://unused/v1", api_key="none")
+
+def run(base_url, task):
+    out = CLIENT.with_options(base_url=base_url).completions.create(model="policy", prompt=task["prompt"],
+                                                                    max_tokens=8)
+    return float(out.choices[0].text.strip() == task["answer"])
+"""
+
+
+def test_agents_on_ray_train_as_in_one_process_and_asynchronously_every_task_once(tmp_path, monkeypatch):
+    """Sessions' calls go to the engine actor and batch there: the same episodes, rewards and updates as in one
+    process; with max_staleness=2 the episodes run on while the trainer actor trains, every task trained once."""
+    pytest.importorskip("openai")
+    (tmp_path / "agent.py").write_text(SUM_AGENT)
+    agent = [f"agent.entrypoint={tmp_path / 'agent.py'}:run", "rollout.max_new_tokens=8"]
+    assert cluster_train(tmp_path / "local", *agent) == 0
+    assert cluster_train(tmp_path / "ray", *RAY, *agent) == 0
+    got, want = rows(tmp_path / "ray"), rows(tmp_path / "local")
+    for g, w in zip(got, want, strict=True):
+        assert g["agent/episodes"] == w["agent/episodes"] == 16 and g["agent/splits"] == 0
+        for k in ("reward/mean", "rollout/response_length_mean", "actor/pg_loss", "actor/grad_norm"):
+            assert g[k] == pytest.approx(w[k], abs=1e-5), k
+    a, b = weights(tmp_path / "ray"), weights(tmp_path / "local")
+    assert max(float((a[n] - b[n]).abs().max()) for n in b) < 1e-5
+    assert cluster_train(tmp_path / "async", *RAY, *agent, *FREE, fault="train@3", monkeypatch=monkeypatch) == 75
+    monkeypatch.delenv("TWINPLANE_FAULT")
+    assert main(["train", "--run-dir", str(tmp_path / "async"), "--resume", "auto"]) == 0
+    steps = rows(tmp_path / "async")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert all(r["async/staleness_max"] <= 2 for r in steps) and all(r["agent/errors"] == 0 for r in steps
+                                                                     if r["agent/episodes"])
+    exactly_once(tmp_path / "async")

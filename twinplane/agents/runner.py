@@ -79,10 +79,11 @@ def episode_reward(value) -> tuple[float, dict[str, float]]:
 class AgentRollout:
     """The server over the run's engine, and the episodes of each step."""
 
-    def __init__(self, entrypoint: str, engine: RolloutEngine, tokenizer: Tokenizer, sampling: SamplingParams,
-                 max_prompt_len: int, template: ChatTemplate | None, concurrency: int, timeout_s: float,
-                 max_turns: int, seed: int, log=print):
-        """`log(line)`: where a step's failed episodes are told (one line per step, with the first error)."""
+    def __init__(self, entrypoint: str, engine: RolloutEngine | EngineLoop, tokenizer: Tokenizer,
+                 sampling: SamplingParams, max_prompt_len: int, template: ChatTemplate | None, concurrency: int,
+                 timeout_s: float, max_turns: int, seed: int, log=print):
+        """`engine`: the engine, or the planes' serving loop (`Planes.serve`); `log(line)`: where failed episodes
+        are told (one line per step, with the first error)."""
         try:
             self.fn = load_user_fn(entrypoint, "agent")
             abort = getattr(inspect.getmodule(self.fn), "abort", None)
@@ -93,7 +94,8 @@ class AgentRollout:
             self.fn = environment_agent(self.fn, template is not None, max_turns, sampling.max_new_tokens)
         self.tokenizer, self.sampling, self.seed, self.log = tokenizer, sampling, seed, log
         self.concurrency, self.timeout_s, self.max_turns = concurrency, timeout_s, max_turns
-        self.loop = EngineLoop(engine, max_prompt_len + sampling.max_new_tokens)
+        self.loop = EngineLoop(engine, max_prompt_len + sampling.max_new_tokens) \
+            if isinstance(engine, RolloutEngine) else engine  # (else the planes' serving loop)
         self.sessions = SessionStore()
         self.served = Served(self.loop, tokenizer, "policy", template, sessions=self.sessions,
                              session_sampling=sampling, seed=seed)
@@ -288,8 +290,7 @@ def _quietly(fn, *args) -> None:
         pass
 
 
-def build_agent_rollout(cfg, engine: RolloutEngine, tokenizer: Tokenizer, sampling: SamplingParams,
-                        log=print) -> AgentRollout:
+def build_agent_rollout(cfg, planes, tokenizer: Tokenizer, sampling: SamplingParams, log=print) -> AgentRollout:
     """The run's agent rollout (`agent.*`), with the model folder's chat template when it has one (else the
     completions route alone serves: the demo's character model has no template)."""
     template = None
@@ -299,5 +300,6 @@ def build_agent_rollout(cfg, engine: RolloutEngine, tokenizer: Tokenizer, sampli
         except ValueError:  # (DataError: no template in the folder)
             template = None
     a = cfg.agent
-    return AgentRollout(a.entrypoint, engine, tokenizer, sampling, cfg.data.max_prompt_tokens, template,
+    loop = planes.serve(cfg.data.max_prompt_tokens + sampling.max_new_tokens)
+    return AgentRollout(a.entrypoint, loop, tokenizer, sampling, cfg.data.max_prompt_tokens, template,
                         a.concurrency, a.timeout_s, a.max_turns, cfg.seed, log)

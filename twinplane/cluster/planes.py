@@ -30,6 +30,7 @@ from twinplane.platform import backends, runtime
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
 from twinplane.rollout.stats import EngineStats
 from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest
+from twinplane.serving.engine_loop import EngineLoop
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Batch, Reference, Trainer, sharded
 from twinplane.train.critic import Critic, build_value_model
@@ -111,6 +112,11 @@ class Planes(Protocol):
 
     def open_streams(self, request: StreamRequest) -> list[StreamClient]:
         """Each engine as a stream (`twinplane.rollout.stream`), following its weight syncs from now on."""
+        ...
+
+    def serve(self, max_model_len: int):
+        """The engines behind an OpenAI-compatible server (agents' sessions): `submit` calls, batched with each
+        other, and `held()` to lend them out between calls (`twinplane.serving.engine_loop.EngineLoop`)."""
         ...
 
     def state(self, shards: Path | None = None) -> dict:
@@ -234,6 +240,10 @@ class LocalPlanes:
         self.engine.pop_stats()
         samples = self.rollout.generate(requests, sampling)
         return Done(samples, self.engine.pop_stats())
+
+    def serve(self, max_model_len: int) -> EngineLoop:
+        """The engine behind the agents' server."""
+        return EngineLoop(self.engine, max_model_len)
 
     def sync(self, version: int) -> SyncReport:
         return sync_in_process(self.engine, self.trainer, version)

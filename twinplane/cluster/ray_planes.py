@@ -23,6 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from twinplane.cluster.planes import WorkerError, load_critic_state, reference_is_base
+from twinplane.cluster.ray_serving import RemoteEngineLoops
 from twinplane.cluster.sync import SyncReport
 from twinplane.cluster.workers import CriticWorker, RolloutWorker, TrainWorker, WorkerSpec, free_address
 from twinplane.config import Config, ConfigError
@@ -96,16 +97,19 @@ class RayPlanes:
                               f"{self.timeout:.0f} s (cluster.timeout_s); the Ray cluster has "
                               f"{ray.cluster_resources()}")
 
-        def make(cls, rank: int):
+        def make(cls, rank: int, **options):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
             return _actor_class(cls).options(num_cpus=c.cpus_per_worker, num_gpus=1 if use_gpu else 0,
-                                             scheduling_strategy=strategy).remote(spec, rank)
+                                             scheduling_strategy=strategy, **options).remote(spec, rank)
+
+        # agents' calls each wait on a thread of their engine actor, beside the driver's own calls
+        serving = {"max_concurrency": cfg.agent.concurrency + 8} if cfg.agent.entrypoint is not None else {}
 
         engine_label = " (and engine {})" if c.colocate else ""
         self.trainers = [make(TrainWorker, r) for r in range(spec.num_train)]
         self.actors = {f"training rank {r}" + engine_label.format(r): a for r, a in enumerate(self.trainers)}
         self.engines = self.trainers if c.colocate else \
-            [make(RolloutWorker, spec.num_train + i) for i in range(spec.num_engines)]
+            [make(RolloutWorker, spec.num_train + i, **serving) for i in range(spec.num_engines)]
         if not c.colocate:
             self.actors |= {f"rollout engine {i}": a for i, a in enumerate(self.engines)}
         self.critics = [make(CriticWorker, spec.world_size + i) for i in range(spec.num_critics)]
@@ -197,6 +201,10 @@ class RayPlanes:
     def open_streams(self, request: StreamRequest) -> list[_RemoteStream]:
         self._wait([(e, e.stream_open.remote(request)) for e in self.engines], "rollout")
         return [_RemoteStream(self, e) for e in self.engines]
+
+    def serve(self, max_model_len: int) -> RemoteEngineLoops:
+        """The engines behind the agents' server, each call on one engine actor."""
+        return RemoteEngineLoops(self, max_model_len)
 
     def sync(self, version: int) -> SyncReport:
         calls = [(t, t.push_weights.remote(version)) for t in self.trainers]

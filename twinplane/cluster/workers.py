@@ -39,9 +39,10 @@ from twinplane.model.hf import HFCausalLM, build_hf
 from twinplane.model.hf_config import HFConfig
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
 from twinplane.platform import hardware, runtime
-from twinplane.rollout import MultiTurnRollout, SamplingParams
+from twinplane.rollout import MultiTurnRollout, Sample, SamplingParams
 from twinplane.rollout.stats import EngineStats
 from twinplane.rollout.stream import EngineStream, GroupRequest, StreamRequest, StreamResult
+from twinplane.serving.engine_loop import EngineLoop
 from twinplane.tokenizer import Tokenizer
 from twinplane.train import Reference, Trainer, sharded
 from twinplane.train.critic import Critic
@@ -148,6 +149,22 @@ class _Worker:
 
     def stream_load(self, state: dict) -> None:
         self.stream.load_state(state)
+
+    # agents' calls (twinplane.cluster.ray_serving): a threaded actor, each call waiting on its own thread
+    def serve_open(self, max_model_len: int) -> None:
+        self.serving = EngineLoop(self.engine, max_model_len)
+
+    def serve(self, prompt_ids: list[int], sampling: SamplingParams, seed: int) -> list[Sample]:
+        return self.serving.submit(prompt_ids, sampling, seed).result()
+
+    def serve_hold(self) -> None:
+        self.serving.hold()
+
+    def serve_release(self) -> None:
+        self.serving.release()
+
+    def serve_stats(self) -> EngineStats:
+        return self.engine.pop_stats()
 
     def engine_state(self) -> tuple[torch.Tensor, int]:
         return self.engine.generator.get_state(), self.engine.weight_version

@@ -496,7 +496,8 @@ class AgentSection(Section):
     def rules(self, cfg: Config) -> list[Rule]:
         if self.entrypoint is None:
             return []
-        return [(cfg.cluster.backend == "local", "agent.entrypoint", "needs cluster.backend=local"),
+        return [(cfg.cluster.backend == "local" or not cfg.cluster.colocate, "agent.entrypoint",
+                 "on Ray needs engines of their own (cluster.colocate=false)"),
                 (cfg.rollout.backend == "twinplane", "agent.entrypoint", "needs rollout.backend=twinplane"),
                 (not cfg.algo.dynamic_sampling, "agent.entrypoint", "does not combine with algo.dynamic_sampling")]
 

@@ -159,8 +159,8 @@ class Run:
         if recompute_old is None:
             recompute_old = self.planes.rollout_dtype != dtype or cfg.cluster.max_staleness > 0
         c = cfg.cluster
-        if cfg.agent.entrypoint is not None:  # (the engine's; the config allows agents on local planes only)
-            self.agents = build_agent_rollout(cfg, self.planes.engine, s.tokenizer, sampling, self.console.print)
+        if cfg.agent.entrypoint is not None:
+            self.agents = build_agent_rollout(cfg, self.planes, s.tokenizer, sampling, self.console.print)
         producer = None if not c.max_staleness else Producer(
             self.planes, self.stream, s.scorer, s.tokenizer, sampling, algo, r.prompts_per_step, c.max_staleness,
             c.async_schedule, r.partial, cfg.seed,

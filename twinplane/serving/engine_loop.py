@@ -105,15 +105,21 @@ class EngineLoop:
     def held(self) -> Iterator[None]:
         """The engine lent out (a weight sync, a validation, a checkpoint): the requests in flight finish first;
         those submitted meanwhile wait for the end of the block."""
-        with self.cond:
-            self.holds += 1
-            self.cond.wait_for(lambda: not self.busy and not self.requests)
+        self.hold()
         try:
             yield
         finally:
-            with self.cond:
-                self.holds -= 1
-                self.cond.notify_all()
+            self.release()
+
+    def hold(self) -> None:
+        with self.cond:
+            self.holds += 1
+            self.cond.wait_for(lambda: not self.busy and not self.requests)
+
+    def release(self) -> None:
+        with self.cond:
+            self.holds -= 1
+            self.cond.notify_all()
 
     def close(self) -> None:
         with self.cond:
