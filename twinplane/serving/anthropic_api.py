@@ -4,7 +4,8 @@ OpenAI routes: a request becomes the OpenAI-style messages the chat template rea
 route's path (`openai_api.chat_prompt`: rendering, session match, sampling, tool parsing); the parsed reply comes
 back as content blocks. Errors are Anthropic's JSON `{"type": "error", "error": {...}}`.
 
-Not served: `tool_choice` `any` or a named tool (constrained decoding), images and documents, server tools.
+`tool_choice` `any` or a named `tool` forces a call as the chat route does (`tool_choice`: the prompt ends with
+the opening of a call). Not served: images and documents, server tools.
 """
 
 from __future__ import annotations
@@ -137,11 +138,20 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
     return out
 
 
+def chat_tool_choice(choice: dict | None) -> str | dict:
+    """Anthropic's `tool_choice` as the chat route's: `any` is `required`, `tool` a named function."""
+    kind = (choice or {"type": "auto"}).get("type")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, f"tool_choice {kind!r}: not served (auto, none, any, or tool with a name are)")
+
+
 def chat_request(req: MessagesRequest) -> ChatRequest:
-    choice = (req.tool_choice or {"type": "auto"}).get("type")
-    if choice not in ("auto", "none"):
-        raise APIError(400, f"tool_choice {choice!r}: only auto and none are served (forcing a call needs "
-                       "constrained decoding, which the engine does not do)")
+    choice = chat_tool_choice(req.tool_choice)
     tools = []
     for t in req.tools or []:
         if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):

@@ -4,7 +4,7 @@ sessions of the chat route: the input items become chat messages (`instructions`
 chat route's path (`openai_api.chat_reply`); the parsed reply comes back as output items.
 
 Not served: `previous_response_id` and stored responses (a session keeps the tokens; the client sends the history),
-streaming, built-in tools, `tool_choice` `required` or a named function (constrained decoding), images and files.
+built-in tools, images and files. `tool_choice` `required` or a named function forces a call as the chat route does.
 """
 
 from __future__ import annotations
@@ -93,6 +93,16 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
     return out
 
 
+def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
+    """The Responses API's `tool_choice` as the chat route's: a named function is `{"type": "function", "name": N}`."""
+    if not isinstance(choice, dict):
+        return choice  # (auto, none, required; another string fails the chat request's check)
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, f"tool_choice {choice.get('type')!r}: not served (auto, none, required or "
+                   '{"type": "function", "name": ...} are)', "tool_choice")
+
+
 def chat_request(req: ResponsesRequest) -> ChatRequest:
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id is not served: responses are not stored (send the whole "
@@ -107,7 +117,7 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
                                                        "parameters": t.get("parameters") or {}}})
     try:
         return ChatRequest(model=req.model, messages=chat_messages(req), tools=tools or None,
-                           tool_choice=req.tool_choice, max_tokens=req.max_output_tokens,
+                           tool_choice=chat_tool_choice(req.tool_choice), max_tokens=req.max_output_tokens,
                            temperature=req.temperature, top_p=req.top_p)
     except ValidationError as e:
         first = e.errors()[0]
