@@ -204,6 +204,15 @@ def test_choices_that_cannot_be_forced_are_400s_and_the_server_stays_up(server):
                                tools=[{"name": "f", "input_schema": {"type": "object"}}])
     with pytest.raises(anthropic.BadRequestError, match="no tools to call"):
         claude.messages.create(**ask, tool_choice={"type": "any"})
+    real = served.template  # a generation prompt that opens reasoning: the call would be written inside it
+    served.template = ChatTemplate(QWEN25.replace("{{- '<|im_start|>assistant\\n' }}",
+                                                  "{{- '<|im_start|>assistant\\n<think>\\n' }}"), real.special_tokens)
+    try:
+        with pytest.raises(openai.BadRequestError, match="opens reasoning in the generation prompt"):
+            chat(tools=[WEATHER], tool_choice="required")
+        assert chat(tools=[WEATHER]).choices[0].message is not None
+    finally:
+        served.template = real
     register_tool_parser("plain")(lambda text, tools=None: ParsedMessage(text))  # a format with no opener
     served.tool_parser = "plain"
     try:

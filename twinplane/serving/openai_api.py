@@ -5,10 +5,10 @@ recorded (twinplane.serving.sessions).
 Every request becomes one engine request of `n` samples, batched with all others in flight (`EngineLoop`). Chat
 prompts are rendered by the model's chat template with the request's `tools`; the reply's tool calls are parsed
 by the template's format (`tool_parsers`) and returned with their arguments exactly as sampled; `tool_choice` may
-force a call (the prompt ends with the opening of one, `tool_choice`). Inside a session the run's sampling is used
-whatever the request asks (the trainer scores the policy the run samples), with the session's token budget as the
-cap. Errors are OpenAI's JSON with 400 (bad body, prompt over the context), 401
-(key), 404 (model, session); the server stays up. Anthropic's `/messages` (anthropic_api) and OpenAI's
+force a call (the prompt then ends with the opening of one, see `tool_choice.py`). Inside a session the run's
+sampling is used whatever the request asks (the trainer scores the policy the run samples), with the session's
+token budget as the cap. Errors are OpenAI's JSON with 400 (bad body, prompt over the context), 401 (key), 404
+(model, session); the server stays up. Anthropic's `/messages` (anthropic_api) and OpenAI's
 `/responses` (responses_api) take the chat path too (`chat_prompt`, `chat_reply`); `server.build_app` registers all.
 """
 
