@@ -3,6 +3,7 @@ Qwen2.5 chat template (tools section, `<tool_call>` JSON), and twinplane's decod
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import string
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from template_texts import QWEN25
 
 from twinplane.model import ModelConfig, Transformer
 from twinplane.model.weights import save_pretrained
+from twinplane.rollout.sequence import Sample
 from twinplane.serving.server import BackgroundServer, build_app, build_served
 from twinplane.tokenizer import build_char_tokenizer, load_tokenizer
 
@@ -63,3 +65,18 @@ def record_calls(loop) -> list:
 
     loop.submit = spy
     return calls
+
+
+class Scripted:
+    """Stands in for the engine: answers the calls with the given texts in turn (then the end-of-turn token); keeps
+    each call's prompt ids and output ids."""
+
+    def __init__(self, served, texts):
+        self.max_model_len, self.served, self.texts, self.prompts = 1024, served, list(texts), []
+
+    def submit(self, ids, sp, seed, on_tokens=None):
+        out = self.served.tokenizer.encode(self.texts.pop(0)) + [self.served.tokenizer.eos_token_id]
+        self.prompts.append((list(ids), out))
+        f = concurrent.futures.Future()
+        f.set_result([Sample(0, list(ids), out, [-0.5] * len(out), "stop", 0)])
+        return f

@@ -98,9 +98,9 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server):
         c.completions.create(model="nope", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="context of 600 tokens"):
         c.completions.create(model="tiny", prompt="x" * 590, max_tokens=20)
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        c.chat.completions.create(model="tiny", messages=CHAT, tool_choice="required",
-                                  tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="tool_choice names 'g', which is not one of the request's"):
+        c.chat.completions.create(model="tiny", messages=CHAT, tool_choice={"type": "function", "function": {
+            "name": "g"}}, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer sekret"}, content=b"{not json")
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type"}
     r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer sekret"},

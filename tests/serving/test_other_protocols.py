@@ -5,14 +5,12 @@ messages), Anthropic's stream adds up to the whole reply, errors come in each pr
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 
 import httpx
 import pytest
-from chat_model import chat_model_dir, serving
+from chat_model import Scripted, chat_model_dir, serving
 
-from twinplane.rollout.sequence import Sample
 from twinplane.serving.sessions import Session
 
 KEY = {"x-api-key": "sekret"}
@@ -50,20 +48,6 @@ def sse(url, path, body) -> list[tuple[str, dict]]:
         assert json.loads(data)["type"] == kind
         events.append((kind, json.loads(data)))
     return events
-
-
-class Scripted:
-    """Stands in for the engine: answers the calls with the given texts in turn; keeps each call's prompt ids."""
-
-    def __init__(self, served, texts):
-        self.max_model_len, self.served, self.texts, self.prompts = 1024, served, list(texts), []
-
-    def submit(self, ids, sp, seed, on_tokens=None):
-        out = self.served.tokenizer.encode(self.texts.pop(0)) + [self.served.tokenizer.eos_token_id]
-        self.prompts.append((list(ids), out))
-        f = concurrent.futures.Future()
-        f.set_result([Sample(0, list(ids), out, [-0.5] * len(out), "stop", 0)])
-        return f
 
 
 def assert_one_exact_trajectory(served, session, script):

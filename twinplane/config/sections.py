@@ -152,7 +152,10 @@ class RewardSection(Section):
     judge_concurrency: int = opt(8, "judge requests at once", bounds=">= 1")
     judge_timeout_s: float = opt(60.0, "per judge request", bounds="> 0")
     judge_retries: int = opt(2, "retries of a judge request after a connection error, timeout or 5xx; then its "
-        "sample scores 0 (reward/errors)", bounds=">= 0")
+        "judgement fails (reward.judge_failure_score)", bounds=">= 0")
+    judge_failure_score: float | None = opt(
+        None, "what a sample whose judgement failed scores (counted in reward/judge_failures); unset: the sample "
+        "fails, scoring 0 in reward/errors")
 
     def rules(self, cfg: Config) -> list[Rule]:
         return [(self.name.strip() != "", "reward.name", "must not be empty")]

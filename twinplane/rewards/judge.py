@@ -10,9 +10,11 @@ The function runs in the reward worker process like every user reward; the judge
 
 Limits: at most `reward.judge_concurrency` requests at once (`ask_many` runs a batch of questions on that many
 threads; a per-sample function asks one at a time), each within `reward.judge_timeout_s`, retried
-`reward.judge_retries` times on a connection error, a timeout or a 5xx answer. A judgement that still fails
-raises `JudgeError`: its sample scores 0 and counts in `reward/errors`, like any failing reward. Answers are cached
-within a step (the same question is asked once per step; greedy by default, so the cache changes nothing).
+`reward.judge_retries` times on a connection error, a timeout or a 5xx answer. A judgement that still fails (or
+gets another error answer) raises `JudgeError`. Its sample fails like any failing reward (0, counted in
+`reward/errors`), or, with `reward.judge_failure_score` set, scores that instead; either way it counts in
+`reward/judge_failures`. Answers are cached within a step (the same question is asked once per step; greedy by
+default, so the cache changes nothing).
 """
 
 from __future__ import annotations
@@ -30,6 +32,20 @@ class JudgeError(RuntimeError):
     """A judgement that failed after its retries."""
 
 
+FAILED = "judgement failed: "  # (the start of the error of a sample whose reward raised a JudgeError)
+
+
+def failed_judgement(e: BaseException | None) -> bool:
+    """Whether `e` is a JudgeError or was raised from one, or while handling one (a function that wraps it)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, JudgeError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 @dataclass(frozen=True)
 class JudgeSettings:
     url: str  # base URL of an OpenAI-compatible API (…/v1)
@@ -38,6 +54,7 @@ class JudgeSettings:
     concurrency: int = 8
     timeout_s: float = 60.0
     retries: int = 2
+    failure_score: float | None = None  # what a sample scores when its judgement fails; None: the sample fails
 
     def to_dict(self) -> dict:  # (sent to the reward worker)
         return asdict(self)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from twinplane.rewards.code import CodeScorer, code_metrics
+from twinplane.rewards.judge import FAILED as JUDGE_FAILED
 from twinplane.rewards.judge import JudgeSettings
 from twinplane.rewards.registry import absolute_spec, is_user_spec, precheck_user_spec, resolve
 from twinplane.rewards.verifiers import CHEAP, VERIFIERS, format_ok
@@ -59,7 +60,8 @@ class RewardRunner:
         A failing program is a real 0, not an error: its kind is counted in reward/code_* (see `code_metrics`).
 
     metrics: reward/errors (samples scored 0 because their reward failed, timeouts included), reward/timeouts
-    (worker-run rewards only), reward/format (mean format_ok, gsm8k/math only), reward/model (mean model score).
+    (worker-run rewards only), reward/format (mean format_ok, gsm8k/math only), reward/model (mean model score),
+    reward/judge_failures (with a judge: samples whose judgement failed, see `judge.py`).
     `last_verifier` keeps the latest call's verifier scores alone, for accuracy that bonuses cannot inflate.
 
     Config errors (unknown name, unimportable function, options it does not take) raise ValueError here, at
@@ -73,6 +75,7 @@ class RewardRunner:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.step_timeout_s = float(step_timeout_s)  # 0 = no deadline for a whole call
         self.name, self.options = absolute_spec(name), dict(options or {})
+        self.judge = judge
         if judge is not None:  # (the worker builds the client: a function that takes `judge` gets it)
             self.options["judge"] = judge.to_dict()
         self.timeout_s, self.format_weight = float(timeout_s), float(self.options.pop("format_weight", format_weight))
@@ -128,9 +131,11 @@ class RewardRunner:
             except BaseException:  # e.g. Ctrl-C mid-batch: its unread results must not leak into the next call
                 self._worker.kill()
                 raise
+        metrics = {"reward/errors": 0.0, **code_metrics_}
+        if self.judge is not None:
+            results, metrics["reward/judge_failures"] = self._failed_judgements(results)
         values = [v for v, _ in results]
         self.last_verifier = [0.0 if v is None else v for v in values]
-        metrics = {"reward/errors": 0.0, **code_metrics_}
         if self._worker is not None:
             metrics["reward/timeouts"] = float(timeouts)
             if self.step_timeout_s > 0:
@@ -157,6 +162,17 @@ class RewardRunner:
         if failed:
             log.warning("reward %r: %d of %d samples scored 0 (e.g. %s)", self.name, len(failed), n, self.last_error)
         return rewards, metrics
+
+    def _failed_judgements(self, results: list[Result]) -> tuple[list[Result], float]:
+        """The results with each failed judgement scored `reward.judge_failure_score` when set (else it stays a
+        failed sample), and how many judgements failed."""
+        failed = {i for i, (v, why) in enumerate(results) if v is None and (why or "").startswith(JUDGE_FAILED)}
+        score = self.judge.failure_score
+        if failed and score is not None:
+            log.warning("reward %r: %d of %d judgements failed, scored %g (reward.judge_failure_score; e.g. %s)",
+                        self.name, len(failed), len(results), score, results[min(failed)][1])
+            results = [(score, None) if i in failed else r for i, r in enumerate(results)]
+        return results, float(len(failed))
 
     def _score_in_worker(self, completions: list[str], answers: list[str],
                          prompts: list[str]) -> tuple[list[Result], int, int]:

@@ -18,7 +18,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from twinplane.rewards.judge import Judge, JudgeSettings
+from twinplane.rewards.judge import FAILED, Judge, JudgeSettings, failed_judgement
 from twinplane.rewards.registry import extra_arguments, resolve, to_reward
 
 STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter imports the reward code (not torch); slow filesystems need time
@@ -27,7 +27,9 @@ _ENTRY = "import sys; from twinplane.rewards.worker import serve; serve(int(sys.
 
 
 def _why(e: BaseException) -> str:
-    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+    """The one-line error of a failed sample; a failed judgement's starts with `judge.FAILED` (the runner may score
+    it `reward.judge_failure_score`)."""
+    return ((FAILED if failed_judgement(e) else "") + " ".join(f"{type(e).__name__}: {e}".split()))[:300]
 
 
 def score_one(fn, completion: str, answer: str, kwargs: dict) -> Result:

@@ -110,7 +110,7 @@ def start_judge(cfg: Config, device: torch.device) -> tuple[JudgeSettings | None
             served.loop.close()
 
     return JudgeSettings(url, r.judge_model, concurrency=r.judge_concurrency, timeout_s=r.judge_timeout_s,
-                         retries=r.judge_retries), stop
+                         retries=r.judge_retries, failure_score=r.judge_failure_score), stop
 
 
 def load_prompts(cfg: Config, tokenizer: Tokenizer, path: str) -> tuple[list[Prompt], dict]:

@@ -2,9 +2,11 @@
 OpenAI routes: a request becomes the OpenAI-style messages the chat template reads (system message, assistant
 `tool_calls` with `arguments` = `json.dumps(input)`, `tool` messages for `tool_result` blocks) and takes the chat
 route's path (`openai_api.chat_prompt`: rendering, session match, sampling, tool parsing); the parsed reply comes
-back as content blocks. Errors are Anthropic's JSON `{"type": "error", "error": {...}}`.
+back as content blocks. `POST /v1/messages/count_tokens` counts the prompt the same request would have. Errors
+are Anthropic's JSON `{"type": "error", "error": {...}}`.
 
-Not served: `tool_choice` `any` or a named tool (constrained decoding), images and documents, server tools.
+`tool_choice` `any` or a named `tool` forces a call as the chat route does (`tool_choice`: the prompt ends with
+the opening of a call). Not served: images and documents, server tools.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from twinplane.serving.openai_api import (
     _chat_choice,
     chat_prompt,
     chat_reply,
+    chat_text,
     given_key,
     locked,
     session_of,
@@ -49,6 +52,10 @@ class MessagesRequest(BaseModel):
     stream: bool = False
 
 
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int | None = Field(None, ge=1)  # (count_tokens takes the request without it)
+
+
 def error_response(e: APIError) -> JSONResponse:
     body = {"type": "error", "error": {"type": _KINDS.get(e.kind, e.kind), "message": e.message}}
     return JSONResponse(body, status_code=e.status)
@@ -57,7 +64,7 @@ def error_response(e: APIError) -> JSONResponse:
 def register(app: FastAPI, served: Served) -> None:
     @app.middleware("http")  # (added after the OpenAI routes' check, so it runs first: the error in this shape)
     async def check_key(request: Request, call_next):
-        if served.api_key is not None and request.url.path.endswith("/messages") and \
+        if served.api_key is not None and request.url.path.endswith(("/messages", "/messages/count_tokens")) and \
                 given_key(request) != served.api_key:
             return error_response(APIError(401, "a valid API key is required (x-api-key: KEY)",
                                            kind="authentication_error"))
@@ -65,16 +72,28 @@ def register(app: FastAPI, served: Served) -> None:
 
     async def messages(request: Request, sid: str | None = None):
         try:
-            try:
-                req = MessagesRequest.model_validate(await request.json())
-            except ValueError as e:  # (a body that is not JSON; pydantic's ValidationError is one too)
-                raise APIError(400, _first_error(e)) from None
+            req = await _body(request, MessagesRequest)
             return await _messages(served, req, session_of(served, sid))
+        except APIError as e:
+            return error_response(e)
+
+    async def count_tokens(request: Request, sid: str | None = None):
+        try:
+            req = await _body(request, CountTokensRequest)
+            return await _count_tokens(served, req, session_of(served, sid))
         except APIError as e:
             return error_response(e)
 
     for prefix in ("/v1", "/sessions/{sid}/v1"):
         app.post(prefix + "/messages")(messages)
+        app.post(prefix + "/messages/count_tokens")(count_tokens)
+
+
+async def _body(request: Request, kind: type[MessagesRequest]) -> MessagesRequest:
+    try:
+        return kind.model_validate(await request.json())
+    except ValueError as e:  # (a body that is not JSON; pydantic's ValidationError is one too)
+        raise APIError(400, _first_error(e)) from None
 
 
 def _first_error(e: ValueError) -> str:
@@ -137,11 +156,20 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
     return out
 
 
+def chat_tool_choice(choice: dict | None) -> str | dict:
+    """Anthropic's `tool_choice` as the chat route's: `any` is `required`, `tool` a named function."""
+    kind = (choice or {"type": "auto"}).get("type")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, f"tool_choice {kind!r}: not served (auto, none, any, or tool with a name are)")
+
+
 def chat_request(req: MessagesRequest) -> ChatRequest:
-    choice = (req.tool_choice or {"type": "auto"}).get("type")
-    if choice not in ("auto", "none"):
-        raise APIError(400, f"tool_choice {choice!r}: only auto and none are served (forcing a call needs "
-                       "constrained decoding, which the engine does not do)")
+    choice = chat_tool_choice(req.tool_choice)
     tools = []
     for t in req.tools or []:
         if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):
@@ -190,6 +218,16 @@ async def _messages(served: Served, req: MessagesRequest, session: Session | Non
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": req.model,
             "content": content_blocks(choices[0]["message"]), "stop_reason": reason, "stop_sequence": stop,
             "usage": {"input_tokens": len(ids), "output_tokens": len(samples[0].token_ids)}}
+
+
+async def _count_tokens(served: Served, req: CountTokensRequest, session: Session | None) -> dict:
+    """The prompt's tokens as `/messages` would make them of the same request: its rendering (a forced call's
+    opener included) and, in a session, the trajectory it extends."""
+    body = chat_request(req)
+    async with locked(session):
+        text, _ = chat_text(served, body, session)
+        n = session.prompt_length(text) if session is not None else len(served.tokenizer.encode(text))
+    return {"input_tokens": n}
 
 
 def _event(kind: str, data: dict) -> str:

@@ -4,10 +4,11 @@ recorded (twinplane.serving.sessions).
 
 Every request becomes one engine request of `n` samples, batched with all others in flight (`EngineLoop`). Chat
 prompts are rendered by the model's chat template with the request's `tools`; the reply's tool calls are parsed
-by the template's format (`tool_parsers`) and returned with their arguments exactly as sampled. Inside a session
-the run's sampling is used whatever the request asks (the trainer scores the policy the run samples), with the
-session's token budget as the cap. Errors are OpenAI's JSON with 400 (bad body, prompt over the context), 401
-(key), 404 (model, session); the server stays up. Anthropic's `/messages` (anthropic_api) and OpenAI's
+by the template's format (`tool_parsers`) and returned with their arguments exactly as sampled; `tool_choice` may
+force a call (the prompt then ends with the opening of one, see `tool_choice.py`). Inside a session the run's
+sampling is used whatever the request asks (the trainer scores the policy the run samples), with the session's
+token budget as the cap. Errors are OpenAI's JSON with 400 (bad body, prompt over the context), 401 (key), 404
+(model, session); the server stays up. Anthropic's `/messages` (anthropic_api) and OpenAI's
 `/responses` (responses_api) take the chat path too (`chat_prompt`, `chat_reply`); `server.build_app` registers all.
 """
 
@@ -40,6 +41,7 @@ from twinplane.serving.protocol import (
 )
 from twinplane.serving.sessions import Session, SessionError, SessionStore
 from twinplane.serving.templates import ChatTemplate
+from twinplane.serving.tool_choice import call_opener, forced_call
 from twinplane.serving.tool_parsers import resolve_tool_parser
 from twinplane.tokenizer import Tokenizer
 
@@ -285,27 +287,36 @@ def _chat_messages(served: Served, body: ChatRequest) -> list[dict]:
     return out
 
 
-def chat_prompt(served: Served, body: ChatRequest, session: Session | None):
-    """(prompt ids, sampling or None when a session's budget is spent, the tool-call parser or None) of a chat
-    request: the template's rendering matched against the session. The caller holds the session's lock."""
+def chat_text(served: Served, body: ChatRequest, session: Session | None):
+    """(prompt text, the reply's tool-call parser or None) of a chat request: the template's rendering, ended with
+    the opener of a call when `tool_choice` forces one (`tool_choice`; the parser reads the reply after it)."""
     _check_model(served, body, session)
     if served.template is None:
         raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
-    if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
-        raise APIError(400, "tool_choice must be auto or none (forcing a call needs constrained decoding, which "
-                       "the engine does not do)", "tool_choice")
     tools = body.tools if body.tool_choice != "none" else None
-    parse = None
+    forced_call(body.tool_choice, tools)  # (a choice that is not served, or forces a call without tools: 400)
+    parse, opener = None, ""
     if tools:
         try:
             parser = resolve_tool_parser(served.tool_parser, served.template.tools_source, served.template.origin)
         except ValueError as e:
             raise APIError(400, str(e), "tools") from None
-        parse = lambda text: parser(text, tools)  # noqa: E731
+        opener = call_opener(body.tool_choice, tools, parser)
+        parse = lambda text: parser(opener + text, tools)  # noqa: E731
     try:
         text = served.template.render(_chat_messages(served, body), tools=body.tools, add_generation_prompt=True)
     except DataError as e:
         raise APIError(400, str(e), "messages") from None
+    if opener and text.rstrip().endswith("<think>"):
+        raise APIError(400, "tool_choice: this chat template opens reasoning in the generation prompt, so a forced "
+                       "call would be written inside it (use auto)", "tool_choice")
+    return text + opener, parse
+
+
+def chat_prompt(served: Served, body: ChatRequest, session: Session | None):
+    """(prompt ids, sampling or None when a session's budget is spent, the tool-call parser or None) of a chat
+    request: `chat_text` matched against the session. The caller holds the session's lock."""
+    text, parse = chat_text(served, body, session)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     ids, left = _prompt(served, session, text=text, rendered=True)
     want = body.max_completion_tokens or body.max_tokens or served.loop.max_model_len - len(ids)

@@ -1,22 +1,27 @@
-"""OpenAI's Responses API (`POST /v1/responses`, and under `/sessions/<id>/v1`), non-streaming, on the engine and
-sessions of the chat route: the input items become chat messages (`instructions` the system message,
-`function_call` items the assistant's `tool_calls`, `function_call_output` items `tool` messages) and take the
-chat route's path (`openai_api.chat_reply`); the parsed reply comes back as output items.
+"""OpenAI's Responses API (`POST /v1/responses`, and under `/sessions/<id>/v1`) on the engine and sessions of the
+chat route: the input items become chat messages (`instructions` the system message, `function_call` items the
+assistant's `tool_calls`, `function_call_output` items `tool` messages) and take the chat route's path
+(`openai_api.chat_reply`); the parsed reply comes back as output items, or with `stream` as the API's server-sent
+events (the chat stream's machinery, `openai_api.streamed`).
 
 Not served: `previous_response_id` and stored responses (a session keeps the tokens; the client sends the history),
-streaming, built-in tools, `tool_choice` `required` or a named function (constrained decoding), images and files.
+built-in tools, images and files. `tool_choice` `required` or a named function forces a call as the chat route does.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
 import uuid
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from twinplane.serving.openai_api import Served, chat_reply, session_of
+from twinplane.rollout.sequence import Sample
+from twinplane.serving.openai_api import Served, _chat_choice, chat_prompt, chat_reply, locked, session_of, streamed
 from twinplane.serving.protocol import APIError, ChatRequest
 from twinplane.serving.sessions import Session
 
@@ -33,6 +38,7 @@ class ResponsesRequest(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     previous_response_id: str | None = None
+    seed: int | None = None  # (not OpenAI's: a client sends it as an extra field, for a sample that repeats)
     stream: bool = False
 
 
@@ -93,12 +99,20 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
     return out
 
 
+def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
+    """The Responses API's `tool_choice` as the chat route's: a named function is `{"type": "function", "name": N}`."""
+    if not isinstance(choice, dict):
+        return choice  # (auto, none, required; another string fails the chat request's check)
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, f"tool_choice {choice.get('type')!r}: not served (auto, none, required or "
+                   '{"type": "function", "name": ...} are)', "tool_choice")
+
+
 def chat_request(req: ResponsesRequest) -> ChatRequest:
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id is not served: responses are not stored (send the whole "
                        "conversation in input; a session keeps its tokens)", "previous_response_id")
-    if req.stream:
-        raise APIError(400, "stream is not served on /responses (use /chat/completions or /messages)", "stream")
     tools = []
     for t in req.tools or []:
         if t.get("type") != "function" or not isinstance(t.get("name"), str):
@@ -107,8 +121,8 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
                                                        "parameters": t.get("parameters") or {}}})
     try:
         return ChatRequest(model=req.model, messages=chat_messages(req), tools=tools or None,
-                           tool_choice=req.tool_choice, max_tokens=req.max_output_tokens,
-                           temperature=req.temperature, top_p=req.top_p)
+                           tool_choice=chat_tool_choice(req.tool_choice), max_tokens=req.max_output_tokens,
+                           temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream)
     except ValidationError as e:
         first = e.errors()[0]
         raise APIError(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
@@ -130,19 +144,105 @@ def output_items(message: dict) -> list[dict]:
     return items
 
 
-async def _respond(served: Served, req: ResponsesRequest, session: Session | None) -> dict:
-    body = chat_request(req)
-    ids, samples, choices = await chat_reply(served, body, session)
-    out, done = output_items(choices[0]["message"]), len(samples[0].token_ids)
-    cut = samples[0].finish_reason == "length"
-    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-            "status": "incomplete" if cut else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
-            "model": req.model, "instructions": req.instructions, "output": out,
-            "output_text": "".join(p["text"] for it in out if it["type"] == "message" for p in it["content"]),
+def response_object(req: ResponsesRequest, rid: str, created: int, output: list[dict], status: str,
+                    input_tokens: int, output_tokens: int) -> dict:
+    """The Response object: `status` in_progress (a stream's first events), completed, or incomplete (cut by
+    `max_output_tokens`)."""
+    return {"id": rid, "object": "response", "created_at": created, "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None, "error": None,
+            "model": req.model, "instructions": req.instructions, "output": output,
+            "output_text": "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"]),
             "tools": req.tools or [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": None,
-            "usage": {"input_tokens": len(ids), "output_tokens": done, "total_tokens": len(ids) + done,
-                      "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "total_tokens": input_tokens + output_tokens, "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def _status(s: Sample) -> str:
+    return "incomplete" if s.finish_reason == "length" else "completed"
+
+
+async def _respond(served: Served, req: ResponsesRequest, session: Session | None):
+    body = chat_request(req)
+    if body.stream:
+        async with locked(session):
+            ids, sp, parse = chat_prompt(served, body, session)
+        return StreamingResponse(_stream(served, req, body, session, ids, sp, parse), media_type="text/event-stream")
+    ids, samples, choices = await chat_reply(served, body, session)
+    return response_object(req, f"resp_{uuid.uuid4().hex}", int(time.time()), output_items(choices[0]["message"]),
+                           _status(samples[0]), len(ids), len(samples[0].token_ids))
+
+
+async def _stream(served: Served, req: ResponsesRequest, body: ChatRequest, session: Session | None,
+                  ids: list[int], sp, parse):
+    """The Responses API's events: the text as it is generated (with tools, the parsed items at the end, once the
+    calls can be parsed), each item added, filled and done, then the whole response (completed or incomplete)."""
+    rid, created, numbers = f"resp_{uuid.uuid4().hex}", int(time.time()), itertools.count()
+
+    def event(kind: str, **data) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(numbers)} | data)}\n\n"
+
+    start = response_object(req, rid, created, [], "in_progress", len(ids), 0)
+    yield event("response.created", response=start)
+    yield event("response.in_progress", response=start)
+    task, deltas = streamed(served, session, ids, sp, body, parse is None)
+    text_id, sent = f"msg_{uuid.uuid4().hex}", ""
+    if parse is None:  # one message, streamed as it is generated
+        yield event("response.output_item.added", output_index=0, item=_opened({"type": "message", "id": text_id}))
+        yield event("response.content_part.added", item_id=text_id, output_index=0, content_index=0, part=_PART)
+    async for _, new in deltas:
+        sent += new
+        yield event("response.output_text.delta", item_id=text_id, output_index=0, content_index=0, delta=new,
+                    logprobs=[])
+    try:
+        s = task.result()[0]
+    except APIError as e:
+        yield event("error", code=e.kind, message=e.message, param=e.param)
+        return
+    out = output_items(_chat_choice(served, body, session, 0, s, parse)["message"])
+    if parse is None:
+        out[0]["id"] = text_id
+        rest = out[0]["content"][0]["text"][len(sent):]
+        if rest:
+            yield event("response.output_text.delta", item_id=text_id, output_index=0, content_index=0, delta=rest,
+                        logprobs=[])
+        for e in _item_events(event, 0, out[0], opened=True):
+            yield e
+    else:
+        for i, item in enumerate(out):
+            for e in _item_events(event, i, item):
+                yield e
+    status = _status(s)
+    yield event(f"response.{status}", response=response_object(req, rid, created, out, status, len(ids),
+                                                               len(s.token_ids)))
+
+
+_PART = {"type": "output_text", "text": "", "annotations": []}
+
+
+def _opened(item: dict) -> dict:
+    """An output item as its `output_item.added` event shows it: in progress, nothing in it yet."""
+    empty = {"message": {"role": "assistant", "content": []}, "function_call": {"arguments": ""},
+             "reasoning": {"summary": []}}[item["type"]]
+    return item | empty | ({"status": "in_progress"} if item["type"] != "reasoning" else {})
+
+
+def _item_events(event, i: int, item: dict, opened: bool = False):
+    """The events of output item `i`, whole: added (unless `opened`: added and text streamed already), its text
+    or arguments, done."""
+    if not opened:
+        yield event("response.output_item.added", output_index=i, item=_opened(item))
+    if item["type"] == "message":
+        text, where = item["content"][0]["text"], {"item_id": item["id"], "output_index": i, "content_index": 0}
+        if not opened:
+            yield event("response.content_part.added", **where, part=_PART)
+            yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+        yield event("response.output_text.done", **where, text=text, logprobs=[])
+        yield event("response.content_part.done", **where, part=item["content"][0])
+    elif item["type"] == "function_call":
+        where = {"item_id": item["id"], "output_index": i}
+        yield event("response.function_call_arguments.delta", **where, delta=item["arguments"])
+        yield event("response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"])
+    yield event("response.output_item.done", output_index=i, item=item)

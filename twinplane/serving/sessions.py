@@ -133,6 +133,16 @@ class Session:
         if sample.routing is not None:  # (a call with nothing to generate ran nothing)
             t.routing = sample.routing
 
+    def prompt_length(self, text: str) -> int:
+        """How many tokens `prompt(text=text, rendered=True)` would give the request's prompt; nothing recorded."""
+        t = self.current
+        if t is not None and t.spent:
+            return len(t.ids)
+        if t is not None and text.startswith(t.text):
+            rest = len(self.tok.encode(text[len(t.text):]))
+            return len(t.ids) + (rest if self.budget is None else min(rest, self.budget - len(t.token_ids)))
+        return len(self.tok.encode(text))
+
     def call_seed(self) -> int | None:
         """The seed of the next call's samples (None: the request's)."""
         return None if self.seed is None else sample_seed(self.seed, self.calls, 0)

@@ -10,6 +10,9 @@ exception: it has no JSON to keep, so its arguments are built as one `json.dumps
 A leading `<think>...</think>` is reasoning, also when the generation prompt already opened `<think>` (the text
 then has `</think>` and no `<think>` before it); reasoning without its `</think>` (the sample was cut short) is all
 reasoning.
+
+A format may declare its `CallOpener`: the text its template writes at the start of a call, which the server ends
+the prompt with to force one (`tool_choice` `required` or a named function); a format without one is not forced.
 """
 
 from __future__ import annotations
@@ -35,15 +38,35 @@ class ParsedMessage:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class CallOpener:
+    """How the template's rendering of an assistant message that is only calls begins: `any` up to the first
+    tool's name, `named` up to its arguments (`{name}` stands for the tool's name). The model, prompted with one,
+    writes the rest of the call, and the text prompt + opener + reply is that rendering."""
+    any: str
+    named: str
+
+    def text(self, name: str | None) -> str:
+        """The opener of a call of any tool (None) or of the tool `name`."""
+        return self.any if name is None else self.named.replace("{name}", name)
+
+
 ToolParser = Callable[..., ParsedMessage]
 TOOL_PARSERS: dict[str, ToolParser] = {}
+CALL_OPENERS: dict[str, CallOpener] = {}
 
 
-def register_tool_parser(name: str) -> Callable[[ToolParser], ToolParser]:
+def register_tool_parser(name: str, opener: CallOpener | None = None) -> Callable[[ToolParser], ToolParser]:
     def register(fn: ToolParser) -> ToolParser:
         TOOL_PARSERS[name] = fn
+        if opener is not None:
+            CALL_OPENERS[name] = opener
         return fn
     return register
+
+
+def parser_name(parser: ToolParser) -> str:
+    return next((n for n, fn in TOOL_PARSERS.items() if fn is parser), getattr(parser, "__name__", "?"))
 
 
 def tool_parser(name: str) -> ToolParser:
@@ -147,7 +170,7 @@ def _json_call(members: dict[str, tuple[object, str]], argument_keys: tuple[str,
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-@register_tool_parser("hermes")
+@register_tool_parser("hermes", CallOpener('<tool_call>\n{"name": "', '<tool_call>\n{"name": "{name}", "arguments": '))
 def parse_hermes(text: str, tools: list[dict] | None = None) -> ParsedMessage:
     """Qwen2.5, Qwen3, Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, any number."""
     reasoning, rest = split_reasoning(text)
@@ -202,7 +225,7 @@ def _typed(value: str, kind: object) -> object:
     return value
 
 
-@register_tool_parser("qwen3_coder")
+@register_tool_parser("qwen3_coder", CallOpener("<tool_call>\n<function=", "<tool_call>\n<function={name}>\n"))
 def parse_qwen3_coder(text: str, tools: list[dict] | None = None) -> ParsedMessage:
     """Qwen3-Coder: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`.
     Values are typed by the tool's JSON schema where `tools` gives one, else kept as strings."""
@@ -223,7 +246,7 @@ def parse_qwen3_coder(text: str, tools: list[dict] | None = None) -> ParsedMessa
     return _message(_outside([*pieces, rest[at:]]), reasoning, calls)
 
 
-@register_tool_parser("llama3_json")
+@register_tool_parser("llama3_json", CallOpener('{"name": "', '{"name": "{name}", "parameters": '))
 def parse_llama3_json(text: str, tools: list[dict] | None = None) -> ParsedMessage:
     """Llama 3.1/3.2: `<|python_tag|>` (optional) then `{"name": ..., "parameters": {...}}`, several separated by
     `;`. A reply that does not start with a call is content."""
