@@ -313,7 +313,7 @@ class Scripted:
     def __init__(self, tokenizer, texts):
         self.tok, self.texts, self.prompts, self.max_model_len = tokenizer, list(texts), [], 2048
 
-    def submit(self, ids, sp, seed, on_tokens=None):
+    def submit(self, ids, sp, seed, on_tokens=None, key=None):
         from twinplane.rollout.sequence import Sample
 
         self.prompts.append(list(ids))

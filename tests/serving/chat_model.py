@@ -58,8 +58,8 @@ def record_calls(loop) -> list:
     loop.submit` stops recording."""
     calls, submit = [], loop.submit
 
-    def spy(ids, sampling, seed, on_tokens=None):
-        fut = submit(ids, sampling, seed, on_tokens)
+    def spy(ids, sampling, seed, on_tokens=None, key=None):
+        fut = submit(ids, sampling, seed, on_tokens, key)
         calls.append((list(ids), fut))
         return fut
 
@@ -74,7 +74,7 @@ class Scripted:
     def __init__(self, served, texts):
         self.max_model_len, self.served, self.texts, self.prompts = 1024, served, list(texts), []
 
-    def submit(self, ids, sp, seed, on_tokens=None):
+    def submit(self, ids, sp, seed, on_tokens=None, key=None):
         out = self.served.tokenizer.encode(self.texts.pop(0)) + [self.served.tokenizer.eos_token_id]
         self.prompts.append((list(ids), out))
         f = concurrent.futures.Future()

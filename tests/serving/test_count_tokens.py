@@ -38,7 +38,7 @@ class Pieces:
     def __init__(self, served, pieces):
         self.max_model_len, self.served, self.pieces = 1024, served, pieces
 
-    def submit(self, ids, sp, seed, on_tokens=None):
+    def submit(self, ids, sp, seed, on_tokens=None, key=None):
         tok = self.served.tokenizer
         out = [t for p in self.pieces for t in tok.encode(p)] + [tok.eos_token_id]
         f = concurrent.futures.Future()

@@ -151,7 +151,7 @@ class ScriptedLoop:
     def __init__(self, served, text):
         self.max_model_len, self.served, self.text = 600, served, text
 
-    def submit(self, ids, sp, seed, on_tokens=None):
+    def submit(self, ids, sp, seed, on_tokens=None, key=None):
         import concurrent.futures
 
         out = self.served.tokenizer.encode(self.text) + [self.served.tokenizer.eos_token_id]

@@ -143,8 +143,8 @@ def test_a_messages_session_with_a_tool_round_trip_keeps_its_exact_tokens(server
     spy_script = Scripted(served, [])  # the real engine's turn, its prompt and sample kept as the script's
     submit = served.loop.submit
 
-    def spy(ids, sp, seed, on_tokens=None):
-        f = submit(ids, sp, seed, on_tokens)
+    def spy(ids, sp, seed, on_tokens=None, key=None):
+        f = submit(ids, sp, seed, on_tokens, key)
         f.add_done_callback(lambda f: spy_script.prompts.append((list(ids), f.result()[0].token_ids)))
         return f
 

@@ -67,9 +67,10 @@ class EngineLoop:
         self.thread.start()
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, seed: int,
-               on_tokens: TokenCallback | None = None) -> Future:
+               on_tokens: TokenCallback | None = None, key: str | None = None) -> Future:
         """Queue one request (its samples seeded from `seed`, one stream each); raises ValueError for a prompt
-        that is empty or leaves no room for `sampling.max_new_tokens`."""
+        that is empty or leaves no room for `sampling.max_new_tokens`. (`key`: which engine, where there are
+        several: `cluster.ray_serving`.)"""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) + sampling.max_new_tokens > self.max_model_len:

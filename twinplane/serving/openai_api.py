@@ -174,7 +174,8 @@ async def _generate(served: Served, session: Session | None, prompt_ids: list[in
     if seed is None:
         seed = body.seed if body.seed is not None else served.rng.getrandbits(62)
     try:
-        future = served.loop.submit(prompt_ids, sp, seed, on_tokens)
+        future = served.loop.submit(prompt_ids, sp, seed, on_tokens,  # (a session's calls: one engine)
+                                    key=session.id if session is not None else None)
     except NotServing as e:
         raise APIError(503, str(e), kind="service_unavailable") from None
     except ValueError as e:
