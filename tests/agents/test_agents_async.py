@@ -91,3 +91,17 @@ def test_the_engine_is_lent_out_between_calls_only():
         assert len(waiting.result(timeout=60)[0].token_ids) == 40 and lent == threading.get_ident()
     finally:
         loop.close()
+
+
+@pytest.mark.slow
+def test_asynchronous_moe_episodes_replay_their_routing_and_train_lora_adapters(tmp_path):
+    spec = tmp_path / "agent.py"
+    spec.write_text(textwrap.dedent(SLOW_SUM_AGENT))
+    run_dir = tmp_path / "run"
+    assert train(run_dir, f"agent.entrypoint={spec}:run", "cluster.max_staleness=1", "rollout.max_new_tokens=8",
+                 "model.num_experts=4", "rollout.record_routing=true", "algo.routing_replay=true",
+                 "train.lora.rank=4", "train.lr=1e-3", "train.steps=4") == 0
+    steps = [r for r in rows(run_dir) if "data/draws" in r]
+    assert len(steps) == 4 and max(r["async/staleness_max"] for r in steps) == 1
+    assert all(r["rollout/routing_agreement"] == 1.0 for r in steps)  # the trainer ran the recorded experts
+    assert (run_dir / "final_adapter" / "adapter_model.safetensors").is_file()
