@@ -84,17 +84,6 @@ def test_what_hf_cannot_do_is_one_line_and_exit_2(olmo, tmp_path, capsys, overri
     assert len(err) == 1 and message in err[0], err
 
 
-def test_lora_on_a_model_without_the_target_names_is_refused(tmp_path, capsys):
-    cfg = transformers.GPTNeoXConfig(vocab_size=15, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, max_position_embeddings=64)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "neox")
-    build_char_tokenizer("0123456789+=").save(tmp_path / "neox")
-    assert train(tmp_path / "run", f"model.path={tmp_path / 'neox'}", "train.lora.rank=4", args=RUN) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["twinplane: error: train.lora.targets: GPTNeoXForCausalLM has no linear layer named q_proj (its "
-                   "decoder layers' linears: dense, dense_4h_to_h, dense_h_to_4h, query_key_value)"]
-
-
 @pytest.mark.slow
 def test_on_ray_equals_the_local_run(whole, olmo, tmp_path):
     """A trainer actor and an engine actor, each building the model from its transformers config: the same run."""

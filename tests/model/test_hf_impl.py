@@ -1,6 +1,7 @@
 """The transformers fallback (`model.impl`): which folders get it, its log-probs against transformers', packed
-against padded, its engine against `generate` and against the native engine, names, saving and LoRA through PEFT.
-Architectures without a native family: OLMo (Llama-style names) and GPT-NeoX (its own names, partial rotary)."""
+against padded, its engine against `generate` and against the native engine, names and saving (LoRA through PEFT:
+test_hf_peft_lora.py). Architectures without a native family: OLMo (Llama-style names) and GPT-NeoX (its own
+names, partial rotary)."""
 
 import json
 
@@ -14,8 +15,6 @@ from twinplane.model import load_model
 from twinplane.model.export import export_weights
 from twinplane.model.hf import load_hf
 from twinplane.model.impl import choose
-from twinplane.model.lora import apply_lora
-from twinplane.model.lora_io import save_adapter
 from twinplane.model.weights import load_weights
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.hf_engine import HFEngine
@@ -191,22 +190,6 @@ def test_routing_is_refused(folders):
     model = load_hf(folders["olmo"], "cpu")
     with pytest.raises(ValueError, match="MoE routing record/replay needs a native model"):
         model(torch.tensor([[5, 6]]), routing=RoutingState())
-
-
-def test_lora_adapter_loads_in_peft(folders, tmp_path):
-    peft = pytest.importorskip("peft")
-    model = load_hf(folders["olmo"], "cpu")
-    assert apply_lora(model, 4, 8.0, targets="all", seed=0) == 2 * 7
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(".lora_B"):
-                p.normal_(0, 0.1)
-    save_adapter(model, tmp_path / "adapter", str(folders["olmo"]))
-    got = peft.PeftModel.from_pretrained(reference(folders["olmo"]), tmp_path / "adapter").eval()
-    ids = torch.randint(0, 64, (2, 7))
-    with torch.no_grad():
-        torch.testing.assert_close(got(input_ids=ids).logits, model(ids), rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(reference(folders["olmo"])(input_ids=ids).logits, model(ids), atol=1e-3)
 
 
 def test_doctor_model_says_which_and_why(folders, capsys):

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from twinplane.algos import AGG_MODES, ESTIMATORS, IS_MASKS, IS_WEIGHTS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS
 from twinplane.config.keys import OneOf, Rule, Section, _get, _sections, _settings, opt, value_hint, value_problem
 from twinplane.errors import InputError
-from twinplane.model.lora import TARGETS as LORA_TARGETS
+from twinplane.model.lora import targets_problem as lora_targets_problem
 from twinplane.rewards.registry import builtin_rewards, is_user_spec, precheck_user_spec
 
 # Keys naming a registered thing: their choices are the registry's names whenever they are read (a name registered
@@ -260,12 +260,14 @@ class LoraSection(Section):
         bounds=">= 0 (0 = off)")
     alpha: float = opt(32.0, "LoRA alpha: the update is scaled by alpha / rank", bounds="> 0")
     dropout: float = opt(0.0, "dropout on the adapters' input (training forwards only)", bounds="[0, 1)")
-    targets: str = opt("all", "all (every attention and MLP linear) or a comma list, e.g. q_proj,v_proj")
+    targets: str = opt("all", "all (every attention and MLP linear) or a comma list, e.g. q_proj,v_proj; with "
+                       "model.impl=hf also PEFT's all-linear, any module names and re:REGEX (docs/models.md)")
 
     def rules(self, cfg: Config) -> list[Rule]:
+        # the native decoder's names are checked here when the model is surely native; else at preflight
+        problem = lora_targets_problem(self.targets, native=not cfg.model.path or cfg.model.impl == "native")
         return [
-            (self.targets == "all" or set(self.targets.split(",")) <= set(LORA_TARGETS), "train.lora.targets",
-             f"must be all or a comma list of {','.join(LORA_TARGETS)}"),
+            (problem is None, "train.lora.targets", problem or "must be all, all-linear, re:REGEX or a comma list"),
             (not (self.dropout > 0 and cfg.train.activation_checkpointing), "train.lora.dropout",
              "must be 0 with train.activation_checkpointing (the recomputed block would draw other dropout masks)"),
         ]

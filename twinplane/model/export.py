@@ -3,7 +3,8 @@
 Weight sync (in-process and the cluster broadcast), checkpoints and `save_pretrained` all iterate this, so a change
 to what leaves (adapter-only export, a dtype) is made once.
 
-With LoRA the trainer's model holds frozen base weights and adapter tensors (`...q_proj.lora_A`/`lora_B`);
+With LoRA the trainer's model holds frozen base weights and adapter tensors (`...q_proj.lora_A`/`lora_B`, or
+PEFT's `...base_layer.weight` and `...lora_A.default.weight` on a model run with transformers' code);
 `adapters_only` yields just the adapters (the engines already hold the base), `merged` yields base names only,
 each targeted weight with its adapter folded in (W + scaling * B A), for engines or exports without adapters.
 """
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from twinplane.model.lora import is_adapter, lora_modules
+from twinplane.model.lora import adapted, is_adapter, merged_names
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,8 @@ def exported(name: str, adapters_only: bool = False, merged: bool = False) -> bo
 def export_shapes(model: torch.nn.Module, adapters_only: bool = False,
                   merged: bool = False) -> list[tuple[str, torch.Size]]:
     """(name, full shape) of what `export_weights` yields, in the same order, without gathering anything."""
-    return [(n, p.shape) for n, p in model.named_parameters() if exported(n, adapters_only, merged)]
+    names = merged_names(model) if merged else {}
+    return [(names.get(n, n), p.shape) for n, p in model.named_parameters() if exported(n, adapters_only, merged)]
 
 
 @torch.no_grad()
@@ -41,14 +43,15 @@ def export_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, *, 
 
     FSDP-sharded parameters are gathered one tensor at a time: a collective, so every rank must consume the whole
     iterator in the same order. Tensors may be views of the live parameters: copy before changing them."""
-    merge = {f"{name}.weight": m for name, m in lora_modules(model)} if merged else {}
+    merge = {f"{a.base}.weight": a for a in adapted(model)} if merged else {}
+    names = merged_names(model) if merged else {}
     for name, p in model.named_parameters():
         if not exported(name, adapters_only, merged):
             continue
         t = _full(p)
-        m = merge.get(name)
-        if m is not None:
-            t = (t.float() + m.delta(_full(m.lora_A), _full(m.lora_B))).to(t.dtype)
+        a = merge.get(name)
+        if a is not None:
+            t = (t.float() + a.delta(_full(a.a), _full(a.b))).to(t.dtype)
         if dtype is not None and not is_adapter(name):
             t = t.to(dtype)
-        yield name, t
+        yield names.get(name, name), t

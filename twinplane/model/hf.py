@@ -1,6 +1,7 @@
 """The transformers fallback: any `AutoModelForCausalLM` run with transformers' own modeling code, behind the
-interface of `Transformer`, so that the trainer, the reference, checkpoints, weight sync, LoRA and saving use it
-unchanged (`model.impl=hf`; which folders get it: `twinplane.model.impl`).
+interface of `Transformer`, so that the trainer, the reference, checkpoints, weight sync and saving use it
+unchanged (`model.impl=hf`; which folders get it: `twinplane.model.impl`); LoRA puts PEFT's own layers into it
+(`twinplane.model.hf_lora`).
 
 `HFCausalLM` holds the transformers model's children as its own (`model`, `lm_head`, or `gpt_neox`, `embed_out`,
 ...), so `named_parameters()` yields the checkpoint's names and `load_weights` / `export_weights` work by name as

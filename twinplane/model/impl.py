@@ -12,11 +12,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from twinplane.errors import InputError, first_line
 from twinplane.model.config import ModelConfig
 from twinplane.model.families import FAMILIES
 from twinplane.model.layer import DecoderLayer
+
+if TYPE_CHECKING:
+    from torch import nn
 
 IMPLS = ("auto", "native", "hf")
 
@@ -126,8 +130,6 @@ def portable_paths(mc: ModelConfig) -> list[str]:
 def describe(path: str | Path, impl: str = "auto") -> list[str]:
     """`twinplane doctor --model DIR`: which implementation the folder gets and why, and what that means for a
     run, one fact per line (nothing is loaded but config.json: hf models are built on the meta device)."""
-    from twinplane.model.lora import TARGETS
-
     choice = choose(path, impl)
     lines = [f"model: {path}", f"architecture: {choice.architecture}",
              f"implementation: {choice.impl} ({choice.reason})"]
@@ -144,8 +146,6 @@ def describe(path: str | Path, impl: str = "auto") -> list[str]:
     except Exception as e:  # transformers' own errors for values its model code refuses
         raise InputError(f"{path}: transformers cannot build {choice.architecture} ({first_line(e)})") from None
     cfg = HFConfig.from_model(model, layers)
-    linears = {n.rsplit(".", 1)[-1] for n, m in layers[0].named_modules() if type(m).__name__ == "Linear"}
-    lora = sorted(set(TARGETS) & linears)
     return lines + [
         f"parameters: {cfg.num_params:,} (counted on the meta device; tied embeddings "
         f"{'yes' if cfg.tie_word_embeddings else 'no'})",
@@ -155,7 +155,18 @@ def describe(path: str | Path, impl: str = "auto") -> list[str]:
         "packed training: checked on the first packed forward (padded rows where transformers' packing does not "
         "hold); shared prompts run as padded rows",
         f"gradient checkpointing: {'yes' if model.supports_gradient_checkpointing else 'no'}",
-        f"LoRA targets: {','.join(lora) if lora else 'none (its linears are named ' + ','.join(sorted(linears)) + ')'}",
+        lora_line(model),
         "rollout: twinplane.rollout.hf_engine (transformers' KV cache, static batches); no vLLM, no asynchronous "
         "RL, no agents, no MoE routing replay",
     ]
+
+
+def lora_line(model: nn.Module) -> str:
+    """What `train.lora.targets=all` adapts in a transformers model (built on the meta device), through PEFT."""
+    from twinplane.model.hf_lora import adapted_names, peft_targets
+
+    form = "all-linear" if peft_targets(model, "all") == "all-linear" else "the Llama-style projection names"
+    try:
+        return f"LoRA targets: {','.join(adapted_names(model, 'all'))} (train.lora.targets=all: {form}, through PEFT)"
+    except ValueError as e:  # (PEFT missing, or nothing to adapt)
+        return f"LoRA targets: none ({first_line(e)})"

@@ -12,13 +12,20 @@ cast to the base output's dtype, as PEFT does. No attention or MLP code changes:
 
 `adapters_disabled(model)` turns the adapters off (the reference policy is the base itself), `merge_lora(model)`
 folds them into plain Linears (for an engine that decodes at base speed, and for a merged export).
+
+This is the native decoder's LoRA. A model run with transformers' code (`model.impl=hf`) takes PEFT's own LoRA
+layers instead (`twinplane.model.hf_lora`, which `apply_lora` hands it to); `adapted(model)` sees both kinds, so
+the exports, the merge, the reference and the weight sync work on either.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import re
+import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +35,13 @@ from torch import nn
 # (qkv_proj, gate_up_proj: the fused projections of the families that publish them so, GLM's MLP and Phi-3)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+PEFT_ADAPTER = "default"  # the adapter name PEFT's layers hold the run's one adapter under
+_PEFT_TENSOR = re.compile(rf"\.lora_[AB]\.{PEFT_ADAPTER}\.weight$")
 
 
 def is_adapter(name: str) -> bool:
-    """Whether a parameter name is a LoRA adapter tensor (`...q_proj.lora_A`)."""
-    return name.endswith(ADAPTER_SUFFIXES)
+    """Whether a parameter name is a LoRA adapter tensor (`...q_proj.lora_A`, PEFT's `...lora_A.default.weight`)."""
+    return name.endswith(ADAPTER_SUFFIXES) or _PEFT_TENSOR.search(name) is not None
 
 
 class LoraLinear(nn.Linear):
@@ -80,11 +89,36 @@ def parse_targets(targets: str | Sequence[str]) -> list[str]:
     return list(TARGETS) if not names or names == ["all"] else names
 
 
+def targets_problem(targets: str, native: bool) -> str | None:
+    """Why `train.lora.targets` cannot be taken, or None: its form (all, all-linear, re:REGEX or a comma list of
+    module names) for any model; for the native decoder (`native`) also a form or name only PEFT takes."""
+    t = targets.strip()
+    if t.startswith("re:"):
+        try:
+            re.compile(t[3:])
+        except re.error as e:
+            return f"{t} is not a regular expression ({e})"
+    elif t not in ("all", "all-linear") and not all(re.fullmatch(r"[\w.]+", n.strip()) for n in t.split(",")):
+        return "must be all, all-linear, re:REGEX or a comma list of module names"
+    peft_only = t == "all-linear" or t.startswith("re:") or not set(parse_targets(t)) <= set(TARGETS)
+    if native and t != "all" and peft_only:
+        return (f"must be all or a comma list of {','.join(TARGETS)} for the native decoder (all-linear, re:REGEX and "
+                "other module names are PEFT's, for models run with transformers' code: model.impl=hf)")
+    return None
+
+
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets: str | Sequence[str] = "all",
                seed: int = 0) -> int:
     """Freeze `model` and wrap its targeted Linears in place; returns the number of layers wrapped.
 
-    Adapters are initialised from their own generator (`seed`), so the global RNG stream is untouched."""
+    Adapters are initialised from their own generator (`seed`), so the global RNG stream is untouched. A model run
+    with transformers' code gets PEFT's LoRA layers (`twinplane.model.hf_lora.apply_peft`)."""
+    from twinplane.model.hf import HFCausalLM
+
+    if isinstance(model, HFCausalLM):
+        from twinplane.model.hf_lora import apply_peft
+
+        return apply_peft(model, rank, alpha, dropout, targets, seed)
     names = parse_targets(targets)
     unknown = sorted(set(names) - set(TARGETS))
     if unknown:
@@ -100,43 +134,96 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
     return wrapped
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
+@dataclass
+class Adapted:
+    """One adapted layer as the exports, the merge and the reference see it: a `LoraLinear`, or PEFT's LoRA layer
+    (`model.impl=hf`), whose base parameters sit in its `base_layer`."""
+    name: str  # the layer's module name
+    module: nn.Module
+    base: str  # the module name of its base `weight` / `bias`
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scaling: float
+    transposed: bool  # a base weight stored [in, out] (transformers' Conv1D: PEFT's fan_in_fan_out)
+
+    def delta(self, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+        """The base weight's update scaling * B A in fp32, in the base weight's layout (full `a`/`b` may be passed
+        in for sharded params)."""
+        d = ((self.b if b is None else b).float() @ (self.a if a is None else a).float()) * self.scaling
+        return d.T if self.transposed else d
+
+    @property
+    def enabled(self) -> bool:
+        return self.module.enabled if isinstance(self.module, LoraLinear) else not self.module.disable_adapters
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        if isinstance(self.module, LoraLinear):
+            self.module.enabled = on
+        else:  # (PEFT's switch: it freezes the adapters while off and makes them trainable again)
+            self.module.enable_adapters(on)
+
+
+def adapted(model: nn.Module) -> list[Adapted]:
+    """Every adapted layer of `model`, in module order."""
+    peft = sys.modules.get("peft.tuners.lora")  # (PEFT's layers exist only once PEFT is imported)
+    out = []
     for name, m in model.named_modules():
         if isinstance(m, LoraLinear):
-            yield name, m
+            out.append(Adapted(name, m, name, m.lora_A, m.lora_B, m.scaling, False))
+        elif peft is not None and isinstance(m, peft.LoraLayer):
+            out.append(Adapted(name, m, f"{name}.base_layer", m.lora_A[PEFT_ADAPTER].weight,
+                               m.lora_B[PEFT_ADAPTER].weight, m.scaling[PEFT_ADAPTER], m.fan_in_fan_out))
+    return out
 
 
 def has_lora(model: nn.Module) -> bool:
-    return any(True for _ in lora_modules(model))
+    return bool(adapted(model))
+
+
+def merged_names(model: nn.Module) -> dict[str, str]:
+    """Base parameter names that merging changes (PEFT's `x.base_layer.weight` -> `x.weight`): the names a merged
+    export gives."""
+    prefixes = {f"{a.base}.": f"{a.name}." for a in adapted(model) if a.base != a.name}
+    out = {}
+    for name, _ in model.named_parameters():
+        prefix = name[:name.rfind(".") + 1]
+        if prefix in prefixes:
+            out[name] = prefixes[prefix] + name[len(prefix):]
+    return out
 
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """The base model for the duration: the reference policy with no second copy in memory."""
-    mods = [m for _, m in lora_modules(model)]
-    states = [m.enabled for m in mods]
-    for m in mods:
-        m.enabled = False
+    layers = adapted(model)
+    states = [a.enabled for a in layers]
+    for a in layers:
+        a.enabled = False
     try:
         yield model
     finally:
-        for m, s in zip(mods, states, strict=True):
-            m.enabled = s
+        for a, s in zip(layers, states, strict=True):
+            a.enabled = s
 
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight (W += scaling * B A, computed in fp32) and put plain Linears back:
+    """Fold every adapter into its base weight (W += scaling * B A, computed in fp32) and put plain layers back:
     the result is an ordinary model with base parameter names. In place; returns `model`."""
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, LoraLinear):
-                w = child.weight
-                w.copy_((w.float() + child.delta()).to(w.dtype))
-                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                  device="meta")
-                plain.weight, plain.bias = child.weight, child.bias
-                setattr(parent, child_name, plain)
+    for a in adapted(model):
+        parent_name, _, child_name = a.name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if isinstance(a.module, LoraLinear):
+            w = a.module.weight
+            plain = nn.Linear(a.module.in_features, a.module.out_features, bias=a.module.bias is not None,
+                              device="meta")
+            plain.weight, plain.bias = a.module.weight, a.module.bias
+        else:  # PEFT's layer: its base layer itself
+            plain = a.module.get_base_layer()
+            w = plain.weight
+        w.copy_((w.float() + a.delta()).to(w.dtype))
+        setattr(parent, child_name, plain)
     return model
 
 

@@ -2,7 +2,8 @@
 
 A folder with `adapter_config.json` + `adapter_model.safetensors` is what `peft.PeftModel.from_pretrained(base, dir)`
 loads: tensor names `base_model.model.<module>.lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]), the
-same matrices as twinplane's `<module>.lora_A` / `<module>.lora_B` parameters.
+same matrices as twinplane's `<module>.lora_A` / `<module>.lora_B` parameters and PEFT's own layers'
+`<module>.lora_A.default.weight` (a model run with transformers' code: PEFT writes those, `hf_lora.save_peft`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from twinplane.model.lora import apply_lora, lora_modules
+from twinplane.model.lora import PEFT_ADAPTER, LoraLinear, adapted, apply_lora, is_adapter
 from twinplane.model.weights import INDEX, checkpoint_files
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -40,14 +41,19 @@ def save_adapter(model: torch.nn.Module, out: str | Path, base_path: str, dropou
     from FSDP shards; default: the model's own)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    mods = dict(lora_modules(model))
-    if not mods:
+    layers = adapted(model)
+    if not layers:
         raise ValueError("the model has no LoRA adapters")
     if tensors is None:
-        tensors = {n: p.detach() for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
+        tensors = {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}
+    if not isinstance(layers[0].module, LoraLinear):  # PEFT's layers: PEFT writes its own
+        from twinplane.model.hf_lora import save_peft
+
+        save_peft(model, out, base_path, tensors)
+        return
     state = {f"{_PREFIX}{n}.weight": t.detach().float().contiguous().cpu() for n, t in tensors.items()}
-    first = next(iter(mods.values()))
-    targets = sorted({name.rsplit(".", 1)[-1] for name in mods})
+    first = layers[0].module
+    targets = sorted({a.name.rsplit(".", 1)[-1] for a in layers})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
               "r": first.rank, "lora_alpha": first.alpha, "lora_dropout": dropout, "target_modules": targets,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
@@ -67,15 +73,22 @@ def read_adapter_config(path: str | Path) -> dict:
     return cfg
 
 
+def file_key(name: str) -> str:
+    """An adapter parameter's tensor name in PEFT's file: `x.lora_A` (twinplane's) and `x.lora_A.default.weight`
+    (PEFT's layer) are both `base_model.model.x.lora_A.weight`."""
+    return _PREFIX + (name.replace(f".{PEFT_ADAPTER}.", ".") if name.endswith(".weight") else f"{name}.weight")
+
+
 def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
     """Copy a PEFT folder's adapter tensors into `model`, which must already carry matching adapters."""
     params = dict(model.named_parameters())
     state = load_file(Path(path) / WEIGHTS)
-    wanted = {n for n in params if n.endswith((".lora_A", ".lora_B"))}
+    by_key = {file_key(n): n for n in params if is_adapter(n)}
+    wanted = set(by_key.values())
     got = {}
     for key, t in state.items():
-        name = key.removeprefix(_PREFIX).removesuffix(".weight").replace(".default", "")
-        if name not in wanted:
+        name = by_key.get(key.replace(f".{PEFT_ADAPTER}.", "."))
+        if name is None:
             raise ValueError(f"{path}: adapter tensor {key!r} matches no LoRA layer of this model")
         if params[name].shape != t.shape:
             raise ValueError(f"{path}: {key} has shape {tuple(t.shape)}, the model's is {tuple(params[name].shape)}")
@@ -91,6 +104,7 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
 def apply_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     """Wrap `model` (a base) with the adapters of a PEFT folder, as configured there."""
     cfg = read_adapter_config(path)
-    apply_lora(model, cfg["r"], float(cfg["lora_alpha"]), 0.0, cfg["target_modules"])
+    targets = cfg["target_modules"]  # PEFT's: a list of names, or a regex (all-linear is written resolved)
+    apply_lora(model, cfg["r"], float(cfg["lora_alpha"]), 0.0, f"re:{targets}" if isinstance(targets, str) else targets)
     load_adapter(model, path)
     return model

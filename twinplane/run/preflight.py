@@ -20,7 +20,7 @@ from twinplane.model import ModelConfig, Transformer, load_model
 from twinplane.model.hf import HFCausalLM, load_hf
 from twinplane.model.hf_config import HFConfig
 from twinplane.model.impl import choose
-from twinplane.model.lora import parse_targets
+from twinplane.model.lora import TARGETS, parse_targets, targets_problem
 from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
 from twinplane.model.weights import checkpoint_files
 from twinplane.platform import backends, runtime
@@ -70,17 +70,26 @@ def check_hf_run(cfg: Config, mc: HFConfig) -> None:
     for bad, key, why in refused:
         if bad:
             raise ConfigError(f"{key}: {why}; model.impl=hf runs {arch} with transformers' code")
-    lora = cfg.train.lora
-    if lora.rank:
-        from twinplane.model.hf_config import build_meta, decoder_layers
 
-        layer = decoder_layers(build_meta(cfg.model.path))[0]
-        linears = {n.rsplit(".", 1)[-1] for n, m in layer.named_modules() if type(m) is torch.nn.Linear}
-        wanted = parse_targets(lora.targets)
-        missing = [t for t in wanted if t not in linears]
-        if (lora.targets == "all" and len(missing) == len(wanted)) or (lora.targets != "all" and missing):
-            raise ConfigError(f"train.lora.targets: {arch} has no linear layer named {missing[0]} (its decoder "
-                              f"layers' linears: {', '.join(sorted(linears))})")
+
+def check_lora(cfg: Config, mc: ModelConfig | HFConfig) -> None:
+    """`train.lora.targets` against the model: the native decoder's projection names, or (transformers' code) what
+    PEFT adapts in the model built on the meta device (`twinplane.model.hf_lora`)."""
+    lora = cfg.train.lora
+    if not lora.rank:
+        return
+    if not isinstance(mc, HFConfig):
+        problem = targets_problem(lora.targets, native=True)
+        if problem is not None:
+            raise ConfigError(f"train.lora.targets: {problem}")
+        return
+    from twinplane.model.hf_config import build_meta
+    from twinplane.model.hf_lora import adapted_names
+
+    try:
+        adapted_names(build_meta(cfg.model.path), lora.targets)
+    except ValueError as e:  # (one line naming train.lora.targets, or train.lora.rank when PEFT is missing)
+        raise ConfigError(str(e)) from None
 
 
 def check_vllm_serves(architecture: str) -> None:
@@ -147,9 +156,15 @@ def memory_inputs(cfg: Config, device: torch.device | str = "cpu") -> tuple[Dtyp
     r, lora = cfg.rollout, cfg.train.lora
     chunk = backends.logprob_chunk_tokens(device, cfg.train.logprob_chunk_tokens)
     w = Workload(r.prompts_per_step, r.n, prompt_tokens(cfg), r.max_new_tokens,  # (a response's every turn)
-                 min(cfg.train.micro_batch_size, r.samples), chunk, lora.rank,
-                 tuple(parse_targets(lora.targets)), build_algorithm(cfg).needs_reference, r.max_num_seqs)
+                 min(cfg.train.micro_batch_size, r.samples), chunk, lora.rank, lora_counted(lora.targets),
+                 build_algorithm(cfg).needs_reference, r.max_num_seqs)
     return dt, w
+
+
+def lora_counted(targets: str) -> tuple[str, ...]:
+    """The projection names the memory model counts adapters on: those named, else (PEFT's all-linear, a regex,
+    other module names) every attention and MLP linear, as for `all`."""
+    return tuple(t for t in parse_targets(targets) if t in TARGETS) or TARGETS
 
 
 def estimate_bytes(cfg: Config, mc: ModelConfig, device: torch.device | str = "cpu") -> dict[str, float]:

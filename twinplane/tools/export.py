@@ -134,7 +134,7 @@ def _from_shards(ckpt: Path, fmt: str, out: Path) -> Path:
         save_adapter(model, _new_folder(out, ckpt), base["path"], base.get("dropout", 0.0))
         return out
     _copy_files(Path(base["path"]), _new_folder(out, ckpt), skip=WEIGHT_FILES)
-    save_pretrained(merge_lora(model), out)
+    _save(merge_lora(model), out)
     return out
 
 
@@ -148,9 +148,20 @@ def _read_shards(ckpt: Path, model) -> None:
                                          f"({first_line(e, typed=True)})") from None
 
 
+def _save(model, out: Path) -> None:
+    """A merged model's config.json and safetensors: transformers' own config for a model run with its code."""
+    from twinplane.model import save_pretrained
+    from twinplane.model.hf import HFCausalLM
+
+    model.save_pretrained(out) if isinstance(model, HFCausalLM) else save_pretrained(model, out)
+
+
 def _lora_base(ckpt: Path, base: dict):
-    """The LoRA base a checkpoint names, checked against its sha256, in the run's dtype on the CPU."""
+    """The LoRA base a checkpoint names, checked against its sha256, in the run's dtype on the CPU, through the
+    implementation the run chose (`model.impl`)."""
     from twinplane.model import load_model  # (these load torch: see `_from_shards`)
+    from twinplane.model.hf import load_hf
+    from twinplane.model.impl import choose
     from twinplane.model.lora_io import base_sha256
     from twinplane.platform import runtime
     from twinplane.run.run_state import read_config
@@ -161,19 +172,22 @@ def _lora_base(ckpt: Path, base: dict):
     if base_sha256(base_dir) != base["sha256"]:
         raise checkpoint.CheckpointError(f"{ckpt}: its LoRA base {base_dir} changed since the checkpoint "
                                          "(sha256 differs)")
-    return load_model(base_dir, device="cpu", dtype=runtime.resolve_dtype(read_config(ckpt)["model"]["dtype"]))
+    model_cfg = read_config(ckpt)["model"]
+    dtype = runtime.resolve_dtype(model_cfg["dtype"])
+    if choose(base_dir, model_cfg.get("impl", "auto")).impl == "hf":
+        return load_hf(base_dir, "cpu", dtype)
+    return load_model(base_dir, device="cpu", dtype=dtype)
 
 
 def _merge(ckpt: Path, adapter: Path, out: Path) -> Path:
     """A LoRA checkpoint's base (checked against its sha256) with the adapters folded in, as an HF folder; the
     tokenizer and generation config come from the base folder."""
-    from twinplane.model import save_pretrained  # (these load torch: see `_from_shards`)
-    from twinplane.model.lora import merge_lora
+    from twinplane.model.lora import merge_lora  # (these load torch: see `_from_shards`)
     from twinplane.model.lora_io import apply_adapter
     from twinplane.run.run_state import read_lora_base
 
     base = read_lora_base(ckpt)
     model = merge_lora(apply_adapter(_lora_base(ckpt, base), adapter))
     _copy_files(Path(base["path"]), out, skip=WEIGHT_FILES)
-    save_pretrained(model, out)
+    _save(model, out)
     return out
