@@ -62,6 +62,18 @@ def test_completions_and_chat_equal_the_engine_on_the_rendered_prompt(server):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_a_streamed_reply_that_ends_on_the_stop_token_does_not_show_it(server):
+    c = client(server[1])
+    for seed in range(40):  # (sampled replies: the first that ends on the stop token within the budget)
+        r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, seed=seed, temperature=1.0)
+        if r.choices[0].finish_reason == "stop":
+            break
+    assert r.choices[0].finish_reason == "stop" and "<|im_end|>" not in r.choices[0].message.content
+    chunks = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, seed=seed, temperature=1.0,
+                                       stream=True)
+    assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == r.choices[0].message.content
+
+
 def test_seeded_samples_repeat_and_n_gives_distinct_streams(server):
     _, url = server
     c = client(url)

@@ -9,7 +9,8 @@
 the policy's reply to each observation is the action. With a chat template the observations are user turns and the
 replies assistant turns; without one (the demo's model) the text simply grows: observation, reply, next
 observation... The episode's reward is the sum of the step rewards (each also in `agent/step_reward_mean`); it ends
-when the environment says done or after `agent.max_turns` replies.
+when the environment says done or after `agent.max_turns` replies, and then the instance's `close()` runs if it has
+one. An OpenEnv `Environment` class is played the same way through twinplane.agents.openenv_adapter.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import asyncio
 import inspect
 
 import httpx
+
+from twinplane.agents.openenv_adapter import is_openenv, openenv_environment
 
 
 def is_environment(obj) -> bool:
@@ -33,9 +36,18 @@ async def _call(fn, *args):
 
 def environment_agent(env_class, chat: bool, max_turns: int, max_tokens: int):
     """An agent (`run(base_url, task)`) that plays `env_class`'s episodes with the policy."""
+    if is_openenv(env_class):
+        env_class = openenv_environment(env_class)
 
     async def run(base_url: str, task: dict) -> dict:
         env = env_class()
+        try:
+            return await _play(env, base_url, task)
+        finally:
+            if callable(getattr(env, "close", None)):
+                await _call(env.close)
+
+    async def _play(env, base_url: str, task: dict) -> dict:
         observation = await _call(env.reset, task)
         messages, text, rewards = [{"role": "user", "content": observation}], observation, []
         async with httpx.AsyncClient(base_url=base_url, timeout=None) as http:

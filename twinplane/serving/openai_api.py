@@ -391,7 +391,7 @@ def streamed(served: Served, session: Session | None, ids: list[int], sp: Sampli
             except asyncio.TimeoutError:
                 continue
             got[j] = got.get(j, []) + new
-            shown, _ = shown_text(served.tokenizer, got[j], frozenset(), body.stops)
+            shown, _ = shown_text(served.tokenizer, got[j], served.stop_ids, body.stops)
             shown, before = shown.rstrip("\ufffd"), sent.get(j, "")
             if len(shown) > len(before) and shown.startswith(before):
                 sent[j] = shown
