@@ -410,7 +410,7 @@ def run(base_url, task):
 """
 
 
-def test_agents_on_ray_train_as_in_one_process_and_asynchronously_every_task_once(tmp_path, monkeypatch):
+def test_agents_on_ray_train_as_in_one_process_and_asynchronously_every_task_once(tmp_path):
     """Sessions' calls go to the engine actor and batch there: the same episodes, rewards and updates as in one
     process; with max_staleness=2 the episodes run on while the trainer actor trains, every task trained once."""
     pytest.importorskip("openai")
@@ -425,9 +425,7 @@ def test_agents_on_ray_train_as_in_one_process_and_asynchronously_every_task_onc
             assert g[k] == pytest.approx(w[k], abs=1e-5), k
     a, b = weights(tmp_path / "ray"), weights(tmp_path / "local")
     assert max(float((a[n] - b[n]).abs().max()) for n in b) < 1e-5
-    assert cluster_train(tmp_path / "async", *RAY, *agent, *FREE, fault="train@3", monkeypatch=monkeypatch) == 75
-    monkeypatch.delenv("TWINPLANE_FAULT")
-    assert main(["train", "--run-dir", str(tmp_path / "async"), "--resume", "auto"]) == 0
+    assert cluster_train(tmp_path / "async", *RAY, *agent, *FREE) == 0
     steps = rows(tmp_path / "async")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert all(r["async/staleness_max"] <= 2 for r in steps) and all(r["agent/errors"] == 0 for r in steps
