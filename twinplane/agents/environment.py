@@ -16,7 +16,9 @@ one. An OpenEnv `Environment` class is played the same way through twinplane.age
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import ssl
 
 import httpx
 
@@ -50,7 +52,9 @@ def environment_agent(env_class, chat: bool, max_turns: int, max_tokens: int):
     async def _play(env, base_url: str, task: dict) -> dict:
         observation = await _call(env.reset, task)
         messages, text, rewards = [{"role": "user", "content": observation}], observation, []
-        async with httpx.AsyncClient(base_url=base_url, timeout=None) as http:
+        # A client per episode (one pool of hundreds of connections is slow to search), all sharing one TLS
+        # context (its creation, loading the CA store, would cost more than the episode's calls).
+        async with httpx.AsyncClient(base_url=base_url, timeout=None, verify=_tls()) as http:
             for _ in range(max_turns):
                 if chat:
                     body = {"model": "policy", "messages": messages, "max_tokens": max_tokens}
@@ -69,6 +73,11 @@ def environment_agent(env_class, chat: bool, max_turns: int, max_tokens: int):
 
     run.__name__ = f"play_{env_class.__name__}"
     return run
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 async def _post(http: httpx.AsyncClient, route: str, body: dict) -> dict:
