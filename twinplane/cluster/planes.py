@@ -26,6 +26,7 @@ from twinplane.model import ModelConfig, Transformer, iter_safetensors
 from twinplane.model.export import export_weights
 from twinplane.model.hf import HFCausalLM
 from twinplane.model.lora import cast_base, merge_lora
+from twinplane.model.precision import keeping_fp32
 from twinplane.platform import backends, runtime
 from twinplane.rollout import Done, MultiTurnRollout, RolloutEngine, Sample, SamplingParams, build_tools, engine_options
 from twinplane.rollout.stats import EngineStats
@@ -184,13 +185,14 @@ def reference_is_base(cfg: Config, algo: Algorithm | None = None) -> bool:
 
 
 def engine_model(cfg: Config, model: Transformer) -> Transformer:
-    """The engine's copy of the policy in the rollout dtype (LoRA adapters stay fp32): the same adapted model, or
+    """The engine's copy of the policy in the rollout dtype (LoRA adapters and `precision.fp32_names` stay fp32): the
+    same adapted model, or
     with `rollout.lora_merge` a plain model with the adapters folded in."""
     rollout_dtype = runtime.rollout_dtype(cfg.model, model.output_weight().device)
     model = copy.deepcopy(model)
     if cfg.rollout.lora_merge:
         merge_lora(model)
-    return cast_base(model, rollout_dtype)
+    return keeping_fp32(model, lambda m: cast_base(m, rollout_dtype))
 
 
 class LocalPlanes:

@@ -21,11 +21,17 @@ from twinplane.model.blocks import MLP, dense_mlp
 from twinplane.model.family import DROPOUT, Family, Ignored, Option
 from twinplane.model.mla import latent_layer
 from twinplane.model.moe import Experts, RoutingState, expert_from_checkpoint, expert_to_checkpoint
+from twinplane.model.precision import Fp32Params
 
 
-class GroupRouter(nn.Module):
-    """transformers' DeepseekV3TopkRouter: `weight` [E, D] and `e_score_correction_bias` [E] (fp32 in transformers;
-    a parameter here so that weight syncs and checkpoints carry it, trained by no gradient: it only chooses)."""
+class GroupRouter(Fp32Params):
+    """transformers' DeepseekV3TopkRouter: `weight` [E, D] and `e_score_correction_bias` [E] (a parameter here so
+    that weight syncs and checkpoints carry it, trained by no gradient: it only chooses). Both held in fp32 whatever
+    the model's dtype, and the logits computed in fp32 outside autocast, as transformers does (its
+    `_keep_in_fp32_modules_strict`): a bias rounded to bf16 moves scores by ~4e-3 and changes which experts tokens
+    pick."""
+
+    fp32_params = ("weight", "e_score_correction_bias")
 
     def __init__(self, cfg):
         super().__init__()
@@ -36,7 +42,8 @@ class GroupRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> (router logits [N, E], scores [N, E], the router's own top-k [N, k]), in fp32."""
-        logits = F.linear(x.float(), self.weight.float())
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         N, E = choice.shape
