@@ -16,6 +16,7 @@ from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloade
 import twinplane
 from twinplane.model import AttentionMetadata, deltanet, load_weights
 from twinplane.model.impl import choose
+from twinplane.model.memory import state_bytes_per_sequence
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.kv_cache import bytes_per_block
 from twinplane.train import Batch
@@ -160,10 +161,12 @@ def test_preempted_sequences_rebuild_their_state(folder):
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, n=3, seed=5)
     free = RolloutEngine(copy.deepcopy(model), eos_token_id=None)
     want = free.generate(PROMPTS, sp)
-    per_block = bytes_per_block(model.config, free.block_size, torch.float32)
-    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=3 * per_block,
-                          max_num_batched_tokens=8)
+    # three blocks beside the states of the 12 samples (the budget holds both)
+    budget = 3 * bytes_per_block(model.config, free.block_size, torch.float32) + \
+        12 * int(state_bytes_per_sequence(model.config, 4))
+    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=budget, max_num_batched_tokens=8)
     got = tight.generate(PROMPTS, sp)
+    assert tight.kv.k.shape[0] == 1 and tight.blocks.num_blocks == 3  # the one attention layer's pool
     assert tight.pop_metrics()["rollout/preemptions"] > 0
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     for a, b in zip(got, want, strict=True):
@@ -171,8 +174,8 @@ def test_preempted_sequences_rebuild_their_state(folder):
     assert set(tight.states.ref) == {0} and len(tight.states.free) == tight.states.num_slots
     ref = reference(folder)
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
-    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=3 * per_block,
-                          max_num_batched_tokens=8)
+    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=budget - 8 * int(
+        state_bytes_per_sequence(model.config, 4)), max_num_batched_tokens=8)  # (4 sequences at once)
     got = tight.generate(PROMPTS, greedy)
     assert tight.pop_metrics()["rollout/preemptions"] > 0
     for prompt, s in zip(PROMPTS, got, strict=True):

@@ -178,6 +178,11 @@ class ModelConfig:
         scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
         return self.layer_window(layer), scale, self.attn_logit_softcapping
 
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that attend (and hold KV in the engine): all but the linear-attention ones."""
+        return [i for i in range(self.num_layers) if i not in self.linear_layers]
+
     def is_moe_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers and layer >= self.first_k_dense_replace
                 and (layer + 1) % self.decoder_sparse_step == 0)
