@@ -15,6 +15,7 @@ memory (`ModelConfig.num_params`) counts every expert.
 from __future__ import annotations
 
 from twinplane.model.config import ModelConfig
+from twinplane.model.params import counts
 
 # the chunk length of the delta rule's chunked form (twinplane.model.deltanet.chunked's default)
 DELTANET_CHUNK = 64
@@ -38,25 +39,16 @@ def deltanet_flops_per_token(cfg: ModelConfig, chunk: int = DELTANET_CHUNK) -> f
     return float(cfg.linear_num_value_heads) * (chunk * (5 * dk + 3 * dv) + 6 * dk * dv)
 
 
-def deltanet_matmul_params(cfg: ModelConfig) -> int:
-    """One Gated DeltaNet layer's weights a token multiplies by: the input projections to q, k (H_k x d_k each), v
-    and the output gate z (H_v x d_v each), b and a (H_v each), the output projection, and the depthwise
-    convolution's taps over the q/k/v channels (one multiply-add per tap and channel, as a matmul weight)."""
-    key, value = cfg.linear_num_key_heads * cfg.linear_key_head_dim, \
-        cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    d = cfg.hidden_size
-    return d * (2 * key + 2 * value + 2 * cfg.linear_num_value_heads) + value * d + \
-        (2 * key + value) * cfg.linear_conv_kernel_dim
-
-
 def matmul_params(cfg: ModelConfig) -> int:
-    """Matmul parameters one token runs through (active experts only)."""
-    d, L = cfg.hidden_size, cfg.num_layers
-    mlp = sum(cfg.mlp_params(i, cfg.num_experts_per_tok) for i in range(L))
-    mixers = attention_layer_count(cfg) * cfg.attn_params
-    if getattr(cfg, "linear_layers", ()):
-        mixers += len(cfg.linear_layers) * deltanet_matmul_params(cfg)
-    return mixers + mlp + d * cfg.vocab_size  # + LM head
+    """Matmul parameters one token runs through (active experts only): the decoder layers' weights, counted
+    exactly (`twinplane.model.params`: a Gated DeltaNet layer's projections and its depthwise convolution's taps,
+    one multiply-add per tap and channel, included), and the LM head. A transformers model's config: its layers'
+    2-D weights as counted on the meta device."""
+    d = cfg.hidden_size
+    if isinstance(cfg, ModelConfig):
+        return counts(cfg).layer_matmul + d * cfg.vocab_size
+    mlp = sum(cfg.mlp_params(i, cfg.num_experts_per_tok) for i in range(cfg.num_layers))
+    return cfg.num_layers * cfg.attn_params + mlp + d * cfg.vocab_size
 
 
 def mlp_width(cfg: ModelConfig) -> float:
@@ -74,10 +66,8 @@ def decode_read_params(cfg: ModelConfig, batch: int) -> float:
     if not cfg.num_experts:
         return float(cfg.num_params)
     E, k = cfg.num_experts, cfg.num_experts_per_tok
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    routed = len(cfg.moe_layers) * E * expert
-    touched = len(cfg.moe_layers) * E * (1 - (1 - k / E) ** batch) * expert
-    return cfg.num_params - routed + touched
+    expert = sum(counts(cfg).expert)  # one routed expert of every sparse layer
+    return cfg.num_params - E * expert + E * (1 - (1 - k / E) ** batch) * expert
 
 
 def lm_head_flops(cfg: ModelConfig) -> float:
