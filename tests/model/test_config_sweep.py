@@ -23,7 +23,7 @@ CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Co
            "glm4": "Glm4Config", "phi3": "Phi3Config"}
 CONFIGS.update(gemma2="Gemma2Config", gemma3_text="Gemma3TextConfig")
 CONFIGS.update(gpt_oss="GptOssConfig")
-CONFIGS.update(qwen3_next="Qwen3NextConfig", qwen3_5_text="Qwen3_5TextConfig")
+CONFIGS.update(qwen3_next="Qwen3NextConfig", qwen3_5_text="Qwen3_5TextConfig", qwen3_5_moe_text="Qwen3_5MoeTextConfig")
 # Keys that do not describe the model (labels, output switches, bookkeeping), or that the sweep can't turn alone.
 SKIP = {"model_type", "architectures", "transformers_version", "dtype", "_name_or_path", "id2label", "label2id",
         "return_dict", "output_hidden_states", "output_attentions", "problem_type", "is_encoder_decoder",
@@ -79,7 +79,7 @@ FAMILY_SETTINGS.update(glm=dict(pad_token_id=0), glm4=dict(pad_token_id=0), phi3
 FAMILY_SETTINGS.update(qwen3_next=dict(  # both layer kinds, value heads sharing key heads, an even rotary part
     head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=3))
-FAMILY_SETTINGS["qwen3_5_text"] = FAMILY_SETTINGS["qwen3_next"]
+FAMILY_SETTINGS["qwen3_5_text"] = FAMILY_SETTINGS["qwen3_5_moe_text"] = FAMILY_SETTINGS["qwen3_next"]
 
 
 def settings(model_type: str) -> dict:

@@ -1,6 +1,6 @@
-"""Qwen3-Next and Qwen3.5 (text) natively, on tiny configs with both layer kinds (Gated DeltaNet with value heads
-sharing key heads, gated attention with partial rotary and biases) and, for Qwen3-Next, routed and shared experts
-and a dense layer, against transformers:
+"""Qwen3-Next, Qwen3.5 (text) and Qwen3.5-MoE (text) natively, on tiny configs with both layer kinds (Gated DeltaNet
+with value heads sharing key heads, gated attention with partial rotary and biases) and, for Qwen3-Next, routed and
+shared experts and a dense layer (Qwen3.5-MoE: experts on every layer), against transformers:
 the delta rule's two forms, logits over dense, padded, packed and shared-prefix rows, the trainer's log-probs, the
 rollout engine against `generate` (prefill chunks, forks, preemption), saving, and a short run."""
 
@@ -35,6 +35,8 @@ CASES = {  # model type -> (config class, model class, its own options)
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         mlp_only_layers=[2])),
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(  # (experts on every layer)
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
 }
 EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
@@ -88,7 +90,7 @@ def test_logits_padded_packed_and_shared_prefix_match_transformers(folder):
     ours, ref = twinplane.load_model(folder), reference(folder)
     assert ours.config.linear_layers == [0, 2, 3] and ours.config.rotary_dim == 4
     assert type(ours.model.layers[0].linear_attn).__name__ == (
-        "SplitGatedDeltaNet" if ours.config.model_type == "qwen3_5_text" else "GatedDeltaNet")
+        "GatedDeltaNet" if ours.config.model_type == "qwen3_next" else "SplitGatedDeltaNet")
     x = ids(70)  # longer than one chunk of the delta rule
     with torch.no_grad():
         torch.testing.assert_close(ours(x), ref(x).logits, atol=1e-4, rtol=0)

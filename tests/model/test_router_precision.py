@@ -143,7 +143,8 @@ def test_fsdp_gathers_the_router_in_fp32_under_a_bf16_policy(folder, tmp_path):
     assert seen == {"router": torch.float32, "mlp": torch.bfloat16, "router_grad": True}
 
 
-SOFTMAX = {"qwen2_moe": "gate", "qwen3_moe": "gate", "mixtral": "gate", "gpt_oss": "router", "qwen3_next": "gate"}
+SOFTMAX = {"qwen2_moe": "gate", "qwen3_moe": "gate", "mixtral": "gate", "gpt_oss": "router", "qwen3_next": "gate",
+           "qwen3_5_moe_text": "gate"}
 
 
 @pytest.mark.parametrize("model_type", list(SOFTMAX))
