@@ -1,5 +1,6 @@
 """Nothing silent: every option transformers' config defines for a native family, turned on one at a time, either gives
-transformers' logits or is refused with one line. A model never runs as a slightly different one."""
+transformers' logits or is refused with one line. A model never runs as a slightly different one, and its
+parameter counts (memory, MFU, `plan`) are those of transformers' model."""
 
 import copy
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import twinplane
-from twinplane.model import ModelConfig
+from twinplane.model import ModelConfig, Transformer
 from twinplane.model.families import FAMILIES
 
 transformers = pytest.importorskip("transformers")
@@ -22,7 +23,7 @@ CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Co
            "glm4": "Glm4Config", "phi3": "Phi3Config"}
 CONFIGS.update(gemma2="Gemma2Config", gemma3_text="Gemma3TextConfig")
 CONFIGS.update(gpt_oss="GptOssConfig")
-CONFIGS.update(qwen3_next="Qwen3NextConfig", qwen3_5_text="Qwen3_5TextConfig")
+CONFIGS.update(qwen3_next="Qwen3NextConfig", qwen3_5_text="Qwen3_5TextConfig", qwen3_5_moe_text="Qwen3_5MoeTextConfig")
 # Keys that do not describe the model (labels, output switches, bookkeeping), or that the sweep can't turn alone.
 SKIP = {"model_type", "architectures", "transformers_version", "dtype", "_name_or_path", "id2label", "label2id",
         "return_dict", "output_hidden_states", "output_attentions", "problem_type", "is_encoder_decoder",
@@ -78,7 +79,7 @@ FAMILY_SETTINGS.update(glm=dict(pad_token_id=0), glm4=dict(pad_token_id=0), phi3
 FAMILY_SETTINGS.update(qwen3_next=dict(  # both layer kinds, value heads sharing key heads, an even rotary part
     head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=3))
-FAMILY_SETTINGS["qwen3_5_text"] = FAMILY_SETTINGS["qwen3_next"]
+FAMILY_SETTINGS["qwen3_5_text"] = FAMILY_SETTINGS["qwen3_5_moe_text"] = FAMILY_SETTINGS["qwen3_next"]
 
 
 def settings(model_type: str) -> dict:
@@ -116,6 +117,26 @@ def build(model_type, config_cls, model_cls, over):
     return model
 
 
+def held_by(model) -> tuple[int, int]:
+    """(every tensor a transformers model holds: its parameters, tied ones once, and persistent buffers such as
+    DeepSeek-V3's correction bias; the same with each sparse layer's routed experts counted k of E)."""
+    persistent = set(model.state_dict())
+    total = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for n, b in model.named_buffers() if n in persistent)
+    routed = [p for n, p in model.named_parameters() if "experts" in n.split(".")]  # stacked [E, ...]
+    if not routed:
+        return total, total
+    E = routed[0].shape[0]
+    return total, total - sum(p.numel() for p in routed) // E * (E - model.config.num_experts_per_tok)
+
+
+def counts_differ(ours: ModelConfig, ref) -> str | None:
+    """How twinplane's parameter counts differ from what transformers' model holds (None: they agree)."""
+    want = held_by(ref)
+    got = (ours.num_params, ours.active_params)
+    return None if got == want else f"counts (total, active) {got}, transformers holds {want}"
+
+
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_every_option_matches_transformers_or_is_refused(model_type, tmp_path):
     config_cls = getattr(transformers, CONFIGS[model_type])
@@ -145,6 +166,8 @@ def test_every_option_matches_transformers_or_is_refused(model_type, tmp_path):
         outcome[name] = f"match {gap:.1e}"
         if gap > 1e-4:
             wrong.append(f"{name}: loads but logits differ by {gap:.3g}")
+        if (why := counts_differ(ours.config, ref)) is not None:  # (memory and MFU read them)
+            wrong.append(f"{name}: {why}")
     assert not wrong, f"{model_type} runs as a different model: {wrong}"
     # the sweep reached the options that matter (not all invalid) and both outcomes occur
     assert sum(v.startswith("match") for v in outcome.values()) >= 10, outcome
@@ -169,3 +192,19 @@ def test_refusals_name_the_feature_and_windows_round_trip():
     cfg = ModelConfig.from_hf(base | dict(use_sliding_window=True, sliding_window=4, max_window_layers=0))
     assert (cfg.sliding_window, cfg.layer_types) == (4, None)
     assert ModelConfig.from_hf(cfg.to_hf()).sliding_window == 4
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_counts_are_transformers(model_type, tied):
+    """`num_params` and `active_params` of each family's config equal what transformers' model holds, with and
+    without tied embeddings (GPT-OSS's biases and sinks, Gemma's four norms, latent attention's norms, DeltaNet's
+    convolution and gates, Qwen3-Next's query gate ...); on the meta device, nothing allocated."""
+    config_cls = getattr(transformers, CONFIGS[model_type])
+    hf = config_cls(**{**settings(model_type), "tie_word_embeddings": tied})
+    with torch.device("meta"):
+        ref = getattr(transformers, FAMILIES[model_type].architecture)(hf)
+    ours = ModelConfig.from_hf(hf.to_dict())
+    assert counts_differ(ours, ref) is None, counts_differ(ours, ref)
+    with torch.device("meta"):
+        assert ours.num_params == sum(p.numel() for p in Transformer(ours).parameters())

@@ -45,3 +45,20 @@ def test_forward_flops_per_token_by_hand():
     assert forward_flops_per_token(cfg, 10, lm_head=False) == 2 * 2 * layer + 4 * 2 * 4 * 16 * 10
     # 100 tokens in sequences of 20 (context 10 on average), 30 of them with logits
     assert train_flops(cfg, 100, 20, 30) == 3 * (100 * (4 * layer + 4 * 2 * 4 * 16 * 10) + 30 * 2 * 64 * 50)
+
+
+def test_hybrid_flops_count_deltanet_layers_by_hand():
+    """Qwen3-Next's linear layers: their projections and convolution as matmul weights, the chunked delta rule per
+    token (no context term); only the attention layer pays the quadratic term."""
+    from test_memory import HYBRID  # layers 0, 2, 3 Gated DeltaNet: d 64, H_k 2 x d_k 8, H_v 4 x d_v 12, 4 taps
+
+    from twinplane.model.flops import deltanet_flops_per_token, matmul_params
+
+    # in_proj_qkvz 64 x (2*16 + 2*48), in_proj_ba 64 x 8, out_proj 48 x 64, the convolution's 80 channels x 4 taps
+    deltanet = 64 * 128 + 64 * 8 + 48 * 64 + 80 * 4
+    attention = 64 * 2 * 64 + 2 * 64 * 32 + 64 * 64  # q_proj makes the query and its gate; k, v; o
+    assert matmul_params(HYBRID) == 3 * deltanet + attention + 4 * 3 * 64 * 96 + 64 * 64  # + MLPs, LM head
+    # per value head, chunks of 64: 64 (5 * 8 + 3 * 12) within the chunk + 6 * 8 * 12 across chunks
+    assert deltanet_flops_per_token(HYBRID) == 4 * (64 * 76 + 576) == 21760
+    for ctx in (0, 100):
+        assert forward_flops_per_token(HYBRID, ctx) == 2 * matmul_params(HYBRID) + 3 * 21760 + 4 * 1 * 4 * 16 * ctx

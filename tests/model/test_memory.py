@@ -9,8 +9,17 @@ from twinplane.config import load_config
 from twinplane.data.tasks import ALPHABET
 from twinplane.model import ModelConfig, Transformer
 from twinplane.model.lora import adapter_numel, apply_lora
-from twinplane.model.memory import Dtypes, kv_bytes_per_token, lora_params, rollout_memory, training_memory
-from twinplane.rollout.kv_cache import KVCache, bytes_per_block
+from twinplane.model.memory import (
+    Dtypes,
+    Workload,
+    kv_bytes_per_token,
+    lora_params,
+    rollout_memory,
+    state_bytes_per_sequence,
+    training_memory,
+)
+from twinplane.rollout.kv_cache import KVCache, bytes_per_block, pool_blocks
+from twinplane.rollout.recurrent_state import RecurrentStates
 from twinplane.run import preflight
 from twinplane.run.prepare import demo_model_config
 from twinplane.tokenizer import build_char_tokenizer
@@ -28,6 +37,39 @@ def test_kv_bytes_per_token_by_hand_and_in_the_engine_pool():
         pool = KVCache(GQA, num_blocks=5, block_size=16, dtype=dtype, device=torch.device("cpu"))
         held = pool.k.numel() * pool.k.element_size() + pool.v.numel() * pool.v.element_size()
         assert bytes_per_block(GQA, 16, dtype) * 5 == held == kv_bytes_per_token(GQA, dtype.itemsize) * 16 * 5
+
+
+# Qwen3-Next's hybrid: layers 0, 2, 3 Gated DeltaNet (2 key heads of 8, 4 value heads of 12, 4 taps), layer 1 attends
+HYBRID = ModelConfig.from_hf(dict(
+    model_type="qwen3_next", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=0,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+    linear_conv_kernel_dim=4))
+
+
+def test_hybrid_kv_holds_attention_layers_only_and_states_are_counted():
+    assert HYBRID.attention_layers == [1]
+    assert kv_bytes_per_token(HYBRID, 2) == 2 * 1 * 2 * 16 * 2 == 128  # K and V x 1 attention layer (not 4)
+    # per linear layer: conv history 3 taps x (q 16 + k 16 + v 48 channels) in bf16, the fp32 state 4 x 8 x 12
+    assert state_bytes_per_sequence(HYBRID, 2) == 3 * (3 * 80 * 2 + 4 * 8 * 12 * 4) == 3 * 2016
+    assert state_bytes_per_sequence(GQA, 2) == 0
+    for dtype in (torch.float32, torch.bfloat16):
+        states = RecurrentStates(HYBRID, dtype, torch.device("cpu"), slots=5)
+        assert states.nbytes == 5 * state_bytes_per_sequence(HYBRID, dtype.itemsize)
+        pool = KVCache(HYBRID, num_blocks=5, block_size=16, dtype=dtype, device=torch.device("cpu"))
+        assert pool.k.shape[0] == 1 and pool.index == (-1, 0, -1, -1)
+        assert pool.nbytes == bytes_per_block(HYBRID, 16, dtype) * 5 == kv_bytes_per_token(HYBRID, dtype.itemsize) * 80
+    # a 1 MiB budget: 4x the tokens of a pool sized for every layer, less the states of the sequences at once
+    per_block, states = bytes_per_block(HYBRID, 16, torch.bfloat16), 8 * int(state_bytes_per_sequence(HYBRID, 2))
+    cpu = torch.device("cpu")
+    assert pool_blocks(HYBRID, cpu, torch.bfloat16, 16, 0, 2**20, 0.9, 16) == 2**20 // per_block == 512
+    assert pool_blocks(HYBRID, cpu, torch.bfloat16, 16, 0, 2**20, 0.9, 16, states=states) == (2**20 - states) // 2048
+    with pytest.raises(preflight.InputError, match=r"beside .* GiB of recurrent states; one sequence of 16 tokens"):
+        pool_blocks(HYBRID, cpu, torch.bfloat16, 16, 0, states + per_block - 1, 0.9, 16, states=states)
+    rm = rollout_memory(HYBRID, Dtypes(), Workload(prompts_per_step=2, n=4, prompt_len=10, response_len=22))
+    assert rm.kv_cache == 128 * 8 * 32 and rm.states == 8 * 3 * 2016
+    assert rm.total == rm.weights + rm.kv_cache + rm.states + rm.workspace
 
 
 def _run_config(tmp_path, *lines):

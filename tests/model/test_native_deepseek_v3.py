@@ -165,6 +165,53 @@ def test_saved_weights_load_in_transformers(kind, tmp_path):
         assert torch.equal(again(x), ours(x))
 
 
+def with_mtp_layer(src, dst):
+    """`src` (a 3-layer folder) with a multi-token-prediction layer as DeepSeek-V3 publishes it: a decoder layer's
+    tensors plus its own norms, projection, head and embedding as `model.layers.3.*`, in a shard of its own."""
+    from safetensors.torch import load_file, save_file
+
+    big = hf_model("q_latent", seed=1, num_hidden_layers=4)
+    big.save_pretrained(dst / "big")
+    extra = {n: t for n, t in load_file(dst / "big" / "model.safetensors").items() if n.startswith("model.layers.3.")}
+    D, V = SIZES["hidden_size"], SIZES["vocab_size"]
+    extra |= {"model.layers.3.enorm.weight": torch.ones(D), "model.layers.3.hnorm.weight": torch.ones(D),
+              "model.layers.3.eh_proj.weight": torch.randn(D, 2 * D), "model.layers.3.embed_tokens.weight":
+              torch.randn(V, D), "model.layers.3.shared_head.norm.weight": torch.ones(D),
+              "model.layers.3.shared_head.head.weight": torch.randn(V, D)}
+    out = dst / "mtp"
+    out.mkdir()
+    main = load_file(src / "model.safetensors")
+    save_file(main, out / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(extra, out / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    index = {n: "model-00001-of-00002.safetensors" for n in main} | {n: "model-00002-of-00002.safetensors"
+                                                                     for n in extra}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return out, json.loads((src / "config.json").read_text())
+
+
+def test_mtp_layers_are_skipped_as_transformers_skips_them(folders, tmp_path):
+    from twinplane.model.impl import describe
+
+    folder, config = with_mtp_layer(folders["q_latent"], tmp_path)
+    (folder / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    ours, ref = twinplane.load_model(folder), reference(folder)
+    x = ids(20)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x).logits, atol=1e-4, rtol=0)
+    assert any("1 MTP layer(s) (model.layers.3.*) are skipped on load, not trained and not saved" in line
+               for line in describe(folder))
+    twinplane.save_pretrained(ours, tmp_path / "saved")  # the MTP layer is not saved, and the config says so
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    torch.testing.assert_close(twinplane.load_model(tmp_path / "saved")(x), ours(x), atol=0, rtol=0)
+    # without the config's count, or past it, the layer is a tensor the model lacks: refused, naming it
+    for count in (None, 0):
+        (folder / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": count}))
+        with pytest.raises(KeyError, match=r"'model\.layers\.3\..*' has no parameter in deepseek_v3"):
+            twinplane.load_model(folder)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers must be an integer >= 0, got '1'"):
+        ModelConfig.from_hf(config | {"num_nextn_predict_layers": "1"})
+
+
 def test_memory_counts_the_compressed_pool_and_every_parameter(folders):
     model = twinplane.load_model(folders["q_latent"])
     cfg = model.config

@@ -1,6 +1,6 @@
-"""Qwen3-Next and Qwen3.5 (text) natively, on tiny configs with both layer kinds (Gated DeltaNet with value heads
-sharing key heads, gated attention with partial rotary and biases) and, for Qwen3-Next, routed and shared experts
-and a dense layer, against transformers:
+"""Qwen3-Next, Qwen3.5 (text) and Qwen3.5-MoE (text) natively, on tiny configs with both layer kinds (Gated DeltaNet
+with value heads sharing key heads, gated attention with partial rotary and biases) and, for Qwen3-Next, routed and
+shared experts and a dense layer (Qwen3.5-MoE: experts on every layer), against transformers:
 the delta rule's two forms, logits over dense, padded, packed and shared-prefix rows, the trainer's log-probs, the
 rollout engine against `generate` (prefill chunks, forks, preemption), saving, and a short run."""
 
@@ -16,6 +16,7 @@ from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloade
 import twinplane
 from twinplane.model import AttentionMetadata, deltanet, load_weights
 from twinplane.model.impl import choose
+from twinplane.model.memory import state_bytes_per_sequence
 from twinplane.rollout import RolloutEngine, SamplingParams
 from twinplane.rollout.kv_cache import bytes_per_block
 from twinplane.train import Batch
@@ -34,6 +35,8 @@ CASES = {  # model type -> (config class, model class, its own options)
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         mlp_only_layers=[2])),
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(  # (experts on every layer)
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
 }
 EOS = 3
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
@@ -87,7 +90,7 @@ def test_logits_padded_packed_and_shared_prefix_match_transformers(folder):
     ours, ref = twinplane.load_model(folder), reference(folder)
     assert ours.config.linear_layers == [0, 2, 3] and ours.config.rotary_dim == 4
     assert type(ours.model.layers[0].linear_attn).__name__ == (
-        "SplitGatedDeltaNet" if ours.config.model_type == "qwen3_5_text" else "GatedDeltaNet")
+        "GatedDeltaNet" if ours.config.model_type == "qwen3_next" else "SplitGatedDeltaNet")
     x = ids(70)  # longer than one chunk of the delta rule
     with torch.no_grad():
         torch.testing.assert_close(ours(x), ref(x).logits, atol=1e-4, rtol=0)
@@ -160,10 +163,12 @@ def test_preempted_sequences_rebuild_their_state(folder):
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, n=3, seed=5)
     free = RolloutEngine(copy.deepcopy(model), eos_token_id=None)
     want = free.generate(PROMPTS, sp)
-    per_block = bytes_per_block(model.config, free.block_size, torch.float32)
-    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=3 * per_block,
-                          max_num_batched_tokens=8)
+    # three blocks beside the states of the 12 samples (the budget holds both)
+    budget = 3 * bytes_per_block(model.config, free.block_size, torch.float32) + \
+        12 * int(state_bytes_per_sequence(model.config, 4))
+    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=budget, max_num_batched_tokens=8)
     got = tight.generate(PROMPTS, sp)
+    assert tight.kv.k.shape[0] == 1 and tight.blocks.num_blocks == 3  # the one attention layer's pool
     assert tight.pop_metrics()["rollout/preemptions"] > 0
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     for a, b in zip(got, want, strict=True):
@@ -171,8 +176,8 @@ def test_preempted_sequences_rebuild_their_state(folder):
     assert set(tight.states.ref) == {0} and len(tight.states.free) == tight.states.num_slots
     ref = reference(folder)
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
-    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=3 * per_block,
-                          max_num_batched_tokens=8)
+    tight = RolloutEngine(copy.deepcopy(model), eos_token_id=None, kv_cache_bytes=budget - 8 * int(
+        state_bytes_per_sequence(model.config, 4)), max_num_batched_tokens=8)  # (4 sequences at once)
     got = tight.generate(PROMPTS, greedy)
     assert tight.pop_metrics()["rollout/preemptions"] > 0
     for prompt, s in zip(PROMPTS, got, strict=True):

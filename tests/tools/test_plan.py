@@ -206,7 +206,8 @@ def test_moe_planner_counts_total_for_memory_and_active_for_flops():
     cfg = load_model_config(str(Path(__file__).resolve().parents[2] / "examples/models/qwen3_30b_a3b"))
     assert 30.4e9 < cfg.num_params < 30.6e9 and 3.3e9 < cfg.active_params < 3.4e9  # published: 30.5B / 3.3B
     embed = cfg.vocab_size * cfg.hidden_size
-    assert matmul_params(cfg) == cfg.active_params - embed - cfg.hidden_size * (2 * 48 + 1)  # no embedding, norms
+    norms = cfg.hidden_size * (2 * 48 + 1) + 2 * cfg.head_dim * 48  # two per layer, the final one, q/k norms
+    assert matmul_params(cfg) == cfg.active_params - embed - norms  # no embedding, no norms
     assert decode_read_params(cfg, 1) == pytest.approx(cfg.active_params)  # one token reads its 8 experts
     assert decode_read_params(cfg, 4096) == pytest.approx(cfg.num_params, rel=1e-6)  # a big batch reads them all
 

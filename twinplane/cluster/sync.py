@@ -18,13 +18,16 @@ from twinplane.platform import runtime
 Shapes = list[tuple[str, torch.Size]]
 
 
-def bucket_plan(shapes: Shapes, element_size: int, bucket_bytes: int) -> list[Shapes]:
-    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+def bucket_plan(shapes: Shapes, element_size: int, bucket_bytes: int, apart: frozenset[str] = frozenset()
+                ) -> list[Shapes]:
+    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a larger tensor travels alone); the
+    tensors named in `apart` (fp32 ones in a sync of another dtype, `precision.fp32_names`) only share buckets with
+    each other, so that every bucket is one flat buffer of one dtype."""
     buckets: list[Shapes] = [[]]
     used = 0
     for name, shape in shapes:
         size = shape.numel() * element_size
-        if buckets[-1] and used + size > bucket_bytes:
+        if buckets[-1] and (used + size > bucket_bytes or (name in apart) != (buckets[-1][0][0] in apart)):
             buckets.append([])
             used = 0
         buckets[-1].append((name, shape))

@@ -38,6 +38,7 @@ from twinplane.model.export import export_shapes, exported
 from twinplane.model.hf import HFCausalLM, build_hf
 from twinplane.model.hf_config import HFConfig
 from twinplane.model.lora import apply_lora, cast_base, has_lora, merge_lora
+from twinplane.model.precision import fp32_names
 from twinplane.platform import hardware, runtime
 from twinplane.rollout import MultiTurnRollout, Sample, SamplingParams
 from twinplane.rollout.stats import EngineStats
@@ -122,6 +123,7 @@ class _Worker:
         # what a weight sync delivers, in the sender's order (`export_shapes`): the engine may not keep `model`
         self.sync_shapes = [(n, p.shape) for n, p in model.named_parameters() if exported(n, adapters_only=adapters)]
         self.sync_dtype = torch.float32 if adapters else dtype
+        self.sync_fp32 = frozenset() if adapters else fp32_names(model)  # (travel in buckets of their own)
         # Engine i samples from its own stream; engine 0 uses the run's seed, like the single-process engine.
         self.engine = build_engine(s.cfg, model, s.tokenizer, seed_offset=1_000_003 * index,
                                    shared=s.cfg.cluster.colocate)
@@ -194,8 +196,9 @@ class RolloutWorker(_Worker):
         received = []
         bucket_bytes = self.spec.cfg.cluster.sync_bucket_mb << 20
         with torch.no_grad():
-            for bucket in bucket_plan(self.sync_shapes, self.sync_dtype.itemsize, bucket_bytes):
-                tensors = broadcast_bucket(None, bucket, self.sync_dtype, self.device, 0, self.sync_group)
+            for bucket in bucket_plan(self.sync_shapes, self.sync_dtype.itemsize, bucket_bytes, self.sync_fp32):
+                dtype = torch.float32 if bucket[0][0] in self.sync_fp32 else self.sync_dtype
+                tensors = broadcast_bucket(None, bucket, dtype, self.device, 0, self.sync_group)
                 if params is None:
                     received += tensors
                 else:
@@ -287,6 +290,7 @@ class TrainWorker(_CriticCalls, _Worker):
         adapters, merged = lora.rank > 0 and not cfg.rollout.lora_merge, lora.rank > 0 and cfg.rollout.lora_merge
         shapes = export_shapes(self.trainer.model, adapters, merged)  # a DTensor's shape is the full one
         send_dtype = torch.float32 if adapters else dtype
+        fp32 = frozenset() if adapters else fp32_names(self.trainer.model)  # (sent as they are, `export_weights`)
         weights = self.trainer.named_weights(dtype, adapters_only=adapters, merged=merged)
         per_tensor, sent = {}, 0
         # colocated with an engine whose weights are not modules of this process (vLLM's): every tensor by name in
@@ -294,18 +298,19 @@ class TrainWorker(_CriticCalls, _Worker):
         by_name = [] if cluster.colocate and self.engine.model is None else None
         t0 = time.perf_counter()
         with torch.no_grad():
-            for bucket in bucket_plan(shapes, send_dtype.itemsize, cluster.sync_bucket_mb << 20):
+            for bucket in bucket_plan(shapes, send_dtype.itemsize, cluster.sync_bucket_mb << 20, fp32):
                 full = [next(weights)[1] for _ in bucket]  # a collective per sharded tensor
+                bucket_dtype = torch.float32 if bucket[0][0] in fp32 else send_dtype
                 if by_name is not None:
                     by_name += [(n, x) for (n, _), x in zip(bucket, full, strict=True)]
                 elif cluster.colocate:
                     load_weights(self.engine.model, [(n, x) for (n, _), x in zip(bucket, full, strict=True)],
                                  strict=not adapters)
                 elif self.rank == 0:
-                    broadcast_bucket(full, bucket, send_dtype, self.device, 0, self.sync_group)
+                    broadcast_bucket(full, bucket, bucket_dtype, self.device, 0, self.sync_group)
                 if cluster.colocate or self.rank == 0:
                     per_tensor.update({n: tensor_checksum(x) for (n, _), x in zip(bucket, full, strict=True)})
-                    sent += sum(x.numel() for x in full) * send_dtype.itemsize
+                    sent += sum(x.numel() for x in full) * bucket_dtype.itemsize
             if by_name is not None:
                 self.engine.load_weights(by_name, version=version)
         hardware.synchronize(self.device)
@@ -361,7 +366,7 @@ class CriticWorker(_CriticCalls, _Worker):
 def build_model(config: ModelConfig | HFConfig, state: dict[str, torch.Tensor], device: torch.device,
                 dtype: torch.dtype, lora: LoraSection | None = None, merge: bool = False) -> Transformer | HFCausalLM:
     """The model from named tensors (with `lora.rank` > 0: base and adapters; `merge`: folded into plain Linears),
-    the base in `dtype` and adapters in fp32."""
+    the base in `dtype` and adapters (and `precision.fp32_names`) in fp32."""
     model = build_hf(config, device) if isinstance(config, HFConfig) else Transformer(copy.deepcopy(config))
     if lora is not None and lora.rank > 0:
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)

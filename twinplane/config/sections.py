@@ -199,7 +199,8 @@ class RolloutSection(Section):
     max_num_seqs: int = opt(512, "cap on the engine's running sequences (a request's n samples count n)", bounds=">= 1")
     max_num_batched_tokens: int = opt(4096, "tokens per engine forward (decodes + prefill chunks); >= max_num_seqs")
     kv_cache_gb: float = opt(
-        0.0, "KV block pool budget in GiB; 0 = automatic (GPU: gpu_memory_utilization, CPU: 1 GiB)",
+        0.0, "KV block pool budget in GiB (a hybrid's recurrent states included); 0 = automatic (GPU: "
+        "gpu_memory_utilization, CPU: 1 GiB)",
         bounds=">= 0 (0 = automatic)")
     gpu_memory_utilization: float = opt(
         0.9, "automatic KV budget on GPUs: this fraction of the memory free after weights", bounds="(0, 1]")

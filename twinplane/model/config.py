@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from twinplane.model.families import family
+from twinplane.model.params import counts
 from twinplane.model.rope import check_scaling, finite, read_rope
 
 # Sizes that must be positive integers (JSON lets them be strings or floats), as fields and as config.json keys.
@@ -178,6 +179,11 @@ class ModelConfig:
         scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
         return self.layer_window(layer), scale, self.attn_logit_softcapping
 
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that attend (and hold KV in the engine): all but the linear-attention ones."""
+        return [i for i in range(self.num_layers) if i not in self.linear_layers]
+
     def is_moe_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers and layer >= self.first_k_dense_replace
                 and (layer + 1) % self.decoder_sparse_step == 0)
@@ -191,46 +197,19 @@ class ModelConfig:
         return 2, self.num_kv_heads, self.head_dim
 
     @property
-    def attn_params(self) -> int:
-        """One layer's attention parameters (its projections, and latent attention's norms)."""
-        d, H = self.hidden_size, self.num_heads
-        if not self.kv_lora_rank:
-            return d * self.head_dim * (2 * H + 2 * self.num_kv_heads)
-        qk, r = self.qk_nope_head_dim + self.head_dim, self.kv_lora_rank
-        q = d * H * qk if not self.q_lora_rank else (d + 1 + H * qk) * self.q_lora_rank
-        kv = d * (r + self.head_dim) + r + r * H * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv + H * self.v_head_dim * d
-
-    @property
     def moe_layers(self) -> list[int]:
         """Indices of the sparse layers; the routing record's layer axis runs over these, in order."""
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     @property
     def num_params(self) -> int:
-        """Every parameter (what memory holds)."""
-        return self._params(self.num_experts)
+        """Every parameter (what memory holds), counted exactly (`twinplane.model.params`)."""
+        return counts(self).total
 
     @property
     def active_params(self) -> int:
         """Parameters one token runs through: the top-k experts of each sparse layer (what FLOPs count)."""
-        return self._params(self.num_experts_per_tok)
-
-    def mlp_params(self, layer: int, experts: int) -> int:
-        """One layer's MLP parameters with `experts` routed experts counted."""
-        d = self.hidden_size
-        if not self.is_moe_layer(layer):
-            return 3 * d * self.intermediate_size
-        sigmoid = self.moe_scoring == "sigmoid"  # (DeepSeek: shared experts without a gate; a bias per expert)
-        shared = 3 * d * self.shared_expert_intermediate_size
-        shared += d if self.shared_expert_intermediate_size and not sigmoid else 0
-        router = (d + sigmoid) * self.num_experts
-        return experts * 3 * d * self.moe_intermediate_size + router + shared
-
-    def _params(self, experts: int) -> int:
-        d, v, L = self.hidden_size, self.vocab_size, self.num_layers
-        mlp = sum(self.mlp_params(i, experts) for i in range(L))
-        return L * (self.attn_params + 2 * d) + mlp + v * d * (1 if self.tie_word_embeddings else 2) + d
+        return counts(self).active
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -253,7 +232,7 @@ class ModelConfig:
         return cls(**dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size"),  # (a family without dense layers reads its own)
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from twinplane.model.lora import adapted, is_adapter, merged_names
+from twinplane.model.precision import fp32_names
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -39,12 +40,14 @@ def export_shapes(model: torch.nn.Module, adapters_only: bool = False,
 @torch.no_grad()
 def export_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, *, adapters_only: bool = False,
                    merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) in parameter order, cast to `dtype` if given (adapters keep fp32 unless merged away).
+    """(name, full tensor) in parameter order, cast to `dtype` if given (adapters keep fp32 unless merged away, and
+    so do the parameters a model holds in fp32, `precision.fp32_names`).
 
     FSDP-sharded parameters are gathered one tensor at a time: a collective, so every rank must consume the whole
     iterator in the same order. Tensors may be views of the live parameters: copy before changing them."""
     merge = {f"{a.base}.weight": a for a in adapted(model)} if merged else {}
     names = merged_names(model) if merged else {}
+    fp32 = fp32_names(model) if dtype is not None else frozenset()
     for name, p in model.named_parameters():
         if not exported(name, adapters_only, merged):
             continue
@@ -52,6 +55,6 @@ def export_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, *, 
         a = merge.get(name)
         if a is not None:
             t = (t.float() + a.delta(_full(a.a), _full(a.b))).to(t.dtype)
-        if dtype is not None and not is_adapter(name):
+        if dtype is not None and not is_adapter(name) and name not in fp32:
             t = t.to(dtype)
         yield names.get(name, name), t

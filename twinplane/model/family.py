@@ -7,7 +7,8 @@ A family says
   value only and otherwise refused with one line naming the feature, so that a model never runs as a slightly
   different one;
 - its decoder layer (`decoder_layer`, Llama's pre-norm block unless the family's differs) and MLP block (`mlp`);
-- its checkpoint names where they differ from the parameters' (`from_checkpoint`, `to_checkpoint`).
+- its checkpoint names where they differ from the parameters' (`from_checkpoint`, `to_checkpoint`), and the
+  checkpoint tensors it has no parameters for and skips on load (`ignored`).
 What every family shares (sizes, rope, norm epsilon, activation, token ids) ModelConfig.from_hf reads itself. Both
 planes, `save_pretrained` and the vLLM weight mapping read the declaration; none of them tests a family's name.
 """
@@ -48,6 +49,15 @@ def same_tensor(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor
 
 
 @dataclass(frozen=True)
+class Ignored:
+    """Checkpoint tensors a family's model has no parameters for, skipped on load as transformers skips them
+    (`_keys_to_ignore_on_load_unexpected`): never trained, synced or saved. Any other unknown tensor is refused."""
+
+    match: Callable[[ModelConfig, str], bool]  # (config, checkpoint tensor name) -> one of them
+    note: Callable[[ModelConfig], str | None]  # what `doctor --model` says of them for a config (None: nothing)
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     architecture: str  # transformers' class name, written to config.json
@@ -65,6 +75,7 @@ class Family:
     from_checkpoint: Callable[[str], tuple[str, int | None]] = same_name
     # (parameter name, tensor) -> its tensors by published name
     to_checkpoint: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] = same_tensor
+    ignored: Ignored | None = None  # checkpoint tensors skipped on load (multi-token-prediction layers)
     # quantization method (`quantization_config.quant_method`) -> what turns a checkpoint's (name, tensor) stream of
     # that method into plain weights on load (`weights.load_weights`); any other quantized checkpoint is refused
     dequantize: Mapping[str, Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]] = \

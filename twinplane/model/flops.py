@@ -1,7 +1,9 @@
 """FLOPs per token from the model config: dense matmuls plus the attention quadratic term.
 
 Forward FLOPs per token = 2 * (matmul parameters) + 2 * 2 * L * H * hd * context (QK^T and AV over the keys the
-token attends to; `context` is the mean number of visible keys: about T/2 for causal training over T tokens).
+token attends to; `context` is the mean number of visible keys: about T/2 for causal training over T tokens), L the
+attention layers. A hybrid's linear-attention (Gated DeltaNet) layers count their projections and convolution as
+matmul parameters and the chunked delta rule per token instead (`deltanet_flops_per_token`), whatever the context.
 Training (forward + backward) is 3x the forward. Embedding lookups are not matmuls and are not counted. The LM head
 counts only for the tokens whose logits are computed: every decoded token, but in a training pass only the response
 tokens (the trainer's log-probs) and in a prefill only the last prompt token. This is the PaLM-appendix accounting,
@@ -13,13 +15,40 @@ memory (`ModelConfig.num_params`) counts every expert.
 from __future__ import annotations
 
 from twinplane.model.config import ModelConfig
+from twinplane.model.params import counts
+
+# the chunk length of the delta rule's chunked form (twinplane.model.deltanet.chunked's default)
+DELTANET_CHUNK = 64
+
+
+def attention_layer_count(cfg: ModelConfig) -> int:
+    """Layers that attend: all but a hybrid's linear-attention ones (a transformers model's config: all)."""
+    return cfg.num_layers - len(getattr(cfg, "linear_layers", ()))
+
+
+def deltanet_flops_per_token(cfg: ModelConfig, chunk: int = DELTANET_CHUNK) -> float:
+    """The gated delta rule's forward FLOPs per token and linear layer, in its chunked form (training, prefill),
+    per value head (keys repeated to the value heads), C the chunk length:
+      within a chunk: K K^T and Q K^T (2 C d_k each), the two unit-triangular solves for the deltas' parts (C d_v
+      and C d_k: C^2 per right-hand column, per chunk), the scores times the deltas (2 C d_v): C (5 d_k + 3 d_v);
+      across chunks: the chunk's initial state read by the queries and by w (2 d_k d_v each) and updated by
+      K^T D (2 d_k d_v): 6 d_k d_v.
+    The recurrent form a one-token decode runs costs about the second part alone; elementwise decays, gates and
+    norms are not counted (as for attention's softmax)."""
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return float(cfg.linear_num_value_heads) * (chunk * (5 * dk + 3 * dv) + 6 * dk * dv)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Matmul parameters one token runs through (active experts only)."""
-    d, L = cfg.hidden_size, cfg.num_layers
-    mlp = sum(cfg.mlp_params(i, cfg.num_experts_per_tok) for i in range(L))
-    return L * cfg.attn_params + mlp + d * cfg.vocab_size  # + LM head
+    """Matmul parameters one token runs through (active experts only): the decoder layers' weights, counted
+    exactly (`twinplane.model.params`: a Gated DeltaNet layer's projections and its depthwise convolution's taps,
+    one multiply-add per tap and channel, included), and the LM head. A transformers model's config: its layers'
+    2-D weights as counted on the meta device."""
+    d = cfg.hidden_size
+    if isinstance(cfg, ModelConfig):
+        return counts(cfg).layer_matmul + d * cfg.vocab_size
+    mlp = sum(cfg.mlp_params(i, cfg.num_experts_per_tok) for i in range(cfg.num_layers))
+    return cfg.num_layers * cfg.attn_params + mlp + d * cfg.vocab_size
 
 
 def mlp_width(cfg: ModelConfig) -> float:
@@ -37,10 +66,8 @@ def decode_read_params(cfg: ModelConfig, batch: int) -> float:
     if not cfg.num_experts:
         return float(cfg.num_params)
     E, k = cfg.num_experts, cfg.num_experts_per_tok
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    routed = len(cfg.moe_layers) * E * expert
-    touched = len(cfg.moe_layers) * E * (1 - (1 - k / E) ** batch) * expert
-    return cfg.num_params - routed + touched
+    expert = sum(counts(cfg).expert)  # one routed expert of every sparse layer
+    return cfg.num_params - E * expert + E * (1 - (1 - k / E) ** batch) * expert
 
 
 def lm_head_flops(cfg: ModelConfig) -> float:
@@ -52,7 +79,9 @@ def forward_flops_per_token(cfg: ModelConfig, context: float, lm_head: bool = Tr
     """One token's forward over `context` visible keys, its logits included or not (`lm_head`)."""
     # QK^T over the q/k width, AV over the values' (latent attention: they differ)
     qk, v = (cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim) if cfg.kv_lora_rank else (cfg.head_dim,) * 2
-    flops = 2.0 * matmul_params(cfg) + 2.0 * cfg.num_layers * cfg.num_heads * (qk + v) * context
+    flops = 2.0 * matmul_params(cfg) + 2.0 * attention_layer_count(cfg) * cfg.num_heads * (qk + v) * context
+    if getattr(cfg, "linear_layers", ()):
+        flops += len(cfg.linear_layers) * deltanet_flops_per_token(cfg)
     return flops if lm_head else flops - lm_head_flops(cfg)
 
 

@@ -135,9 +135,11 @@ def describe(path: str | Path, impl: str = "auto") -> list[str]:
              f"implementation: {choice.impl} ({choice.reason})"]
     if choice.impl == "native":
         mc = ModelConfig.from_file(path)
+        ignored = FAMILIES[mc.model_type].ignored
+        note = None if ignored is None else ignored.note(mc)
         return lines + [f"parameters: {mc.num_params:,} (from config.json)",
                         "rollout: the own engine (paged KV cache, continuous batching) or vLLM",
-                        *(f"portable path: {why}" for why in portable_paths(mc))]
+                        *(f"portable path: {why}" for why in portable_paths(mc)), *([note] if note else [])]
     from twinplane.model.hf_config import HFConfig, build_meta, decoder_layers
 
     try:

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinplane.model.precision import fp32_names
+
 # The targetable layers: every linear of attention and MLP (never the embedding or the LM head).
 # (qkv_proj, gate_up_proj: the fused projections of the families that publish them so, GLM's MLP and Phi-3)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
@@ -228,10 +230,12 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def cast_base(model: nn.Module, dtype: torch.dtype, device: torch.device | str | None = None) -> nn.Module:
-    """Move the model's parameters to `device` with the base in `dtype` and the adapters kept in fp32 (casting
-    the whole model with `.to(dtype)` would round the adapters)."""
+    """Move the model's parameters to `device` with the base in `dtype`, the adapters and the parameters a family
+    holds in fp32 (`precision.fp32_names`) kept in fp32 (casting the whole model with `.to(dtype)` would round
+    the adapters)."""
+    fp32 = fp32_names(model)
     for name, p in model.named_parameters():
-        p.data = p.data.to(device=device, dtype=torch.float32 if is_adapter(name) else dtype)
+        p.data = p.data.to(device=device, dtype=torch.float32 if is_adapter(name) or name in fp32 else dtype)
     return model
 
 

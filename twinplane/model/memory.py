@@ -8,7 +8,9 @@ One model for every reader: the run's gate (`run.preflight`) refuses a run whose
   moments; a reference copy for a KL term (none with LoRA: the reference is the base with the adapters off);
   activations of one micro-batch (`activation_bytes_per_token_layer`) and the LM head's chunked logits;
 - rollout: the engine's weights (its own copy, in its dtype; LoRA adapters stay fp32) / TP, the KV cache of the
-  sequences in flight / TP, and a workspace (logits and the prefill's transient activations).
+  sequences in flight / TP (attention layers only: a hybrid's linear-attention layers hold no KV), their recurrent
+  states (those linear layers' fixed-size state per sequence) / TP, and a workspace (logits and the prefill's
+  transient activations).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from twinplane.model.config import ModelConfig
-from twinplane.model.flops import mlp_width
+from twinplane.model.flops import attention_layer_count, mlp_width
 from twinplane.model.lora import TARGETS
 from twinplane.platform import devices
 
@@ -98,18 +100,34 @@ class RolloutMemory:
     weights: float
     kv_cache: float
     workspace: float
+    states: float = 0.0  # linear-attention layers' recurrent states (`state_bytes_per_sequence`)
 
     @property
     def total(self) -> float:
-        return self.weights + self.kv_cache + self.workspace
+        return self.weights + self.kv_cache + self.states + self.workspace
 
 
 def kv_bytes_per_token(cfg: ModelConfig, nbytes: int, tp: int = 1) -> float:
-    """2 (K and V) * layers * kv_heads * head_dim * bytes per element, per token, on one TP rank (KV heads
+    """2 (K and V) * attention layers * kv_heads * head_dim * bytes per element, per token, on one TP rank (KV heads
     replicate when tp > kv_heads); latent attention: layers * (kv_lora_rank + rope dims), one copy on every rank
-    (`ModelConfig.kv_layout`)."""
+    (`ModelConfig.kv_layout`). A hybrid's linear-attention layers hold none (`state_bytes_per_sequence`)."""
     pools, heads, dim = cfg.kv_layout
-    return float(pools) * cfg.num_layers * max(heads / tp, 1) * dim * nbytes
+    return float(pools) * attention_layer_count(cfg) * max(heads / tp, 1) * dim * nbytes
+
+
+def state_bytes_per_sequence(cfg: ModelConfig, nbytes: int, tp: int = 1) -> float:
+    """One sequence's recurrent state in the engine's pool (twinplane.rollout.recurrent_state), summed over the
+    linear-attention (Gated DeltaNet) layers: the convolution's history, (taps - 1) x (2 H_k d_k + H_v d_v) values
+    in the engine's dtype (`nbytes`), and the delta rule's state, H_v x d_k x d_v in fp32; its heads split over TP
+    ranks. 0 for a model without such layers."""
+    layers = len(getattr(cfg, "linear_layers", ()))
+    if not layers:
+        return 0.0
+    channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    conv = (cfg.linear_conv_kernel_dim - 1) * channels * nbytes
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return float(layers) * (conv + state) / tp
 
 
 def activation_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int) -> float:
@@ -217,11 +235,12 @@ def rollout_workspace(cfg: ModelConfig, dt: Dtypes, seqs: int, prompt_tokens: in
 
 def rollout_memory(cfg: ModelConfig, dt: Dtypes, w: Workload, tp: int = 1, seqs: int | None = None) -> RolloutMemory:
     """Peak bytes per device of one engine rank holding `seqs` sequences (default `w.in_flight`) of
-    prompt_len + response_len tokens: weights / TP + KV cache / TP + workspace. The engine prefills each prompt
-    once and expands the cache to n rows, so `seqs` counts samples."""
+    prompt_len + response_len tokens: weights / TP + KV cache / TP + recurrent states / TP + workspace. The engine
+    prefills each prompt once and expands the cache to n rows, so `seqs` counts samples."""
     seqs = w.in_flight if seqs is None else seqs
     kv = kv_bytes_per_token(cfg, dt.engine, tp) * seqs * w.seq_len
     prompts = max(1, math.ceil(seqs / w.n))
     lora = lora_params(cfg, w.lora_rank, w.lora_targets) * 4 / tp  # unmerged fp32 adapters beside the base
     return RolloutMemory(weights=cfg.num_params * dt.engine / tp + lora, kv_cache=kv,
-                         workspace=rollout_workspace(cfg, dt, seqs, prompts * w.prompt_len, tp))
+                         workspace=rollout_workspace(cfg, dt, seqs, prompts * w.prompt_len, tp),
+                         states=state_bytes_per_sequence(cfg, dt.engine, tp) * seqs)

@@ -50,6 +50,12 @@ def naming(model: torch.nn.Module) -> tuple[Callable, Callable]:
     return same_name, same_tensor
 
 
+def skipped(model: torch.nn.Module) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor is one the model's family skips on load (`Family.ignored`)."""
+    ignored = family(model.config.model_type).ignored if isinstance(model, Transformer) else None
+    return (lambda name: False) if ignored is None else (lambda name: ignored.match(model.config, name))
+
+
 def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
     """Copy named tensors into the model's parameters (casting dtype/device). Used for loading a checkpoint
     and for the trainer -> engine weight sync alike. Names are ours or the published per-expert ones
@@ -59,20 +65,18 @@ def load_weights(model: Transformer, named: Iterable[tuple[str, torch.Tensor]], 
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     params = dict(model.named_parameters())
-    to_param = naming(model)[0]
+    to_param, skip = naming(model)[0], skipped(model)
     if isinstance(model, Transformer):  # quantized tensors the family reads (`Family.dequantize`) made plain
         for plain in family(model.config.model_type).dequantize.values():
             named = plain(named)
     seen, slices = set(), {}
     with torch.no_grad():
         for name, tensor in named:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or skip(name):
                 continue
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy of the embedding
             target, expert = to_param(name)
-            if target is None:  # a tensor the family leaves out (Qwen3-Next's multi-token prediction)
-                continue
             p = params.get(target)
             if p is None or (expert is not None and expert >= p.shape[0]):
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {model.config.model_type} model")

@@ -33,16 +33,17 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from twinplane.errors import InputError
-from twinplane.model import AttentionMetadata, ModelConfig, Transformer, load_weights
+from twinplane.model import AttentionMetadata, Transformer, load_weights
 from twinplane.model.checksum import weights_checksum
+from twinplane.model.memory import state_bytes_per_sequence
 from twinplane.model.moe import RoutingState
 from twinplane.model.transformer import cap_logits
-from twinplane.platform import backends, runtime
+from twinplane.platform import backends
 from twinplane.rollout import graphs as decode_graphs
 from twinplane.rollout.block_manager import BlockManager
 from twinplane.rollout.kernels import self_check as kernel_self_check
 from twinplane.rollout.kernels import use_kernels
-from twinplane.rollout.kv_cache import KVCache, bytes_per_block
+from twinplane.rollout.kv_cache import KVCache, pool_blocks
 from twinplane.rollout.paged_attention import PagedKV, flex_decode_agrees
 from twinplane.rollout.prepacked import (
     MIN_PREPACKED_DIM,
@@ -303,8 +304,12 @@ class RolloutEngine:
         cfg, bs = self.model.config, self.block_size
         mode = decode_graphs.decode_mode(self.graph_backend, self.model, self.record_routing)
         reserved = int(mode != "eager")
+        states = self.states if self.states is not None and self.states.conv.dtype == self.dtype else None
+        slots = max(min(limit, self.max_num_seqs), 0 if states is None else states.num_slots)  # (budgeted too)
+        held = (0 if self.kv is None else self.kv.nbytes) + (0 if self.states is None else self.states.nbytes)
         usable = pool_blocks(cfg, self.device, self.dtype, bs, reserved, self.kv_cache_bytes,
-                             self.gpu_memory_utilization, longest, 0 if self.kv is None else self.kv.nbytes)
+                             self.gpu_memory_utilization, longest, held,
+                             int(state_bytes_per_sequence(cfg, self.dtype.itemsize)) * slots)
         need_one = -(-longest // bs)
         num_blocks = min(usable, need_all)
         # The previous call's pool (kept unless released, `keep_pool`) serves when it is large enough and within
@@ -319,8 +324,8 @@ class RolloutEngine:
             self.kv = KVCache(cfg, num_blocks + reserved, bs, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, bs)  # the reserved block (the pool's last) is never handed out
         if cfg.linear_layers:  # per-sequence states, held and released with the blocks
-            if self.states is None or self.states.conv.dtype != self.dtype:
-                self.states = RecurrentStates(cfg, self.dtype, self.device, min(limit, self.max_num_seqs))
+            if states is None:
+                self.states = RecurrentStates(cfg, self.dtype, self.device, slots)
             self.states.reset()
             self.blocks = StateBlocks(num_blocks, bs, self.states)
         if not reserved:
@@ -373,7 +378,8 @@ class RolloutEngine:
                 tables += [0] * (width - len(s.block_table))
         ints = torch.tensor(ctx + list(itertools.accumulate(qlens, initial=0)) + tables, dtype=torch.int32).to(dev)
         paged = PagedKV(self.kv.k, self.kv.v, longs[2 * T:], ints[2 * S + 1:].view(S, width), ints[:S],
-                        ints[S:2 * S + 1], qlens, batch.num_decodes, max(ctx), states=self.states)
+                        ints[S:2 * S + 1], qlens, batch.num_decodes, max(ctx), states=self.states,
+                        kv_index=self.kv.index)
         meta = AttentionMetadata(longs[T:2 * T][None], window=self.model.config.sliding_window,
                                  backend=self.backend, paged=paged)
         rec = RoutingState() if self.record_routing else None
@@ -512,24 +518,6 @@ def request_caps(n: int, sampling: SamplingParams, max_new_tokens: Sequence[int]
     if len(caps) != n or any(c is not None and not 1 <= c <= sampling.max_new_tokens for c in caps):
         raise ValueError(f"max_new_tokens: one cap in 1..{sampling.max_new_tokens} per request, got {caps}")
     return caps
-
-
-def pool_blocks(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int, reserved: int,
-                kv_cache_bytes: int, gpu_memory_utilization: float, tokens: int, held: int = 0) -> int:
-    """Blocks of `block_size` tokens the KV budget holds beside `reserved` ones (`held`: bytes of the engine's
-    kept pool, `runtime.kv_cache_budget`); an InputError when that is less
-    than one sequence of `tokens` tokens needs, which no preemption can help. Every `generate` checks its longest
-    sequence here, and `twinplane train` the config's before loading anything (`preflight.check_kv_budget`)."""
-    per_block = bytes_per_block(cfg, block_size, dtype)
-    budget = runtime.kv_cache_budget(device, kv_cache_bytes, gpu_memory_utilization, held)
-    usable, need = budget // per_block - reserved, -(-tokens // block_size)
-    if usable < need:
-        key = "rollout.kv_cache_gb" if kv_cache_bytes or device.type == "cpu" else \
-            "rollout.gpu_memory_utilization (or set rollout.kv_cache_gb)"
-        raise InputError(f"KV cache: a budget of {budget / 2**30:.4g} GiB holds {max(usable, 0)} blocks of "
-                         f"{block_size} tokens ({per_block} bytes each); one sequence of {tokens} tokens needs "
-                         f"{need}: raise {key}")
-    return usable
 
 
 @functools.lru_cache(maxsize=16)

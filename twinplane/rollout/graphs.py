@@ -287,7 +287,7 @@ class DecodeGraphs:
         x, bs = self.inputs[:size], self.block_size
         paged = PagedKV(self.kv.k, self.kv.v, x[:, SLOT].contiguous(), x[:, TABLE:].to(torch.int32),
                         x[:, CTX].to(torch.int32), self.cu_seqlens[:size + 1], [1] * size, size,
-                        self.max_blocks * bs, static=True)
+                        self.max_blocks * bs, static=True, kv_index=self.kv.index)
         meta = AttentionMetadata(x[None, :, POS], window=self.window, backend=self.backend, paged=paged)
         h = self.model.hidden_states(x[None, :, TOK], meta=meta)[0]  # [size, D]
         return cap_logits(lm_head(h, self.model.output_weight(), self.head),

@@ -52,8 +52,8 @@ class PagedKV:
     A physical block appears at most once in one sequence's table (the flex mask relies on it).
     """
 
-    k_cache: torch.Tensor  # [L, N, bs, H_kv, D] block pool (keys)
-    v_cache: torch.Tensor  # [L, N, bs, H_kv, D] block pool (values)
+    k_cache: torch.Tensor  # [L_kv, N, bs, H_kv, D] block pool (keys)
+    v_cache: torch.Tensor  # [L_kv, N, bs, H_kv, D] block pool (values)
     slot_mapping: torch.Tensor  # [T] long: pool slot (block * bs + offset) each new token's k/v is written to
     block_tables: torch.Tensor  # [S, M] int32: blocks of each sequence in order (padded with any valid block)
     context_lens: torch.Tensor  # [S] int32: tokens of each sequence in the pool once this forward wrote its own
@@ -66,6 +66,8 @@ class PagedKV:
     static: bool = False
     # linear-attention layers: each sequence's recurrent state (twinplane.rollout.recurrent_state), at `states.slots`
     states: RecurrentStates | None = None
+    # decoder layer -> its layer of the pools, where only some layers attend (`KVCache.index`; None: the same)
+    kv_index: tuple[int, ...] | None = None
     # built once per forward, shared by every layer (per window: a model's layers may slide differently)
     _lens: list[int] | None = None  # host copy of context_lens (not in the static decode)
     _decodes: dict[int | None, Group] = field(default_factory=dict)  # portable path: the decode group's gathers
@@ -77,6 +79,11 @@ class PagedKV:
     @property
     def block_size(self) -> int:
         return self.k_cache.shape[2]
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer `layer`'s key and value pools [N, bs, H_kv, D]."""
+        at = layer if self.kv_index is None else self.kv_index[layer]
+        return self.k_cache[at], self.v_cache[at]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                layer: int) -> torch.Tensor:
@@ -224,7 +231,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     pool first (unless the caller did: `write=False`), so each token attends to its sequence's earlier tokens and
     to itself."""
     p = meta.paged
-    k_pool, v_pool = p.k_cache[layer].flatten(0, 1), p.v_cache[layer].flatten(0, 1)  # [N * bs, H_kv, D] views
+    k_pool, v_pool = (pool.flatten(0, 1) for pool in p.pools(layer))  # [N * bs, H_kv, D] views
     if write:
         k_pool.index_copy_(0, p.slot_mapping, k[0].transpose(0, 1))
         v_pool.index_copy_(0, p.slot_mapping, v[0].transpose(0, 1))
@@ -289,7 +296,7 @@ def _triton_decodes(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> tor
     from twinplane.rollout.kernels.paged_decode import paged_decode  # (imports Triton: only where it runs)
 
     p, d = meta.paged, meta.paged.num_decodes
-    y = paged_decode(q[0, :, :d].transpose(0, 1), p.k_cache[layer], p.v_cache[layer], p.block_tables[:d],
+    y = paged_decode(q[0, :, :d].transpose(0, 1), *p.pools(layer), p.block_tables[:d],
                      p.context_lens[:d], meta.window, p.max_context)  # [d, H, D]
     return y.transpose(0, 1)
 
@@ -303,7 +310,7 @@ def _flash_paged(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> torch.
     cu_k = torch.zeros(len(p.context_lens) + 1, dtype=torch.int32, device=q.device)
     cu_k[1:] = p.context_lens.cumsum(0)
     window = (-1, -1) if meta.window is None else (meta.window - 1, 0)
-    y = flash_attn_varlen_func(q[0].transpose(0, 1), p.k_cache[layer], p.v_cache[layer], p.cu_seqlens_q, cu_k,
+    y = flash_attn_varlen_func(q[0].transpose(0, 1), *p.pools(layer), p.cu_seqlens_q, cu_k,
                                max(p.query_lens), p.max_context, softmax_scale=meta.scale, causal=True,
                                window_size=window,
                                block_table=p.block_tables)  # [T, H, D]

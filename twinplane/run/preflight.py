@@ -21,11 +21,11 @@ from twinplane.model.hf import HFCausalLM, load_hf
 from twinplane.model.hf_config import HFConfig
 from twinplane.model.impl import choose
 from twinplane.model.lora import TARGETS, parse_targets, targets_problem
-from twinplane.model.memory import Dtypes, Workload, rollout_memory, training_memory
+from twinplane.model.memory import Dtypes, Workload, rollout_memory, state_bytes_per_sequence, training_memory
 from twinplane.model.weights import checkpoint_files
 from twinplane.platform import backends, runtime
-from twinplane.rollout.engine import pool_blocks
 from twinplane.rollout.kernels import self_check as kernel_self_check
+from twinplane.rollout.kv_cache import pool_blocks
 from twinplane.rollout.paged_attention import flex_decode_agrees
 from twinplane.tokenizer import Tokenizer, load_tokenizer
 
@@ -170,13 +170,13 @@ def lora_counted(targets: str) -> tuple[str, ...]:
 def estimate_bytes(cfg: Config, mc: ModelConfig, device: torch.device | str = "cpu") -> dict[str, float]:
     """What the run must hold at once on one device, by part, from the memory model: the training plane's
     weights, grads and AdamW moments (with LoRA: the frozen base and the adapters' states), the reference model,
-    the engine's own copy of the weights, and the KV cache of the sequences in flight. Activations and logits are
-    left out: micro-batching, chunking and checkpointing can shrink them."""
+    the engine's own copy of the weights, and the KV cache (and a hybrid's recurrent states) of the sequences in
+    flight. Activations and logits are left out: micro-batching, chunking and checkpointing can shrink them."""
     dt, w = memory_inputs(cfg, device)
     tm = training_memory(mc, dt, w, offload=cfg.train.optimizer_offload)
     rm = rollout_memory(mc, dt, w)
     parts = {"weights, grads and AdamW": tm.params + tm.grads + tm.master + tm.moments, "KV cache": rm.kv_cache,
-             "engine weights": rm.weights, "reference": tm.reference}
+             "recurrent states": rm.states, "engine weights": rm.weights, "reference": tm.reference}
     return {k: v for k, v in parts.items() if v}
 
 
@@ -229,8 +229,9 @@ def check_kv_budget(cfg: Config, mc: ModelConfig, prompt_tokens: int, device: to
     _, block_size = backends.paged_attention_backend(device, dtype, mc.head_dim, kernels, flex_check=flex_decode_agrees,
                                                      latent=getattr(mc, "kv_lora_rank", 0) > 0)
     reserved = int(backends.decode_graph_backend(device, r.graphs) != "eager" and not r.record_routing)
+    states = state_bytes_per_sequence(mc, dtype.itemsize) * min(r.samples, r.max_num_seqs)  # (as the engine's)
     pool_blocks(mc, device, dtype, block_size, reserved, int(r.kv_cache_gb * 2**30), r.gpu_memory_utilization,
-                prompt_tokens + r.max_new_tokens)
+                prompt_tokens + r.max_new_tokens, states=int(states))
 
 
 def check_vocab(tokenizer: Tokenizer, mc: ModelConfig, path: str) -> None:

@@ -10,8 +10,8 @@ memory comes from `twinplane.model.memory`, the model `train`'s memory gate read
 - training: parameters, grads and optimizer states are divided by the FSDP degree (fully sharded, ZeRO-3);
   activations are those of one micro-batch (see `activation_bytes_per_token_layer`); gradient-accumulation
   micro-batches run one after another, so grads are live while a micro-batch's activations are;
-- rollout: weights / TP + KV cache of the sequences in flight / TP + a workspace (logits and the prefill's
-  transient activations); no paging, fragmentation or CUDA-graph memory beyond the headroom;
+- rollout: weights / TP + KV cache (and a hybrid's recurrent states) of the sequences in flight / TP + a workspace
+  (logits and the prefill's transient activations); no paging, fragmentation or CUDA-graph memory beyond the headroom;
 - throughput: decode is memory-bandwidth bound, training runs at an assumed MFU; collectives inside FSDP are
   assumed overlapped with compute; the reference / old-log-prob forward passes are ignored.
 - LoRA (`--lora RANK`, adapters on every attention and MLP linear): the base is frozen in bf16 (2 bytes per
@@ -47,6 +47,7 @@ from twinplane.model.memory import (
     kv_bytes_per_token,
     lora_params,
     rollout_memory,
+    state_bytes_per_sequence,
     training_memory,
 )
 from twinplane.platform import devices
@@ -184,10 +185,11 @@ def rollout_seconds(cfg: ModelConfig, device: devices.DeviceSpec, w: Workload, e
                     in_flight: int) -> float:
     """Time to generate the step's samples on `engines` engines of TP `tp`, each decoding `in_flight` sequences
     at a time. A decode step reads the weights once and the KV of every sequence in flight (mean context =
-    prompt + response/2), at DECODE_EFFICIENCY of HBM bandwidth (x TP_EFFICIENCY and two all-reduces per layer
-    when tp > 1), and is never faster than the matmul FLOPs at PREFILL_MFU. Prefill is compute bound. MoE: the
-    step reads the experts the batch's tokens pick (`flops.decode_read_params`), FLOPs count active ones. Assumes
-    every sample runs to response_len (no early stop) and static batches."""
+    prompt + response/2; a hybrid's recurrent states, read and written), at DECODE_EFFICIENCY of HBM bandwidth
+    (x TP_EFFICIENCY and two all-reduces per layer when tp > 1), and is never faster than the matmul FLOPs at
+    PREFILL_MFU. Prefill is compute bound. MoE: the step reads the experts the batch's tokens pick
+    (`flops.decode_read_params`), FLOPs count active ones. Assumes every sample runs to response_len (no early
+    stop) and static batches."""
     dt = Dtypes.for_device(device)
     bw = device.hbm_tb_s * 1e12 * DECODE_EFFICIENCY * (TP_EFFICIENCY if tp > 1 else 1.0)
     flops = device.bf16_tflops * 1e12
@@ -195,7 +197,8 @@ def rollout_seconds(cfg: ModelConfig, device: devices.DeviceSpec, w: Workload, e
     passes = math.ceil(per_engine / in_flight)
     batch = math.ceil(per_engine / passes)
     ctx = w.prompt_len + w.response_len / 2
-    read = (decode_read_params(cfg, batch) * dt.engine + batch * ctx * kv_bytes_per_token(cfg, dt.engine)) / tp
+    kv = ctx * kv_bytes_per_token(cfg, dt.engine) + 2 * state_bytes_per_sequence(cfg, dt.engine)  # (read, written)
+    read = (decode_read_params(cfg, batch) * dt.engine + batch * kv) / tp
     step = max(read / bw, batch * 2 * matmul_params(cfg) / tp / (flops * PREFILL_MFU))
     if tp > 1:
         step += 2 * cfg.num_layers * ALLREDUCE_LATENCY_S

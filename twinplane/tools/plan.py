@@ -156,8 +156,8 @@ def format_plan(cfg: ModelConfig, cluster: Cluster, w: Workload, max_rows: int =
                  f"(model + AdamW state {ck['total'] / div:.2f} {unit} / {ck['ranks']} ranks; the full format gathers "
                  "it all in the driver)")
     lines.append(f"rollout memory per device ({unit}, TP={rm['tp']}):")
-    for k in ("weights", "kv_cache", "workspace", "total"):
-        lines.append(f"  {k:<12}{rm[k] / div:8.2f}")
+    for k in ("weights", "kv_cache", *(("states",) if rm["states"] else ()), "workspace", "total"):
+        lines.append(f"  {k:<12}{rm[k] / div:8.2f}")  # (states: a hybrid's recurrent states)
     lines += ["", *_layout_table(p, div, unit, max_rows), ""]
     if best is None:
         lines.append(f"recommendation: none. {p['reason']}")

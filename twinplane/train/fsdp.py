@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from twinplane.model import Transformer
 from twinplane.model.export import export_weights
 from twinplane.model.hf import HFCausalLM
+from twinplane.model.precision import Fp32Params
 from twinplane.platform import runtime
 from twinplane.train.balance import assign_rows
 from twinplane.train.batch import Batch
@@ -24,13 +25,18 @@ from twinplane.train.batch import Batch
 def shard_model(model: Transformer, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, compute_dtype: str = "auto") -> Transformer:
     """FSDP2 in place: one unit per decoder block (a transformers model's: `twinplane.model.hf_config.decoder_layers`),
-    then the root (embedding, final norm, LM head, so tied embeddings stay one parameter). The default policy is
+    then the root (embedding, final norm, LM head, so tied embeddings stay one parameter); before them each module
+    holding fp32 parameters (`precision.Fp32Params`: DeepSeek-V3's routers), not cast. The default policy is
     `runtime.train_precision` (`train.compute_dtype`), the one a single rank uses too: on GPU bf16 compute over
     `model.dtype` master weights with fp32 gradient reductions; on CPU the weights' dtype throughout. `mesh` None
     is the default process group."""
     if mp_policy is None:
         w = model.output_weight()
         mp_policy = mixed_precision(runtime.train_precision(w.device, w.dtype, compute_dtype))
+    fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for m in model.modules():  # units of their own, gathered in fp32 (a unit's parameters share one dtype)
+        if isinstance(m, Fp32Params):
+            fully_shard(m, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
     for layer in model.layers if isinstance(model, HFCausalLM) else model.model.layers:  # (hf: `decoder_layers`)
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)

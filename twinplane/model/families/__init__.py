@@ -19,6 +19,7 @@ from twinplane.model.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5_moe_text,
     qwen3_5_text,
     qwen3_moe,
     qwen3_next,
@@ -28,7 +29,7 @@ from twinplane.model.family import Family
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
     olmo2.FAMILY, olmo3.FAMILY, glm.FAMILY, glm4.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY,
-    deepseek_v3.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5_text.FAMILY)}
+    deepseek_v3.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5_text.FAMILY, qwen3_5_moe_text.FAMILY)}
 
 
 def family(model_type: str) -> Family:

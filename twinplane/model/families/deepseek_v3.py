@@ -4,24 +4,34 @@ expert groups after adding a score-correction bias (for choosing only: the weigh
 renormalised, times `routed_scaling_factor`; `n_shared_experts` always-on experts without a gate; the first
 `first_k_dense_replace` layers dense. transformers' DeepseekV3 is the reference: options it ignores (DeepSeek's
 `moe_layer_freq`, `topk_method`, `scoring_func`) are accepted at the values its code implies only. The
-multi-token-prediction layers some checkpoints carry after the decoder layers are not part of this model.
+multi-token-prediction layers DeepSeek-V3's checkpoints carry after the decoder layers (`model.layers.{L + i}.*`,
+i < `num_nextn_predict_layers`) are not part of this model: skipped on load as transformers skips them, not trained,
+and not saved (a saved config says `num_nextn_predict_layers: 0`).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from twinplane.model.blocks import MLP, dense_mlp
-from twinplane.model.family import DROPOUT, Family, Option
+from twinplane.model.family import DROPOUT, Family, Ignored, Option
 from twinplane.model.mla import latent_layer
 from twinplane.model.moe import Experts, RoutingState, expert_from_checkpoint, expert_to_checkpoint
+from twinplane.model.precision import Fp32Params
 
 
-class GroupRouter(nn.Module):
-    """transformers' DeepseekV3TopkRouter: `weight` [E, D] and `e_score_correction_bias` [E] (fp32 in transformers;
-    a parameter here so that weight syncs and checkpoints carry it, trained by no gradient: it only chooses)."""
+class GroupRouter(Fp32Params):
+    """transformers' DeepseekV3TopkRouter: `weight` [E, D] and `e_score_correction_bias` [E] (a parameter here so
+    that weight syncs and checkpoints carry it, trained by no gradient: it only chooses). Both held in fp32 whatever
+    the model's dtype, and the logits computed in fp32 outside autocast, as transformers does (its
+    `_keep_in_fp32_modules_strict`): a bias rounded to bf16 moves scores by ~4e-3 and changes which experts tokens
+    pick."""
+
+    fp32_params = ("weight", "e_score_correction_bias")
 
     def __init__(self, cfg):
         super().__init__()
@@ -32,7 +42,8 @@ class GroupRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> (router logits [N, E], scores [N, E], the router's own top-k [N, k]), in fp32."""
-        logits = F.linear(x.float(), self.weight.float())
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         N, E = choice.shape
@@ -74,6 +85,9 @@ def mlp(cfg, layer: int) -> nn.Module:
 
 
 def read(hf: dict) -> dict:
+    mtp = hf.get("num_nextn_predict_layers")
+    if mtp is not None and (not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0):
+        raise ValueError(f"deepseek_v3: num_nextn_predict_layers must be an integer >= 0, got {mtp!r}")
     heads = hf["num_attention_heads"]
     if (hf.get("num_key_value_heads") or heads) != heads:
         raise ValueError(f"deepseek_v3: num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads="
@@ -105,7 +119,30 @@ def write(cfg) -> dict:
         num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
         norm_topk_prob=cfg.norm_topk_prob, n_shared_experts=cfg.shared_expert_intermediate_size
         // max(cfg.moe_intermediate_size, 1), n_group=cfg.n_group, topk_group=cfg.topk_group,
-        routed_scaling_factor=cfg.routed_scaling_factor, first_k_dense_replace=cfg.first_k_dense_replace)
+        routed_scaling_factor=cfg.routed_scaling_factor, first_k_dense_replace=cfg.first_k_dense_replace,
+        num_nextn_predict_layers=0)  # (the multi-token-prediction layers are not saved)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def mtp_layers(cfg) -> int:
+    return cfg.extra.get("num_nextn_predict_layers") or 0
+
+
+def mtp_tensor(cfg, name: str) -> bool:
+    """A tensor of the multi-token-prediction layers after the decoder's: `model.layers.{L + i}.*` with
+    i < num_nextn_predict_layers. Layers past those are refused on load: a config naming fewer layers than the
+    checkpoint holds must not load as a shallower model."""
+    m = _LAYER.match(name)
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + mtp_layers(cfg)
+
+
+def mtp_note(cfg) -> str | None:
+    n = mtp_layers(cfg)
+    return None if not n else (f"multi-token prediction: the checkpoint's {n} MTP layer(s) (model.layers."
+                               f"{cfg.num_layers}{'' if n == 1 else f'-{cfg.num_layers + n - 1}'}.*) are skipped on "
+                               "load, not trained and not saved")
 
 
 UNSUPPORTED = DROPOUT | {
@@ -117,4 +154,5 @@ UNSUPPORTED = DROPOUT | {
 
 FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", read, write, mlp=mlp, decoder_layer=latent_layer,
                 unsupported=UNSUPPORTED,
-                from_checkpoint=expert_from_checkpoint, to_checkpoint=expert_to_checkpoint)
+                from_checkpoint=expert_from_checkpoint, to_checkpoint=expert_to_checkpoint,
+                ignored=Ignored(mtp_tensor, mtp_note))

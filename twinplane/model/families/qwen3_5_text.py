@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from twinplane.model.blocks import dense_mlp
 from twinplane.model.families.gemma2 import GemmaRMSNorm
-from twinplane.model.families.qwen3_next import HybridLayer, read_hybrid, skip_mtp, write_hybrid
+from twinplane.model.families.qwen3_next import MTP, HybridLayer, read_hybrid, write_hybrid
 from twinplane.model.family import DROPOUT, Family
 from twinplane.model.gated_deltanet import SplitGatedDeltaNet
 
@@ -23,4 +23,4 @@ def layer(cfg, index: int, mlp=dense_mlp):
 
 
 FAMILY = Family("qwen3_5_text", "Qwen3_5ForCausalLM", read_hybrid, write_hybrid, mlp=dense_mlp,
-                decoder_layer=layer, unsupported=DROPOUT, norm=GemmaRMSNorm, from_checkpoint=skip_mtp)
+                decoder_layer=layer, unsupported=DROPOUT, norm=GemmaRMSNorm, ignored=MTP)

@@ -20,7 +20,7 @@ from twinplane.model import moe
 from twinplane.model.attention import AttentionMetadata, attention
 from twinplane.model.blocks import Attention, rope
 from twinplane.model.families.gemma2 import GemmaRMSNorm
-from twinplane.model.family import DROPOUT, Family
+from twinplane.model.family import DROPOUT, Family, Ignored
 from twinplane.model.gated_deltanet import GatedDeltaNet
 from twinplane.model.layer import DecoderLayer
 from twinplane.model.rope import read_partial_rotary
@@ -120,15 +120,12 @@ def write(cfg) -> dict:
                                     shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
 
 
-def skip_mtp(name: str) -> tuple[str | None, int | None]:
-    """Checkpoint names as they are, the multi-token-prediction tensors left out (None)."""
-    return (None, None) if name.startswith("mtp.") else (name, None)
-
-
-def from_checkpoint(name: str) -> tuple[str | None, int | None]:
-    return skip_mtp(name) if name.startswith("mtp.") else moe.expert_from_checkpoint(name)
+# Published checkpoints carry a multi-token-prediction head as `mtp.*`, which transformers' model skips too.
+MTP = Ignored(lambda cfg, name: name.startswith("mtp."),
+              lambda cfg: "multi-token prediction: a checkpoint's mtp.* tensors are skipped on load (the MTP head "
+                          "is not trained or saved)")
 
 
 FAMILY = Family("qwen3_next", "Qwen3NextForCausalLM", read, write, mlp=moe.sparse_mlp_shared,
                 decoder_layer=HybridLayer, unsupported=DROPOUT, norm=GemmaRMSNorm,
-                from_checkpoint=from_checkpoint, to_checkpoint=moe.expert_to_checkpoint)
+                from_checkpoint=moe.expert_from_checkpoint, to_checkpoint=moe.expert_to_checkpoint, ignored=MTP)

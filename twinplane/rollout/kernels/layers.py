@@ -91,7 +91,7 @@ class TritonAttention(Attention):
                 [c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1))
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope_write(q[0], k[0], v[0], cos[0, 0], sin[0, 0], p.k_cache[self.layer], p.v_cache[self.layer],
+        q, k = rope_write(q[0], k[0], v[0], cos[0, 0], sin[0, 0], *p.pools(self.layer),
                           p.slot_mapping)  # [T, H, hd], [T, H_kv, hd]; k and v are in the pool now
         y = paged_attention(*(t.transpose(0, 1)[None] for t in (q, k, v[0])), meta, self.layer, write=False)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
