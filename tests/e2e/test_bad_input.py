@@ -369,9 +369,10 @@ CASES = [
          "no_such_agent.py:run': cannot load (no such file"),
     Case("agent/entrypoint without a function", T("agent.entrypoint=agents_mod"),
          "agent.entrypoint: agent 'agents_mod': expected module:function or path/to/file.py:function"),
-    Case("agent/entrypoint with asynchronous RL",
-         lambda fx: T(f"agent.entrypoint={fx.file('agent_ok.py', AGENT_OK)}:run", "cluster.max_staleness=1")(fx),
-         "agent.entrypoint: needs cluster.max_staleness=0"),
+    Case("agent/entrypoint on colocated Ray planes",
+         lambda fx: T(f"agent.entrypoint={fx.file('agent_ok.py', AGENT_OK)}:run", "cluster.backend=ray",
+                      "cluster.colocate=true")(fx),
+         "agent.entrypoint: on Ray needs engines of their own (cluster.colocate=false)"),
     Case("agent/concurrency=0", T("agent.concurrency=0"), "agent.concurrency: must be >= 1"),
     # ---- checkpoints ----
     Case("checkpoint/not a folder", lambda fx: ["train", "--run-dir", str(fx.run), *TINY, "--resume",
