@@ -231,6 +231,13 @@ class HFCausalLM(nn.Module):
         cfg["dtype"] = str(self.output_weight().dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
 
+    def apply_lora(self, rank: int, alpha: float, dropout: float, targets, seed: int) -> int:
+        """LoRA through PEFT's layers (`twinplane.model.lora.apply_lora` hands a model run with transformers' code
+        here)."""
+        from twinplane.model.hf_lora import apply_peft
+
+        return apply_peft(self, rank, alpha, dropout, targets, seed)
+
     def save_pretrained(self, out: str | Path) -> None:
         """config.json + model.safetensors by parameter name (the names transformers loads)."""
         from safetensors.torch import save_file

@@ -114,13 +114,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
     """Freeze `model` and wrap its targeted Linears in place; returns the number of layers wrapped.
 
     Adapters are initialised from their own generator (`seed`), so the global RNG stream is untouched. A model run
-    with transformers' code gets PEFT's LoRA layers (`twinplane.model.hf_lora.apply_peft`)."""
-    from twinplane.model.hf import HFCausalLM
-
-    if isinstance(model, HFCausalLM):
-        from twinplane.model.hf_lora import apply_peft
-
-        return apply_peft(model, rank, alpha, dropout, targets, seed)
+    with transformers' code brings its own: PEFT's LoRA layers (`HFCausalLM.apply_lora`)."""
+    if hasattr(model, "apply_lora"):
+        return model.apply_lora(rank, alpha, dropout, targets, seed)
     names = parse_targets(targets)
     unknown = sorted(set(names) - set(TARGETS))
     if unknown:
