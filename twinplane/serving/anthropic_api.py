@@ -62,13 +62,14 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def register(app: FastAPI, served: Served) -> None:
-    @app.middleware("http")  # (added after the OpenAI routes' check, so it runs first: the error in this shape)
-    async def check_key(request: Request, call_next):
-        if served.api_key is not None and request.url.path.endswith(("/messages", "/messages/count_tokens")) and \
-                given_key(request) != served.api_key:
-            return error_response(APIError(401, "a valid API key is required (x-api-key: KEY)",
-                                           kind="authentication_error"))
-        return await call_next(request)
+    if served.api_key is not None:  # (added after the OpenAI routes' check, so it runs first: the error in this shape)
+        @app.middleware("http")
+        async def check_key(request: Request, call_next):
+            if request.url.path.endswith(("/messages", "/messages/count_tokens")) and \
+                    given_key(request) != served.api_key:
+                return error_response(APIError(401, "a valid API key is required (x-api-key: KEY)",
+                                               kind="authentication_error"))
+            return await call_next(request)
 
     async def messages(request: Request, sid: str | None = None):
         try:

@@ -79,14 +79,14 @@ def register(app: FastAPI, served: Served) -> None:
         msg = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request body"))
         return JSONResponse(APIError(400, msg, where or None).body(), status_code=400)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if served.api_key is not None:
+    if served.api_key is not None:  # (an HTTP middleware costs every call a good part of its time: only if needed)
+        @app.middleware("http")
+        async def check_key(request: Request, call_next):
             if given_key(request) != served.api_key:
                 e = APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
                              kind="authentication_error")
                 return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
+            return await call_next(request)
 
     def models():
         return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": 0,
