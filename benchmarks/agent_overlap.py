@@ -1,7 +1,7 @@
 """Overlap where agents wait: the demo through a gym-style environment whose step takes 50 ms
 (examples/agents/addition_env.py), synchronous against `cluster.max_staleness=2`, side by side in one invocation.
 
-  python benchmarks/agent_overlap.py [--runs 3] [--steps 100] [--out FILE.csv]
+  python benchmarks/agent_overlap.py [--runs 3] [--steps 150] [--out FILE.csv]
 
 One warm start is shared: `twinplane train train.steps=0` once, then every run starts RL from its saved model
 (`model.path=... warmstart.steps=0`, the same seed), the variants alternating so that a slow spell of the machine
@@ -21,7 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ENV = ["agent.entrypoint=examples/agents/addition_env.py:Addition", "agent.concurrency=256"]
+# 4 prompts x 8 episodes a step, so that the engine idles while the environments wait (as a GPU's engine, fast
+# beside a 50 ms step, does); one torch thread per Python thread, so that the trainer and the engine, each on a
+# core, do not take each other's
+ENV = ["agent.entrypoint=examples/agents/addition_env.py:Addition", "rollout.prompts_per_step=4", "threads=1"]
 VARIANTS = {"sync (k=0)": ["cluster.max_staleness=0"], "k=2": ["cluster.max_staleness=2"]}
 
 
@@ -47,7 +50,7 @@ def one_run(model: Path, extra: list[str], steps: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--out", type=Path, help="also write every run as CSV rows here")
     a = p.parse_args()
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
