@@ -41,6 +41,32 @@ def ray_init(num_cpus: int) -> None:
              runtime_env={"worker_process_setup_hook": device_only.install})
 
 
+def train_on_ray(run_dir, *extra, args) -> int:
+    """`train(run_dir, "cluster.backend=ray", ...)` on a Ray cluster of 2 CPUs started for it (and shut after), one
+    torch thread per actor (this process's thread count restored)."""
+    import ray
+
+    threads = torch.get_num_threads()
+    ray_init(num_cpus=2)
+    try:
+        return train(run_dir, "cluster.backend=ray", "cluster.timeout_s=120", "threads=1", *extra, args=args)
+    finally:
+        ray.shutdown()
+        torch.set_num_threads(threads)
+
+
+SUM_AGENT = """
+from openai import OpenAI
+
+CLIENT = OpenAI(base_url="http://unused/v1", api_key="none")  # one connection pool for every episode
+
+def run(base_url, task):
+    out = CLIENT.with_options(base_url=base_url).completions.create(model="policy", prompt=task["prompt"],
+                                                                    max_tokens=8)
+    return float(out.choices[0].text.strip() == task["answer"])
+"""
+
+
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 

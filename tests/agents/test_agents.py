@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import assert_multi_turn_logprobs_match_trainer, outcome, rows, train
+from conftest import SUM_AGENT, assert_multi_turn_logprobs_match_trainer, outcome, rows, train
 
 pytest.importorskip("openai")
 
@@ -123,14 +123,6 @@ def test_every_episode_failing_is_an_input_error_naming_the_first(tmp_path):
 AGENT_RUN = ["rollout.max_new_tokens=8"]
 
 
-SUM_AGENT = """
-    CLIENT = OpenAI(base_url="http://unused/v1", api_key="none")
-
-    def run(base_url, task):
-        out = CLIENT.with_options(base_url=base_url).completions.create(model="policy", prompt=task["prompt"],
-                                                                        max_tokens=8)
-        return float(out.choices[0].text.strip() == task["answer"])
-"""
 # Which calls share an engine step depends on when the agents' requests arrive, and a batch's composition moves a
 # row's logits in the last bits (the engine's own caveat): the engine's log-probs, and what compares them, agree
 # to ~1e-7 only; the weights, the samples' tokens and every reward are bitwise.

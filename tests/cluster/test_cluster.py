@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import CLUSTER_RUN, RAY, cluster_train, computed, ray_init, rows, weights
+from conftest import CLUSTER_RUN, RAY, SUM_AGENT, cluster_train, computed, ray_init, rows, weights
 
 from twinplane.cli import main
 from twinplane.cluster.sync import SyncReport, bucket_plan
@@ -396,18 +396,6 @@ def test_ray_backend_without_ray_is_a_config_error(monkeypatch, tmp_path, capsys
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     assert main(["train", "--run-dir", str(tmp_path), *CLUSTER_RUN, *RAY]) == 2
     assert "cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'" in capsys.readouterr().err
-
-
-SUM_AGENT = """
-from openai import OpenAI
-
-CLIENT = OpenAI(base_url="http://unused/v1", api_key="none")
-
-def run(base_url, task):
-    out = CLIENT.with_options(base_url=base_url).completions.create(model="policy", prompt=task["prompt"],
-                                                                    max_tokens=8)
-    return float(out.choices[0].text.strip() == task["answer"])
-"""
 
 
 def test_agents_on_ray_train_as_in_one_process_and_asynchronously_every_task_once(tmp_path):

@@ -87,17 +87,10 @@ def test_what_hf_cannot_do_is_one_line_and_exit_2(olmo, tmp_path, capsys, overri
 @pytest.mark.slow
 def test_on_ray_equals_the_local_run(whole, olmo, tmp_path):
     """A trainer actor and an engine actor, each building the model from its transformers config: the same run."""
-    ray = pytest.importorskip("ray")
-    from conftest import ray_init
+    pytest.importorskip("ray")
+    from conftest import train_on_ray
 
-    threads = torch.get_num_threads()
-    ray_init(num_cpus=2)
-    try:
-        assert train(tmp_path, f"model.path={olmo}", "cluster.backend=ray", "cluster.timeout_s=120", "threads=1",
-                     args=RUN) == 0
-    finally:
-        ray.shutdown()
-        torch.set_num_threads(threads)
+    assert train_on_ray(tmp_path, f"model.path={olmo}", args=RUN) == 0
     got, want = rows(tmp_path), rows(whole)
     assert [r["step"] for r in got if r["step"] >= 1] == [1, 2, 3]
     for g, w in zip([r for r in got if r["step"] >= 1], [r for r in want if r["step"] >= 1], strict=True):

@@ -130,17 +130,10 @@ def test_peft_forms_on_a_native_model_are_one_line_and_exit_2(tmp_path, capsys):
 def test_on_ray_equals_the_local_run(whole, neox, tmp_path):
     """A trainer actor and an engine actor, each injecting PEFT's layers into the model it builds from the
     transformers config; only the adapters travel: the same run."""
-    ray = pytest.importorskip("ray")
-    from conftest import ray_init
+    pytest.importorskip("ray")
+    from conftest import train_on_ray
 
-    threads = torch.get_num_threads()
-    ray_init(num_cpus=2)
-    try:
-        assert train(tmp_path, f"model.path={neox}", "cluster.backend=ray", "cluster.timeout_s=120", "threads=1",
-                     args=RUN) == 0
-    finally:
-        ray.shutdown()
-        torch.set_num_threads(threads)
+    assert train_on_ray(tmp_path, f"model.path={neox}", args=RUN) == 0
     got, want = ([r for r in rows(d) if r["step"] >= 1] for d in (tmp_path, whole))
     assert [r["step"] for r in got] == [1, 2, 3]
     for g, w in zip(got, want, strict=True):
