@@ -173,6 +173,27 @@ def peaked_weights(model: torch.nn.Module, norm_offset: float = 0.0, special=())
     return model.eval()
 
 
+def char_hf_folder(path, config, **sizes):
+    """A random transformers model of `config(**sizes)` with the demo's character tokenizer's ids, its matrices
+    N(0, 0.15), saved with that tokenizer in `path`."""
+    import transformers
+
+    from twinplane.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer("0123456789+=")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config(
+        vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, **sizes))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    tok.save(path)
+    return path
+
+
 def hf_reference(path, **kwargs):
     """transformers' own model of a folder, fp32: the reference the native families are tested against."""
     import transformers

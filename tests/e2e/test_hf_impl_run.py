@@ -4,9 +4,7 @@ through PEFT, and what the hf path cannot do is refused in one line."""
 
 import pytest
 import torch
-from conftest import outcome, rows, train
-
-from twinplane.tokenizer import build_char_tokenizer
+from conftest import char_hf_folder, outcome, rows, train
 
 transformers = pytest.importorskip("transformers")
 RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
@@ -17,21 +15,9 @@ RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "roll
 @pytest.fixture(scope="module")
 def olmo(tmp_path_factory):
     """A random OLMo folder with the demo's character tokenizer."""
-    path = tmp_path_factory.mktemp("olmo")
-    tok = build_char_tokenizer("0123456789+=")
-    torch.manual_seed(0)
-    cfg = transformers.OlmoConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=64, bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.15)
-    model.save_pretrained(path)
-    tok.save(path)
-    return path
+    return char_hf_folder(tmp_path_factory.mktemp("olmo"), transformers.OlmoConfig, hidden_size=32,
+                          intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64)
 
 
 @pytest.fixture(scope="module")

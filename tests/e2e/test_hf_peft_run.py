@@ -9,14 +9,13 @@ import json
 
 import pytest
 import torch
-from conftest import outcome, rows, train
+from conftest import char_hf_folder, outcome, rows, train
 from safetensors.torch import load_file
 
 from twinplane.cli import main
 from twinplane.model.hf import load_hf
 from twinplane.model.lora import apply_lora
 from twinplane.model.lora_io import load_adapter
-from twinplane.tokenizer import build_char_tokenizer
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -30,19 +29,8 @@ PREFIX = "base_model.model."
 
 def saved(path, config):
     """A random transformers model of `config` with the demo's character tokenizer, in `path`."""
-    tok = build_char_tokenizer("0123456789+=")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config(
-        vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.15)
-    model.save_pretrained(path)
-    tok.save(path)
-    return path
+    return char_hf_folder(path, config, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          max_position_embeddings=64)
 
 
 @pytest.fixture(scope="module")
