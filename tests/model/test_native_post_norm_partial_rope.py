@@ -11,11 +11,13 @@ import torch
 from conftest import hf_reference, make_batch, peaked_weights, saved_and_reloaded, three_step_run, token_ids
 
 import twinplane
-from twinplane.errors import InputError
+from twinplane.config import ConfigError, load_config
 from twinplane.model.impl import choose
 from twinplane.rollout import RolloutEngine, SamplingParams
+from twinplane.run import preflight
 from twinplane.train import Batch
-from twinplane.train.logprobs import response_logprobs
+from twinplane.train.critic import build_value_model
+from twinplane.train.logprobs import packed_layout, response_logprobs
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,12 +115,78 @@ def test_engine_greedy_equals_generate_and_logprobs_the_trainers(kind, batch_inv
     torch.testing.assert_close(lp[m], rollout[m], atol=1e-5, rtol=0)
 
 
-def test_engine_refuses_sequences_past_longrope_pretraining_length(folders):
-    """Past it transformers re-encodes the whole sequence with the long factors (Phi-3's `generate` drops its KV
-    cache), which a paged cache does not: refused, not run with keys of mixed factors."""
+@pytest.mark.parametrize("mode", ["eager", "static", "chunked"])
+def test_longrope_engine_crosses_the_pretraining_length_as_generate(mode, folders):
+    """Past it transformers' `generate` re-encodes the whole sequence with the long factors; the engine recomputes
+    the sequence's k/v there (decodes eager or from the graph path's static buffers; prompts past the limit
+    prefilled in chunks), and gives the same greedy tokens."""
+    ref = reference(folders["phi3"])
+    kw = {"max_num_batched_tokens": 8} if mode == "chunked" else {}
+    engine = RolloutEngine(twinplane.load_model(folders["phi3"]), eos_token_id=EOS, **kw)
+    engine.graph_backend = "static" if mode == "static" else engine.graph_backend
+    prompts = [*PROMPTS, list(range(20, 20 + LONG + 2))]  # (the last one is past the limit from the start)
+    got = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))
+    for prompt, s in zip(prompts, got, strict=True):
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=EOS,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+        assert s.token_ids == want
+    assert max(len(s.prompt_ids) + len(s.token_ids) for s in got[:len(PROMPTS)]) > LONG + 1  # (some crossed)
+    assert (engine.pop_stats().graph_steps > 10) == (mode == "static")
+
+
+def test_longrope_trainer_logprobs_across_the_limit_are_the_engines(folders):
+    """Sampled sequences crossing the limit: the trainer's log-probs (packed, padded, shared prompts) equal the
+    engine's, and transformers' for each token from its prefix alone (short factors up to the limit, long past)."""
+    model = twinplane.load_model(folders["phi3"])
     engine = RolloutEngine(twinplane.load_model(folders["phi3"]), eos_token_id=EOS)
-    with pytest.raises(InputError, match="original_max_position_embeddings=16"):
-        engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=LONG))
+    samples = engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=20, n=2, seed=3))
+    assert any(len(s.prompt_ids) + len(s.token_ids) > LONG + 1 for s in samples)
+    batch = Batch.collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], 0)
+    m = batch.response_mask.bool()
+    rollout = torch.zeros(m.shape)
+    for i, s in enumerate(samples):
+        rollout[i, :len(s.logprobs)] = torch.tensor(s.logprobs)
+    with torch.no_grad():
+        for kw in (dict(packed=True), dict(packed=False), dict(packed=True, share_prompts=True),
+                   dict(packed=True, layout=packed_layout(batch, share_prompts=True))):  # (as the trainer passes it)
+            lp, _ = response_logprobs(model, batch, 0.8, **kw)
+            torch.testing.assert_close(lp[m], rollout[m], atol=1e-5, rtol=0)
+        ref = reference(folders["phi3"])
+        for s in samples[:4]:
+            seq = s.prompt_ids + s.token_ids
+            want = [torch.log_softmax(ref(torch.tensor([seq[:t]])).logits[0, -1] / 0.8, -1)[seq[t]].item()
+                    for t in range(len(s.prompt_ids), len(seq))]
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(want), atol=1e-5, rtol=0)
+
+
+def test_longrope_values_of_a_row_do_not_depend_on_its_batch(folders):
+    """PPO's value model takes each row's factor set as that sequence alone would, not the batch's longest."""
+    critic = build_value_model(twinplane.load_model(folders["phi3"]).config,
+                               twinplane.load_model(folders["phi3"]).named_parameters(), torch.device("cpu"),
+                               torch.float32)
+    with torch.no_grad():
+        critic.score.weight.normal_()
+        x, mask = ids(LONG + 4, batch=2), torch.ones(2, LONG + 4, dtype=torch.long)
+        mask[0, 10:] = 0  # a short row beside one past the limit
+        both, alone = critic(x, mask), critic(x[:1, :10])
+        torch.testing.assert_close(both[0, :10], alone[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(both[1], critic(x[1:])[0], atol=1e-5, rtol=0)
+
+
+def test_longrope_runs_past_the_limit_only_where_both_planes_follow_it(folders):
+    """vLLM, transformers' own forward and the routing record take one factor set per engine, batch or record:
+    a run whose sequences can pass the limit is refused with them, in one line; within it, accepted."""
+    mc = preflight.model_config(str(folders["phi3"]))
+    past = ["data.max_prompt_tokens=10", "rollout.max_new_tokens=8"]  # 18 > LONG
+    preflight.check_longrope(load_config(None, past), mc)  # (the native planes)
+    for key in ("rollout.backend=vllm", "rollout.record_routing=true"):
+        with pytest.raises(ConfigError, match=f"^{key.removesuffix('=true')}: .*_embeddings=16; .* = 18$"):
+            preflight.check_longrope(load_config(None, [*past, key]), mc)
+        preflight.check_longrope(load_config(None, ["data.max_prompt_tokens=8", "rollout.max_new_tokens=8", key]), mc)
+    hf = preflight.model_config(str(folders["phi3"]), "hf")
+    assert hf.longrope_limit == LONG
+    with pytest.raises(ConfigError, match="^model.impl=hf: transformers' forward picks one set per batch"):
+        preflight.check_longrope(load_config(None, past), hf)
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -135,7 +203,7 @@ def test_saved_weights_load_in_transformers(kind, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(CASES))
 def test_three_step_train_run(kind, tmp_path):
-    long = dict(original_max_position_embeddings=64) if kind == "phi3" else {}  # (rollouts stay within it)
+    long = dict(original_max_position_embeddings=6) if kind == "phi3" else {}  # (rollouts cross it)
     final = transformers.AutoModelForCausalLM.from_pretrained(three_step_run(tmp_path, partial(hf_model, kind,
                                                                                                **long)))
     assert final.config.model_type == kind

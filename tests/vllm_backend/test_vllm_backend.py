@@ -166,3 +166,32 @@ def test_untied_head_and_another_temperature():
     assert vllm.load_weights(list(new.named_parameters())) == weights_checksum(new.named_parameters())
     for s in vllm.generate(PROMPTS, SamplingParams(temperature=0.7, max_new_tokens=8, n=2, seed=0)):
         assert torch.allclose(torch.tensor(s.logprobs), scored(new, s.prompt_ids, s.token_ids, 0.7), atol=1e-4)
+
+
+def test_longrope_within_its_limit_takes_the_short_factors(tmp_path):
+    """vLLM rotates every token by longrope's long factors when its max_model_len passes the pretraining length,
+    which it serves longrope models at: there, as the trainer, it takes the short ones (runs whose sequences pass
+    it are refused, `preflight.check_longrope`)."""
+    import transformers
+
+    from twinplane.model import load_model
+
+    cfg = transformers.Phi3Config(
+        vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
+                         "long_factor": [4.0 + i for i in range(16)]},
+        bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path).eval()
+    assert model.longrope_limit == 32
+    vllm = VllmEngine(copy.deepcopy(model), EOS, seed=0)
+    assert vllm.llm.llm_engine.model_config.max_model_len == 32
+    for s in vllm.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=1)):
+        assert torch.allclose(torch.tensor(s.logprobs), scored(model, s.prompt_ids, s.token_ids, 1.0), atol=1e-4)

@@ -69,6 +69,9 @@ class AttentionMetadata:
     softcap: float | None = None
     # one layer's attention sinks (`with_sinks`): a learned logit per head [H] in the softmax's denominator
     sinks: torch.Tensor | None = None
+    # longrope models: [B, T] True where a token's sequence takes the long factors (None: transformers' pick per
+    # forward, see `rope.longrope_pick`)
+    rope_long: torch.Tensor | None = None
 
     def for_layer(self, window: int | None, scale: float | None = None,
                   softcap: float | None = None) -> AttentionMetadata:

@@ -165,6 +165,14 @@ class ModelConfig:
         """How many leading dims of each head rope rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def longrope_limit(self) -> int | None:
+        """longrope's pretraining length (None: another rope): a token predicted from more tokens than this takes
+        the long factors, with every position of its context rotated by them, as transformers' `generate` does (it
+        re-encodes the whole sequence where it crosses); within it, the short ones."""
+        s = self.rope_scaling or {}
+        return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: full causal attention)."""
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":

@@ -66,6 +66,16 @@ class HFConfig:
         return 2, self.num_kv_heads, self.head_dim
 
     @property
+    def longrope_limit(self) -> int | None:
+        """longrope's pretraining length, as transformers reads it (see `ModelConfig.longrope_limit`)."""
+        h = self.hf_dict
+        rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+            return None
+        return (h.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                or h.get("max_position_embeddings"))
+
+    @property
     def attn_params(self) -> int:
         return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 

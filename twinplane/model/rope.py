@@ -157,9 +157,13 @@ def longrope_inv_freq(cfg: ModelConfig, long: bool) -> torch.Tensor:
     return 1.0 / (ext * cfg.rope_theta ** shape)
 
 
-def longrope_pick(positions: torch.Tensor, short: torch.Tensor, long: torch.Tensor, old_ctx: int) -> torch.Tensor:
-    """transformers' choice between the two sets, per forward call: the long factors when the call's highest
-    position + 1 exceeds the pretraining length, the short ones otherwise (a device-side select: no host sync)."""
+def longrope_pick(positions: torch.Tensor, short: torch.Tensor, long: torch.Tensor, old_ctx: int,
+                  per_token: torch.Tensor | None = None) -> torch.Tensor:
+    """The frequencies each token rotates by: with `per_token` [B, T] (True: long), the caller's choice per token
+    ([B, T, rotary_dim/2]); without, transformers' choice for a forward call: the long set when its highest
+    position + 1 exceeds the pretraining length (a device-side select: no host sync)."""
+    if per_token is not None:
+        return torch.where(per_token[..., None], long, short)
     return torch.where(positions.max() + 1 > old_ctx, long, short)
 
 

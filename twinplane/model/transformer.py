@@ -62,23 +62,24 @@ class Transformer(nn.Module):
             dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None))}
         self._layer_attention = [cfg.layer_attention(i) for i in range(cfg.num_layers)]  # None: as the metadata
         self._embed_scale = cfg.hidden_size ** 0.5 if family(cfg.model_type).scale_embeddings else None
-        # longrope: the short and the long set, one picked per forward (`longrope_pick`)
-        s = cfg.rope_scaling or {}
-        self._longrope = s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
-        if self._longrope is not None:
+        # longrope: the short and the long set, picked per token (`AttentionMetadata.rope_long`) or per forward
+        self.longrope_limit = cfg.longrope_limit
+        if self.longrope_limit is not None:
             self._inv_freq = {torch.device("cpu"): torch.stack((rope_inv_freq(cfg), longrope_inv_freq(cfg, True)))}
 
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False):
-        """cos and sin [B, 1, T, hd] of the global rope, or with `local` of the sliding layers' own."""
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False,
+             long: torch.Tensor | None = None):
+        """cos and sin [B, 1, T, hd] of the global rope, or with `local` of the sliding layers' own. `long` [B, T]:
+        longrope's set per token (see `longrope_pick`)."""
         table = self._local_inv_freq if local else self._inv_freq
         inv_freq = table.get(positions.device)
         if inv_freq is None:
             inv_freq = table[positions.device] = table[torch.device("cpu")].to(positions.device)
-        if self._longrope is not None and not local:
-            inv_freq = longrope_pick(positions, inv_freq[0], inv_freq[1], self._longrope)
+        if self.longrope_limit is not None and not local:
+            inv_freq = longrope_pick(positions, inv_freq[0], inv_freq[1], self.longrope_limit, long)
         freqs = positions[..., None].float() * inv_freq  # [B, T, rotary_dim/2], fp32 as in HF
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, rotary_dim]
         if self._rope_factor != 1.0 and not local:
@@ -112,7 +113,7 @@ class Transformer(nn.Module):
         dev = x.device.type
         if torch.is_autocast_enabled(dev):  # mixed precision: the residual stream and cos/sin in the compute dtype,
             x = x.to(torch.get_autocast_dtype(dev))  # as with FSDP's params cast to it (half the elementwise bytes)
-        cos, sin = self.rope(meta.positions, x.dtype)
+        cos, sin = self.rope(meta.positions, x.dtype, long=meta.rope_long)
         local = None if self._local_inv_freq is None else self.rope(meta.positions, x.dtype, local=True)
         training = self.training and torch.is_grad_enabled()
         recompute, compiled = self.activation_checkpointing and training, self.compile_layers and training

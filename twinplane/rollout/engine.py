@@ -174,12 +174,14 @@ class RolloutEngine:
         """A request as the scheduler sees it: one sequence per prompt, one random stream per sample."""
         if len(prompt) == 0:
             raise ValueError(f"request {request_index}: empty prompt")
-        longrope = getattr(self.model, "_longrope", None)  # (longrope's pretraining length, see check_longrope)
-        if longrope is not None:
-            check_longrope(request_index, len(prompt), min(max_new_tokens or sampling.max_new_tokens,
-                                                           sampling.max_new_tokens), longrope)
         stops = frozenset(t for t in [self.eos_token_id, *sampling.stop_token_ids] if t is not None)
         return Seq(list(prompt), request_index, sampling, seeds, stops, max_new_tokens=max_new_tokens)
+
+    def scheduler(self) -> Scheduler:
+        """A queue over this engine's block pool (a longrope model's sequences switch factors past its pretraining
+        length: see `Scheduler`)."""
+        return Scheduler(self.blocks, self.max_num_seqs, self.max_num_batched_tokens,
+                         self.model.longrope_limit)
 
     @torch.no_grad()
     def run(self, seqs: list[Seq]) -> list[Sample]:
@@ -190,7 +192,7 @@ class RolloutEngine:
         sampling = seqs[0].sampling
         self._repack()  # a weight changed in place since the last call (not through load_weights) is followed
         self._allocate(seqs)
-        sched = Scheduler(self.blocks, self.max_num_seqs, self.max_num_batched_tokens)
+        sched = self.scheduler()
         for s in seqs:
             sched.add(s)
         done: dict[tuple[int, int], Sample] = {}
@@ -370,18 +372,21 @@ class RolloutEngine:
                 ready.append(seq)
         # The step's metadata as two host tensors (one copy each to the device); the model gets views of them.
         T, S, width = len(ids), len(qlens), max(len(s.block_table) for s in batch.seqs)
-        longs = torch.tensor(ids + pos + slots).to(dev)  # [3T]
+        longrope = self.model.longrope_limit is not None  # (and each token's factor set: see `Scheduler`)
+        flags = [int(s.long_rope) for s, k in zip(batch.seqs, qlens, strict=True) for _ in range(k)] if longrope else []
+        longs = torch.tensor(ids + pos + slots + flags).to(dev)  # [3T] (+ [T])
         tables = []
         for s in batch.seqs:
             tables += s.block_table
             if len(s.block_table) < width:
                 tables += [0] * (width - len(s.block_table))
         ints = torch.tensor(ctx + list(itertools.accumulate(qlens, initial=0)) + tables, dtype=torch.int32).to(dev)
-        paged = PagedKV(self.kv.k, self.kv.v, longs[2 * T:], ints[2 * S + 1:].view(S, width), ints[:S],
+        paged = PagedKV(self.kv.k, self.kv.v, longs[2 * T:3 * T], ints[2 * S + 1:].view(S, width), ints[:S],
                         ints[S:2 * S + 1], qlens, batch.num_decodes, max(ctx), states=self.states,
                         kv_index=self.kv.index)
         meta = AttentionMetadata(longs[T:2 * T][None], window=self.model.config.sliding_window,
-                                 backend=self.backend, paged=paged)
+                                 backend=self.backend, paged=paged,
+                                 rope_long=longs[3 * T:][None] > 0 if longrope else None)
         rec = RoutingState() if self.record_routing else None
         h = self.model.hidden_states(longs[:T][None], meta=meta, routing=rec)[0]  # [T, D]
         if rec is not None:  # this step's experts [T, M, k], handed to each sequence at its token positions
@@ -533,14 +538,3 @@ def engine_options(rollout) -> dict:
             "gpu_memory_utilization": rollout.gpu_memory_utilization, "record_routing": rollout.record_routing,
             "graphs": rollout.graphs, "graph_max_batch": rollout.graph_max_batch, "kernels": rollout.kernels,
             "batch_invariant": rollout.batch_invariant, "run_ahead": rollout.run_ahead}
-
-
-def check_longrope(request_index: int, prompt_len: int, max_new: int, old_ctx: int) -> None:
-    """A longrope model's sequence must stay within its pretraining length `old_ctx`: past it transformers re-encodes
-    the whole sequence with the long factors (Phi-3's `generate` drops its KV cache there), which a paged KV cache
-    does not; within it every token takes the short factors, as in the trainer's forward."""
-    if prompt_len + max_new > old_ctx:
-        raise InputError(f"request {request_index}: {prompt_len} prompt tokens + up to {max_new} new ones pass the "
-                         f"model's longrope original_max_position_embeddings={old_ctx}, past which its rope switches "
-                         "factors for the whole sequence; the engine serves sequences within it (shorten "
-                         "rollout.max_new_tokens or the prompt)")

@@ -288,7 +288,11 @@ class DecodeGraphs:
         paged = PagedKV(self.kv.k, self.kv.v, x[:, SLOT].contiguous(), x[:, TABLE:].to(torch.int32),
                         x[:, CTX].to(torch.int32), self.cu_seqlens[:size + 1], [1] * size, size,
                         self.max_blocks * bs, static=True, kv_index=self.kv.index)
-        meta = AttentionMetadata(x[None, :, POS], window=self.window, backend=self.backend, paged=paged)
+        # longrope: a decoding sequence takes the long factors exactly when its context is past the limit (the
+        # scheduler re-encodes it there)
+        limit = self.model.longrope_limit
+        meta = AttentionMetadata(x[None, :, POS], window=self.window, backend=self.backend, paged=paged,
+                                 rope_long=None if limit is None else x[None, :, CTX] > limit)
         h = self.model.hidden_states(x[None, :, TOK], meta=meta)[0]  # [size, D]
         return cap_logits(lm_head(h, self.model.output_weight(), self.head),
                           self.model.config.final_logit_softcapping)

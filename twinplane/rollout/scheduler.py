@@ -8,6 +8,11 @@ When the pool cannot hold the next token of a running sequence, the most recentl
 preempted: their blocks are freed and they go back to the front of the queue, to be recomputed (prompt and
 generated tokens prefilled again) when there is room. The oldest sequence can always proceed, since one
 sequence at its longest fits the pool (the engine checks), so the scheduler never deadlocks.
+
+A longrope model (Phi-3) rotates by its short factors while a sequence is within the pretraining length, and by
+its long ones, at every position, once it is longer (`ModelConfig.longrope_limit`): transformers' `generate` re-encodes
+the whole sequence where it crosses. So does the scheduler: a sequence starts with the set its length calls for
+(`Sequence.long_rope`), and one that grows past the limit is recomputed with the long set, keeping its samples.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 longrope_limit: int | None = None):
         self.blocks = blocks
+        self.longrope_limit = longrope_limit  # longrope's pretraining length (None: another rope)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -49,6 +56,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        if self.longrope_limit is not None:
+            self._switch_rope()
         decodes, prefills = ScheduledBatch(), ScheduledBatch()
         pending = [s.num_pending for s in self.running]
         budget = self.max_num_batched_tokens - pending.count(1)  # decodes go first
@@ -95,6 +104,7 @@ class Scheduler:
                 break
             want = min(seq.num_pending, budget)
             self.waiting.popleft()
+            seq.long_rope = self.longrope_limit is not None and len(seq.tokens) > self.longrope_limit
             self.running.append(seq)
             self.num_running += seq.width
             prefills.copies += self.blocks.allocate(seq, want)
@@ -114,10 +124,13 @@ class Scheduler:
         if self.waiting:
             return None
         seqs, grow, has_slot = [], [], self.blocks.has_slot
+        limit = self.longrope_limit
         for s in self.running:  # (every running sequence, every step: attributes, not properties)
             if s.num_computed + 1 - s.prompt_len >= s.max_new_tokens:
                 continue
             if len(s.rngs) != 1 or len(s.tokens) != s.num_computed:  # forked later, or not decoding
+                return None
+            if limit is not None and s.num_computed + 1 > limit and not s.long_rope:  # re-encoded: `_switch_rope`
                 return None
             seqs.append(s)
             if not has_slot(s):  # it takes one block: a new one, or its copy-on-write copy
@@ -128,6 +141,14 @@ class Scheduler:
             return None
         copies = [c for s in grow for c in self.blocks.allocate(s, 1)]
         return ScheduledBatch(seqs, [1] * len(seqs), len(seqs), copies)
+
+    def _switch_rope(self) -> None:
+        """Running sequences grown past the longrope limit with k/v of the short factors: their blocks are freed
+        and they go on running from their first token, with the long factors (not a preemption: nothing waits)."""
+        for seq in self.running:
+            if not seq.long_rope and len(seq.tokens) > self.longrope_limit:
+                self.blocks.release(seq)
+                seq.long_rope = True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and queue it first for recomputation (its samples and random state are kept)."""

@@ -105,6 +105,7 @@ class Sequence:
         self.num_computed = 0  # leading tokens whose k/v are in the pool
         self.block_table: list[int] = []
         self.state_slot: int | None = None  # linear-attention models: its slot of the engine's recurrent states
+        self.long_rope = False  # longrope models: its k/v rotate by the long factors (set by the scheduler)
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # per generated token, the weights' version that sampled it
         self.finish_reason: str | None = None

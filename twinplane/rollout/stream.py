@@ -98,7 +98,7 @@ class EngineStream:
         n, bs = self.sampling.n, e.block_size
         groups, longest = self.request.max_groups, self.request.max_prompt_len + self.sampling.max_new_tokens
         e.allocate(longest, groups * n * (-(-longest // bs) + 1), groups * n)
-        self.sched = Scheduler(e.blocks, e.max_num_seqs, e.max_num_batched_tokens)
+        self.sched = e.scheduler()
         self.sched.waiting.extend(waiting)
         self.pool = e.kv
 

@@ -72,6 +72,23 @@ def check_hf_run(cfg: Config, mc: HFConfig) -> None:
             raise ConfigError(f"{key}: {why}; model.impl=hf runs {arch} with transformers' code")
 
 
+def check_longrope(cfg: Config, mc: ModelConfig | HFConfig) -> None:
+    """A longrope model's sequences may pass its pretraining length only where both planes re-encode them there
+    with the long factors, as transformers' `generate` does: the native engine and trainer (see
+    `ModelConfig.longrope_limit`)."""
+    limit, longest = mc.longrope_limit, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if limit is None or longest <= limit:
+        return
+    refused = [(cfg.rollout.backend == "vllm", "rollout.backend=vllm", "vLLM picks one factor set per engine"),
+               (isinstance(mc, HFConfig), "model.impl=hf", "transformers' forward picks one set per batch"),
+               (cfg.rollout.record_routing, "rollout.record_routing", "the routing record holds one set's experts")]
+    for bad, key, why in refused:
+        if bad:
+            raise ConfigError(f"{key}: {why}, so sequences of {mc.model_type} must stay within its longrope "
+                              f"original_max_position_embeddings={limit}; data.max_prompt_tokens + "
+                              f"rollout.max_new_tokens = {longest}")
+
+
 def check_lora(cfg: Config, mc: ModelConfig | HFConfig) -> None:
     """`train.lora.targets` against the model: the native decoder's projection names, or (transformers' code) what
     PEFT adapts in the model built on the meta device (`twinplane.model.hf_lora`)."""

@@ -158,7 +158,7 @@ class EngineLoop:
         if self.sched is None or self.sched.blocks is not e.blocks or e.kv is None:  # another call replaced the pool
             bs, seqs = e.block_size, e.max_num_seqs
             e.allocate(self.max_model_len, seqs * (-(-self.max_model_len // bs) + 1), seqs)
-            self.sched = Scheduler(e.blocks, e.max_num_seqs, e.max_num_batched_tokens)
+            self.sched = e.scheduler()
         for seq, req in incoming:
             self.requests[seq.request_index] = req
             self.streaming += req.on_tokens is not None

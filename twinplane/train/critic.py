@@ -34,6 +34,10 @@ class ValueModel(Transformer):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
                 logits_start: int = 0) -> torch.Tensor:  # values [B, T - logits_start]
+        if self.longrope_limit is not None and cache is None:  # each row with the set it takes alone, not the batch's
+            cache = self.dense_metadata(input_ids, attention_mask)
+            pos = cache.positions
+            cache.rope_long = (pos.amax(1, keepdim=True) + 1 > self.longrope_limit).expand_as(pos)
         h = self.hidden_states(input_ids, attention_mask, cache)
         return self.score(h[:, logits_start:]).squeeze(-1).float()
 

@@ -34,11 +34,18 @@ DEFAULT_CHUNK_TOKENS = 512
 def response_logprobs(model: Transformer, batch: Batch, temperature: float, with_entropy: bool = False,
                       packed: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                       routing: RoutingState | None = None, share_prompts: bool = False,
-                      layout: PackedLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      layout: PackedLayout | None = None,
+                      rope_long: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) [N, R] for the response tokens, and the policy's entropy at each position [N, R]
     (None unless `with_entropy`); 0 at padding. Differentiable; no [N, R, V] tensor is ever built. `routing`: MoE
     record/replay state in this call's token order (`routing_state(batch, replay, packed)`). Packed, the row is
-    `layout` when the caller already built it, else `packed_layout(batch, share_prompts, routing)`."""
+    `layout` when the caller already built it, else `packed_layout(batch, share_prompts, routing)`. `rope_long`:
+    a longrope model's factor set per row (None: as the rollout engine picks them, see `longrope_logprobs`)."""
+    limit = getattr(model, "longrope_limit", None)
+    if limit is not None and rope_long is None:
+        totals = row_lengths_past(batch, layout if packed else None, limit)
+        if totals is not None:
+            return longrope_logprobs(model, batch, temperature, with_entropy, packed, chunk_tokens, routing, totals)
     P = batch.prompt_len
     valid = batch.attention_mask.bool()  # [N, P + R]
     resp = valid[:, P:]  # [N, R] real response tokens (tool outputs included: the loss mask is the caller's)
@@ -50,6 +57,9 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
                                                                         model.config.head_dim,
                                                                         model.config.sliding_window is not None,
                                                                         torch_varlen_agrees))
+        if rope_long is not None:  # (one sequence per row: `longrope_logprobs` never shares prompts)
+            flags = torch.tensor(rope_long).repeat_interleave(torch.tensor(lengths))
+            meta.rope_long = runtime.to_device(flags, dev)[None]
         index, rows, where = (runtime.to_device(t, dev) for t in (index, rows, where))
         ids, mask = batch.input_ids.flatten()[index][None], None  # [1, T]
         targets = batch.response_ids.flatten()[where]  # [M]
@@ -58,6 +68,9 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
         rows = (torch.arange(N, device=valid.device)[:, None] * W + P - 1
                 + torch.arange(W - P, device=valid.device))[resp]  # [M] in the flattened [N * W] hidden states
         ids, mask, meta, targets, where = batch.input_ids, batch.attention_mask, None, batch.response_ids[resp], None
+        if rope_long is not None:
+            meta = model.dense_metadata(ids, mask)
+            meta.rope_long = runtime.to_device(torch.tensor(rope_long), valid.device)[:, None].expand(N, W)
 
     def head(h: torch.Tensor, weight: torch.Tensor):
         return token_logprobs(h.flatten(0, 1)[rows], weight, targets, temperature, chunk_tokens, with_entropy,
@@ -70,6 +83,51 @@ def response_logprobs(model: Transformer, batch: Batch, temperature: float, with
         return zeros.masked_scatter(resp, x) if where is None else zeros.flatten().index_copy(0, where, x).view_as(resp)
 
     return placed(lp), None if ent is None else placed(ent)
+
+
+def row_lengths_past(batch: Batch, layout: PackedLayout | None, limit: int) -> list[int] | None:
+    """Each row's prompt + response length when some row is longer than `limit`, else None. Read from a packed
+    `layout` where there is one (host data: no wait for the device); from the mask otherwise, or when prompts
+    are shared and some row does pass (rare: then the rows are laid out again anyway)."""
+    if layout is None:
+        totals = batch.attention_mask.sum(1).tolist()
+    elif layout.prefix is None:
+        totals = layout.lengths
+    else:  # a response's total is its prompt's length and its own
+        totals = [layout.lengths[p] + n if p >= 0 else n for n, p in zip(layout.lengths, layout.prefix, strict=True)]
+        if max(totals, default=0) > limit:
+            totals = batch.attention_mask.sum(1).tolist()
+    return list(totals) if max(totals, default=0) > limit else None
+
+
+def longrope_logprobs(model: Transformer, batch: Batch, temperature: float, with_entropy: bool, packed: bool,
+                      chunk_tokens: int, routing: RoutingState | None,
+                      totals: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_logprobs` of a longrope model whose sequences cross its pretraining length, as the rollout
+    engine (and transformers' `generate`) computed them: a token predicted from at most `limit` tokens with every
+    position rotated by the short factors, one predicted from more with every position by the long ones. So the
+    rows past the limit run twice: with the long set (the whole batch, each row with its own set), and with the
+    short set (those rows alone), which gives their tokens up to the limit. Prompts are not shared here: a
+    prompt's k/v differ between its rows' sets."""
+    limit = model.longrope_limit
+    if routing is not None:
+        raise ValueError("MoE routing replay of a longrope model's sequences past its pretraining length: each is "
+                         "computed with two factor sets, and the record holds one")
+    long = [n > limit for n in totals]
+    lp, ent = response_logprobs(model, batch, temperature, with_entropy, packed, chunk_tokens, rope_long=long)
+    idx = [i for i, x in enumerate(long) if x]
+    sub = batch.select(torch.tensor(idx))
+    short = response_logprobs(model, sub, temperature, with_entropy, packed, chunk_tokens, rope_long=[False] * len(idx))
+    dev, R = lp.device, lp.shape[1]
+    rows = runtime.to_device(torch.tensor(idx), dev)
+    context = sub.attention_mask[:, :sub.prompt_len].sum(1)[:, None] + torch.arange(R, device=dev)  # [C, R]
+    within = context <= limit  # tokens before each response token: at most the limit -> the short set's value
+
+    def merged(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # a [N, R] (long), b [C, <= R] (short)
+        b = torch.nn.functional.pad(b, (0, R - b.shape[1]))
+        return a.index_copy(0, rows, torch.where(within, b, a[rows]))
+
+    return merged(lp, short[0]), None if ent is None else merged(ent, short[1])
 
 
 class PackedLayout(NamedTuple):
