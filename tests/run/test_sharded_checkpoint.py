@@ -158,6 +158,21 @@ def test_a_metadata_file_that_pickles_other_objects_is_refused(saved, tmp_path):
         sharded.load(saved / "sharded1", other.model, other.opt)  # a plain error, not DCP's BaseException
 
 
+
+def test_a_model_only_load_gives_each_parameter_its_saved_dtype(tmp_path):
+    """Export's read: a model built from its config alone can hold a parameter in another dtype than the trained one
+    did (transformers keeps some modules in fp32 only when it loads weights); what comes back is the saved tensor,
+    dtype and bits, where DCP alone would cast it to the model's."""
+    model = tiny_model().to(torch.bfloat16)
+    norm = next(n for n, p in model.named_parameters() if p.ndim == 1)
+    model.get_parameter(norm).data = torch.randn(model.get_parameter(norm).shape, dtype=torch.float32)
+    sharded.save(tmp_path, model, torch.optim.AdamW(model.parameters()))
+    fresh = tiny_model(seed=1).to(torch.bfloat16)
+    sharded.load_model_only(tmp_path, fresh)
+    assert fresh.get_parameter(norm).dtype == torch.float32
+    for n, p in model.named_parameters():
+        assert torch.equal(fresh.get_parameter(n), p), n
+
 BIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
            head_dim=64)
 

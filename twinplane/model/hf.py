@@ -289,7 +289,8 @@ def load_hf(path: str | Path, device: torch.device | str | None = None,
 
 def build_hf(config: HFConfig, device: torch.device | str = "cpu") -> HFCausalLM:
     """The model `config` describes, its weights left uninitialised for a load by name to fill (a Ray worker's copy
-    of the driver's model); buffers (rope tables) are computed, on `device`."""
+    of the driver's model, an export's model of a sharded checkpoint); buffers (rope tables) are computed, on
+    `device`."""
     import transformers
 
     try:
@@ -300,4 +301,5 @@ def build_hf(config: HFConfig, device: torch.device | str = "cpu") -> HFCausalLM
     cfg = transformers.AutoConfig.for_model(**config.hf_dict)
     with no_init_weights():
         hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    hf.tie_weights()  # (transformers 5.x's no_init_weights skips the tying too: a tied head would be a weight apart)
     return HFCausalLM(hf.to(device))

@@ -105,10 +105,9 @@ def _umask() -> int:
 
 def _from_shards(ckpt: Path, fmt: str, out: Path) -> Path:
     """A sharded checkpoint's policy, built here from the `model.` entries of `policy/` alone (the optimizer's state
-    is never read): an HF folder, or with LoRA the base with the adapters folded in, or the adapters (`peft`)."""
-    import torch  # (torch and the model load only for the exports that rebuild weights, here and below)
-
-    from twinplane.model import ModelConfig, Transformer, save_pretrained
+    is never read): an HF folder, or with LoRA the base with the adapters folded in, or the adapters (`peft`). The
+    model is built through the implementation the run chose (`model.impl`), so the parameters carry its names."""
+    # (torch and the model load only for the exports that rebuild weights, here and below)
     from twinplane.model.lora import apply_lora, merge_lora
     from twinplane.model.lora_io import save_adapter
     from twinplane.run.run_state import read_config, read_lora_base
@@ -117,18 +116,14 @@ def _from_shards(ckpt: Path, fmt: str, out: Path) -> Path:
     if base is None:
         if fmt == "peft":
             raise InputError(f"{ckpt}: no LoRA adapters to export (a full-weight run; use --format merged)")
-        model_dir = ckpt / "model"
-        with torch.device("meta"):
-            model = Transformer(ModelConfig.from_file(model_dir))
-        dtype = json.loads((model_dir / "config.json").read_text()).get("torch_dtype", "float32")
-        model = model.to_empty(device="cpu").to(getattr(torch, dtype))
+        model = _empty_policy(ckpt)
         _read_shards(ckpt, model)
-        _copy_files(model_dir, _new_folder(out, ckpt))
-        save_pretrained(model, out)
+        _save(model, _new_folder(out, ckpt))
+        _copy_files(ckpt / "model", out)  # (last: config.json as the run wrote it, as a full checkpoint holds it)
         return out
     lora = read_config(ckpt)["train"]["lora"]
-    model = _lora_base(ckpt, base)
-    apply_lora(model, lora["rank"], float(lora["alpha"]), 0.0, lora["targets"])
+    model = _lora_base(ckpt, base)  # (an hf base takes PEFT's layers: `apply_lora` hands it to the model)
+    apply_lora(model, lora["rank"], float(lora["alpha"]), float(lora.get("dropout", 0.0)), lora["targets"])
     _read_shards(ckpt, model)  # the trainable parameters: the adapters
     if fmt == "peft":
         save_adapter(model, _new_folder(out, ckpt), base["path"], base.get("dropout", 0.0))
@@ -136,6 +131,43 @@ def _from_shards(ckpt: Path, fmt: str, out: Path) -> Path:
     _copy_files(Path(base["path"]), _new_folder(out, ckpt), skip=WEIGHT_FILES)
     _save(merge_lora(model), out)
     return out
+
+
+def _empty_policy(ckpt: Path):
+    """A full-weight checkpoint's model from its `model/config.json`, through the implementation the run chose,
+    on the CPU with its weights left for the shards (which bring their own dtypes)."""
+    import torch
+
+    from twinplane.model import ModelConfig, Transformer
+    from twinplane.model.impl import choose
+    from twinplane.run.run_state import read_config
+
+    model_dir, model_cfg = ckpt / "model", read_config(ckpt)["model"]
+    if choose(model_dir, model_cfg.get("impl", "auto")).impl == "hf":
+        return _hf_policy(ckpt, model_cfg)
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_file(model_dir))
+    dtype = json.loads((model_dir / "config.json").read_text()).get("torch_dtype", "float32")
+    return model.to_empty(device="cpu").to(getattr(torch, dtype))
+
+
+def _hf_policy(ckpt: Path, model_cfg: dict):
+    """The transformers model of `model/config.json`. Parameters its code freezes (ERNIE-4.5-MoE's and Laguna's
+    router correction biases) are in no shard (`policy/` holds the trainable ones): such a model is loaded from the
+    run's `model.path`, which is where the run, resumed, takes them from too."""
+    from twinplane.model.hf import build_hf, load_hf
+    from twinplane.model.hf_config import HFConfig
+    from twinplane.platform import runtime
+
+    model = build_hf(HFConfig.from_folder(ckpt / "model"))
+    frozen = next((n for n, p in model.named_parameters() if not p.requires_grad), None)
+    if frozen is None:
+        return model
+    path = model_cfg.get("path")
+    if not path or not (Path(path) / "config.json").is_file():
+        raise checkpoint.CheckpointError(f"{ckpt}: {frozen} is frozen in {model.config.architecture}, so no shard "
+                                         f"holds it, and the run's model.path {path} that does is missing")
+    return load_hf(path, "cpu", runtime.resolve_dtype(model_cfg["dtype"]))
 
 
 def _read_shards(ckpt: Path, model) -> None:

@@ -104,9 +104,16 @@ def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, group
 
 def load_model_only(folder: Path, model: torch.nn.Module) -> None:
     """The saved parameters into a plain (unsharded) `model` in this process, reading only the `model.` entries:
-    the optimizer's state is never read (export)."""
-    SafeReader(folder).read_metadata()
-    _load({"model": {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}}, folder, None)
+    the optimizer's state is never read (export). Each parameter takes the dtype it was saved in: a model built
+    from its config alone can differ from the trained one there (transformers keeps some modules in fp32 only when
+    it loads weights), and DCP would cast silently."""
+    saved = SafeReader(folder).read_metadata().state_dict_metadata
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for n, p in params.items():
+        dtype = getattr(getattr(saved.get(f"model.{n}"), "properties", None), "dtype", p.dtype)
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    _load({"model": {n: p.detach() for n, p in params.items()}}, folder, None)
 
 
 def _load(state: dict, folder: Path, group) -> None:
