@@ -4,6 +4,7 @@ test_hf_peft_lora.py). Architectures without a native family: OLMo (Llama-style 
 names, partial rotary)."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -75,6 +76,18 @@ def test_auto_native_hf_and_refusals(folders, tmp_path):
     (broken / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="num_key_value_heads=3.*model.impl=hf runs it"):
         choose(broken)
+
+
+def test_a_model_whose_logits_overflow_is_refused_in_one_line(folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(folders["olmo"], nan)
+    weights = load_file(nan / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="^OlmoForCausalLM: its logits on a test input are not finite"):
+        load_hf(nan, "cpu")
 
 
 @pytest.mark.parametrize("kind", ["olmo", "gpt_neox", "granite", "gemma2", "llama4"])

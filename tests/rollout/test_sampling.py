@@ -72,3 +72,28 @@ def test_banned_tokens_only_in_the_banned_rows():
         assert torch.isin(free, banned).any() and not torch.isin(ref, banned).any()
         assert sample(logprobs, sp, u, banned).tolist() == ref.tolist()
         assert sample(logprobs, sp, u, banned, rows).tolist() == torch.where(rows, ref, free).tolist()
+
+
+def test_a_nan_distribution_is_refused_in_one_line_not_indexed_past_the_vocabulary():
+    """Logits that overflowed (a diverged run, float16) make a NaN row: the sampler stays within the vocabulary,
+    and the NaN log-prob stops the engine with one line (exit 2) instead of an index error or NaN samples."""
+    import pytest
+    from conftest import PROMPTS, tiny_model
+
+    from twinplane.errors import InputError
+    from twinplane.rollout import RolloutEngine
+    from twinplane.rollout.sampling import NonFiniteLogits
+
+    for V in (50, 2 * CDF_CHUNK + 7):
+        probs = torch.rand(3, V)
+        probs[1] = float("nan")
+        tok = inverse_cdf(probs, torch.tensor([0.2, 0.5, 0.9]))
+        assert int(tok.max()) < V and tok[0] == inverse_cdf(probs[:1], torch.tensor([0.2]))[0]
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("inf")
+    engine = RolloutEngine(model, eos_token_id=None)
+    assert issubclass(NonFiniteLogits, InputError)
+    for temperature in (1.0, 0.0):
+        with pytest.raises(NonFiniteLogits, match="^rollout: the model's next-token log-probs are NaN"):
+            engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=4))

@@ -214,6 +214,9 @@ class HFCausalLM(nn.Module):
             ours = self(ids).float()
         except RuntimeError:  # a shape that does not fit: not hidden states
             ours = torch.full_like(made, float("nan"))
+        if not bool(made.isfinite().all()):
+            raise ValueError(f"{self.config.architecture}: its logits on a test input are not finite (NaN or inf): "
+                             f"its weights or activations overflow in {self.output_weight().dtype}")
         if not (torch.allclose(logits.float(), made, rtol=1e-5, atol=1e-5 * made.abs().max().item())
                 and torch.allclose(ours, made, rtol=1e-3, atol=1e-3 * made.abs().max().item())
                 and torch.allclose(out.float(), plain.float(), rtol=1e-3, atol=1e-3 * plain.abs().max().item())):

@@ -54,7 +54,7 @@ from twinplane.rollout.prepacked import (
     worth_prepacking,
 )
 from twinplane.rollout.recurrent_state import RecurrentStates, StateBlocks
-from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
+from twinplane.rollout.sampling import SamplingParams, check_logprobs, policy_logprobs, sample
 from twinplane.rollout.scheduler import ScheduledBatch, Scheduler
 from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.rollout.sequence import Sequence as Seq
@@ -479,6 +479,7 @@ class RolloutEngine:
 
     def _take(self, ready: list[Seq], tokens: list[int], logprobs: list[float], sched: Scheduler) -> list[Seq]:
         """Append each sampled token with its log-prob; returns the sequences that finished (out of the batch)."""
+        check_logprobs(logprobs, "rollout")
         finished, version = [], self.weight_version
         for seq, t, logprob in zip(ready, tokens, logprobs, strict=True):
             seq.append(t, logprob, version)

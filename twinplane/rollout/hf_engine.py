@@ -27,7 +27,7 @@ from twinplane.model.hf import HFCausalLM
 from twinplane.model.transformer import cap_logits
 from twinplane.model.weights import load_weights
 from twinplane.rollout.engine import call_seed, request_caps
-from twinplane.rollout.sampling import SamplingParams, policy_logprobs, sample
+from twinplane.rollout.sampling import SamplingParams, check_logprobs, policy_logprobs, sample
 from twinplane.rollout.sequence import Sample, sample_seed
 from twinplane.rollout.sequence import Sequence as Seq
 from twinplane.rollout.stats import Done, EngineStats
@@ -114,6 +114,7 @@ class HFEngine:
             h = self.model.backbone(ids, mask, positions, cache)[:, -1]  # [B, D]
             logits = cap_logits(F.linear(h, self.model.output_weight()), self.model.config.final_logit_softcapping)
             tokens, chosen = self._choose(logits[live], [seqs[i] for i in live], sp)
+            check_logprobs(chosen, "rollout")
             self.stats.steps += 1
             self.stats.running_sum += len(live)
             self.stats.decode_tokens += len(live)

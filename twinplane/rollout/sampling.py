@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from twinplane.errors import InputError
+
 
 @dataclass
 class SamplingParams:
@@ -68,6 +70,19 @@ def sample(logprobs: torch.Tensor, p: SamplingParams, uniforms: torch.Tensor, ba
     return inverse_cdf(logprobs.softmax(-1), uniforms)
 
 
+class NonFiniteLogits(InputError):
+    """The model's next-token distribution is NaN: its weights or activations overflowed (a diverged run, or a
+    dtype too narrow for the model). Sampling again cannot help."""
+
+
+def check_logprobs(logprobs: list[float], where: str) -> None:
+    """Sampled tokens' log-probs as they reach the host: a NaN one means the logits were not finite."""
+    if any(x != x for x in logprobs):
+        raise NonFiniteLogits(f"{where}: the model's next-token log-probs are NaN (its logits are not finite): its "
+                              "weights or activations overflowed; a diverged run needs a lower train.lr, and "
+                              "model.dtype=float16 overflows where bfloat16 and float32 do not")
+
+
 CDF_CHUNK = 4096  # `inverse_cdf` sums in chunks of this many tokens above it
 
 
@@ -85,7 +100,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     B, V = probs.shape
     if V <= CDF_CHUNK:
         row = probs.cumsum(-1)  # [B, V]
-        return _first_above(row, uniforms.to(row)[:, None] * row[:, -1:])[:, 0]
+        return _first_above(row, uniforms.to(row)[:, None] * row[:, -1:])[:, 0].clamp_(max=V - 1)
     L, full = CDF_CHUNK, V // CDF_CHUNK
     mass = probs[:, :full * L].view(B, full, L).sum(-1)  # [B, C] (rows of length V: a view)
     if full * L < V:
@@ -96,7 +111,9 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     before = torch.where(chunk > 0, totals.gather(1, (chunk - 1).clamp(min=0)), 0.0)  # mass of earlier chunks
     cols = chunk * L + torch.arange(L, device=probs.device)  # [B, L]
     row = probs.gather(1, cols.clamp(max=V - 1)).masked_fill_(cols >= V, 0).cumsum(-1)  # the chunk's cdf [B, L]
-    return chunk[:, 0] * L + _first_above(row, target - before)[:, 0]  # (target - before >= 0 by the choice)
+    # (target - before >= 0 by the choice; the clamps: a NaN row, not a distribution, would index past the
+    # vocabulary; its NaN log-prob is refused where it reaches the host, `check_logprobs`)
+    return (chunk[:, 0] * L + _first_above(row, target - before)[:, 0]).clamp_(max=V - 1)
 
 
 def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
