@@ -49,7 +49,7 @@ FAMILIES = {
     "glm": ("GlmConfig", dict(partial_rotary_factor=0.5, attention_bias=True)),
     "glm4": ("Glm4Config", dict(partial_rotary_factor=0.5, attention_bias=True)),
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 10,
         "short_factor": [1.0 + i / 20 for i in range(6)], "long_factor": [2.0 + i / 10 for i in range(6)]})),
     "gemma2": ("Gemma2Config", dict(sliding_window=6, attn_logit_softcapping=20.0, final_logit_softcapping=10.0)),
     "gemma3_text": ("Gemma3TextConfig", dict(sliding_window=6, sliding_window_pattern=2)),
