@@ -380,3 +380,13 @@ def test_to_device_copies_a_host_tensor_asynchronously_and_keeps_its_values():
         x.zero_()
         assert y.device.type == "cuda" and torch.equal(y.cpu(), torch.arange(1 << 20))
         assert runtime.to_device(x, torch.device("cpu")) is x
+
+
+def test_measuring_the_gemm_rate_leaves_the_seeded_stream_alone():
+    """The CPU's FLOP/s is measured once per process, whenever first asked for: a run seeded before it must
+    draw as one seeded after it (dropout, sampling), or two runs in one process would differ."""
+    torch.manual_seed(0)
+    want = torch.rand(4)
+    torch.manual_seed(0)
+    assert hardware.measure_gemm_flops("cpu", torch.float32, 64, 1) > 0
+    assert torch.equal(torch.rand(4), want)

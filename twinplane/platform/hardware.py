@@ -214,8 +214,9 @@ def measure_gemm_flops(device: torch.device | str = "cpu", dtype: torch.dtype = 
                        runs: int = 3, best: bool = False) -> float:
     """Median (or with `best`, the fastest) FLOP/s of `runs` n x n matmuls (after one warm-up) on `device`."""
     device = torch.device(device)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    g = torch.Generator(device).manual_seed(0)  # (not the global stream: a run seeded before this is measured, once
+    a = torch.randn(n, n, generator=g, device=device, dtype=dtype)  # per process, must draw as one after it)
+    b = torch.randn(n, n, generator=g, device=device, dtype=dtype)
     a @ b
     synchronize(device)
     times = []
