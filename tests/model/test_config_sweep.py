@@ -171,7 +171,7 @@ def test_every_option_matches_transformers_or_is_refused(model_type, tmp_path):
     assert not wrong, f"{model_type} runs as a different model: {wrong}"
     # the sweep reached the options that matter (not all invalid) and both outcomes occur
     assert sum(v.startswith("match") for v in outcome.values()) >= 10, outcome
-    assert sum(v == "refused" for v in outcome.values()) >= 3, outcome
+    assert sum(v == "refused" for v in outcome.values()) >= 2, outcome
 
 
 def test_refusals_name_the_feature_and_windows_round_trip():

@@ -178,15 +178,16 @@ def test_longrope_runs_past_the_limit_only_where_both_planes_follow_it(folders):
     a run whose sequences can pass the limit is refused with them, in one line; within it, accepted."""
     mc = preflight.model_config(str(folders["phi3"]))
     past = ["data.max_prompt_tokens=10", "rollout.max_new_tokens=8"]  # 18 > LONG
-    preflight.check_longrope(load_config(None, past), mc)  # (the native planes)
+    preflight.check_rope_limits(load_config(None, past), mc)  # (the native planes)
     for key in ("rollout.backend=vllm", "rollout.record_routing=true"):
-        with pytest.raises(ConfigError, match=f"^{key.removesuffix('=true')}: .*_embeddings=16; .* = 18$"):
-            preflight.check_longrope(load_config(None, [*past, key]), mc)
-        preflight.check_longrope(load_config(None, ["data.max_prompt_tokens=8", "rollout.max_new_tokens=8", key]), mc)
+        with pytest.raises(ConfigError, match=f"^{key.removesuffix('=true')}: .*=16; .* = 18$"):
+            preflight.check_rope_limits(load_config(None, [*past, key]), mc)
+        within = ["data.max_prompt_tokens=8", "rollout.max_new_tokens=8", key]
+        preflight.check_rope_limits(load_config(None, within), mc)
     hf = preflight.model_config(str(folders["phi3"]), "hf")
     assert hf.longrope_limit == LONG
     with pytest.raises(ConfigError, match="^model.impl=hf: transformers' forward picks one set per batch"):
-        preflight.check_longrope(load_config(None, past), hf)
+        preflight.check_rope_limits(load_config(None, past), hf)
 
 
 @pytest.mark.parametrize("kind", list(CASES))

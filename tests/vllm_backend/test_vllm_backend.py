@@ -171,7 +171,7 @@ def test_untied_head_and_another_temperature():
 def test_longrope_within_its_limit_takes_the_short_factors(tmp_path):
     """vLLM rotates every token by longrope's long factors when its max_model_len passes the pretraining length,
     which it serves longrope models at: there, as the trainer, it takes the short ones (runs whose sequences pass
-    it are refused, `preflight.check_longrope`)."""
+    it are refused, `preflight.check_rope_limits`)."""
     import transformers
 
     from twinplane.model import load_model

@@ -173,6 +173,13 @@ class ModelConfig:
         s = self.rope_scaling or {}
         return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
 
+    @property
+    def dynamic_rope_limit(self) -> int | None:
+        """Dynamic NTK's length, max_position_embeddings (None: another rope). Within it the frequencies are plain
+        rope's; past it transformers rescales them per forward from the longest sequence it has run so far, which
+        depends on the batch and on earlier calls: neither plane follows that, so sequences past it are refused."""
+        return self.max_position_embeddings if (self.rope_scaling or {}).get("rope_type") == "dynamic" else None
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: full causal attention)."""
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":

@@ -76,6 +76,13 @@ class HFConfig:
                 or h.get("max_position_embeddings"))
 
     @property
+    def dynamic_rope_limit(self) -> int | None:
+        """Dynamic NTK's length, as transformers reads it (see `ModelConfig.dynamic_rope_limit`)."""
+        h = self.hf_dict
+        rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
+        return self.max_position_embeddings if rope.get("rope_type", rope.get("type")) == "dynamic" else None
+
+    @property
     def attn_params(self) -> int:
         return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 

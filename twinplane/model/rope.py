@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from twinplane.model.config import ModelConfig
 
 # rope scaling types and the numbers each needs (all finite and > 0; llama3 also needs high_freq_factor > low)
-ROPE_TYPES = {"default": (), "linear": ("factor",),
+ROPE_TYPES = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
               "yarn": ("factor", "original_max_position_embeddings"),
               "longrope": ("original_max_position_embeddings",)}
@@ -169,7 +169,8 @@ def longrope_pick(positions: torch.Tensor, short: torch.Tensor, long: torch.Tens
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [rotary_dim/2] (fp32), with `linear`, `llama3` or `yarn` scaling applied (longrope:
-    its short set, see `longrope_inv_freq`)."""
+    its short set, see `longrope_inv_freq`; dynamic NTK: plain rope's, what it is within its limit,
+    `ModelConfig.dynamic_rope_limit`)."""
     d = cfg.rotary_dim
     if (cfg.rope_scaling or {}).get("rope_type") == "yarn":
         return yarn_inv_freq(cfg).float()

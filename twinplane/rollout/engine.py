@@ -174,6 +174,11 @@ class RolloutEngine:
         """A request as the scheduler sees it: one sequence per prompt, one random stream per sample."""
         if len(prompt) == 0:
             raise ValueError(f"request {request_index}: empty prompt")
+        limit = self.model.config.dynamic_rope_limit
+        if limit is not None and len(prompt) + (max_new_tokens or sampling.max_new_tokens) > limit:
+            raise InputError(f"request {request_index}: {len(prompt)} prompt tokens + up to "
+                             f"{max_new_tokens or sampling.max_new_tokens} new ones pass the dynamic rope limit, "
+                             f"max_position_embeddings={limit} (see ModelConfig.dynamic_rope_limit)")
         stops = frozenset(t for t in [self.eos_token_id, *sampling.stop_token_ids] if t is not None)
         return Seq(list(prompt), request_index, sampling, seeds, stops, max_new_tokens=max_new_tokens)
 

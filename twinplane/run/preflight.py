@@ -72,11 +72,19 @@ def check_hf_run(cfg: Config, mc: HFConfig) -> None:
             raise ConfigError(f"{key}: {why}; model.impl=hf runs {arch} with transformers' code")
 
 
-def check_longrope(cfg: Config, mc: ModelConfig | HFConfig) -> None:
+def check_rope_limits(cfg: Config, mc: ModelConfig | HFConfig) -> None:
     """A longrope model's sequences may pass its pretraining length only where both planes re-encode them there
     with the long factors, as transformers' `generate` does: the native engine and trainer (see
-    `ModelConfig.longrope_limit`)."""
+    `ModelConfig.longrope_limit`). A dynamic NTK model's may not pass its limit (`ModelConfig.dynamic_rope_limit`)."""
     limit, longest = mc.longrope_limit, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    dynamic = mc.dynamic_rope_limit
+    if dynamic is not None and longest > dynamic:
+        raise ConfigError(f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} pass {mc.model_type}'s "
+                          f"dynamic rope limit, max_position_embeddings={dynamic}, past which transformers rescales "
+                          "its rope per batch")
+    if dynamic is not None and cfg.rollout.backend == "vllm":
+        raise ConfigError("rollout.backend=vllm: vLLM's dynamic rope takes the scaled frequencies at every length, "
+                          f"transformers' and the trainer's only past max_position_embeddings={dynamic}")
     if limit is None or longest <= limit:
         return
     refused = [(cfg.rollout.backend == "vllm", "rollout.backend=vllm", "vLLM picks one factor set per engine"),

@@ -266,7 +266,7 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
         tokenizer = build_char_tokenizer(ALPHABET)
         mc = demo_model_config(cfg, tokenizer)
     preflight.check_lora(cfg, mc)
-    preflight.check_longrope(cfg, mc)
+    preflight.check_rope_limits(cfg, mc)
     if cfg.critic.model_path:
         preflight.check_critic(cfg.critic.model_path, mc)
     prompt_tokens = preflight.prompt_tokens(cfg)
