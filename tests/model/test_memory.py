@@ -1,18 +1,21 @@
 """The one memory model: the KV bytes formula against a real KV pool, and the run gate and `plan` agreeing."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from twinplane.config import load_config
 from twinplane.data.tasks import ALPHABET
-from twinplane.model import ModelConfig, Transformer
+from twinplane.model import AttentionMetadata, ModelConfig, Transformer
 from twinplane.model.lora import adapter_numel, apply_lora
 from twinplane.model.memory import (
     Dtypes,
     Workload,
+    activation_bytes_per_token_layer,
     kv_bytes_per_token,
+    linear_attention_bytes_per_token_layer,
     lora_params,
     rollout_memory,
     state_bytes_per_sequence,
@@ -70,6 +73,39 @@ def test_hybrid_kv_holds_attention_layers_only_and_states_are_counted():
     rm = rollout_memory(HYBRID, Dtypes(), Workload(prompts_per_step=2, n=4, prompt_len=10, response_len=22))
     assert rm.kv_cache == 128 * 8 * 32 and rm.states == 8 * 3 * 2016
     assert rm.total == rm.weights + rm.kv_cache + rm.states + rm.workspace
+
+
+def saved_bytes_per_token(model: Transformer, layer: int, T: int = 512) -> float:
+    """What autograd keeps for backward from one training forward of `layer` over a packed row of T tokens (each
+    storage once; the weights and the layer's input excluded), per token."""
+    meta = AttentionMetadata.packed([T], "cpu")
+    x = model.model.embed_tokens(torch.randint(0, 32, (1, T))).detach().requires_grad_(True)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[layer](x, *model.rope(meta.positions, x.dtype), meta)
+    return sum(kept.values()) / T
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(hidden_size=320, intermediate_size=640, linear_key_head_dim=48,
+                                                linear_num_value_heads=12, linear_value_head_dim=40)])
+def test_linear_attention_activations_are_what_autograd_saves(shape):
+    """A Gated DeltaNet layer's estimate against the bytes autograd keeps (fp32, CPU); a hybrid's training
+    activations sum each layer kind's own estimate."""
+    cfg = dataclasses.replace(HYBRID, **shape)
+    torch.manual_seed(0)
+    model = Transformer(cfg).train()
+    want = saved_bytes_per_token(model, 0)
+    assert linear_attention_bytes_per_token_layer(cfg, 4) == pytest.approx(want, rel=0.05)
+    w = Workload(micro_batch_size=2, prompt_len=100, response_len=156)
+    per_token = 3 * linear_attention_bytes_per_token_layer(cfg, 4) + activation_bytes_per_token_layer(cfg, 4)
+    assert training_memory(cfg, Dtypes(act=4), w).activations == 512 * (per_token + 3 * cfg.hidden_size * 4)
 
 
 def _run_config(tmp_path, *lines):
