@@ -226,6 +226,8 @@ CASES = [
                                                                         "${TWINPLANE_UNSET_XYZ}/t.jsonl\n")],
          "data.train_file: ${TWINPLANE_UNSET_XYZ}/t.jsonl uses ${TWINPLANE_UNSET_XYZ}, which is not set in the "
          "environment"),
+    Case("config/fp16 master weights", T("model.dtype=float16"), "model.dtype=float16: the trained weights and "
+         "AdamW's state"),
     Case("config/warmstart.batch_size=0", T("warmstart.batch_size=0"), "warmstart.batch_size: must be >= 1"),
     Case("config/warmstart.lr=-1", T("warmstart.lr=-1"), "warmstart.lr: must be > 0"),
     Case("config/rollout.top_k=-1", T("rollout.top_k=-1"), "rollout.top_k: must be >= 0"),

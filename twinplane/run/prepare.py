@@ -238,6 +238,10 @@ def prepare(cfg: Config, resume: str | None = None, *, own_run_dir: bool = True,
     stop = stop or StopRequests()
     faults = faults or Faults(os.environ.get("TWINPLANE_FAULT"))
     check_backends(cfg.log.backends)
+    if own_run_dir and cfg.model.dtype == "float16":  # (serving and scoring in fp16 are fine: no optimizer)
+        raise ConfigError("model.dtype=float16: the trained weights and AdamW's state are kept in model.dtype, where "
+                          "fp16 underflows (AdamW's eps of 1e-8 is 0 in fp16, so a zero gradient makes NaN); train "
+                          "in bfloat16 or float32 (model.rollout_dtype, the engine's, may be float16)")
     if cfg.cluster.backend == "ray" and importlib.util.find_spec("ray") is None:
         raise ConfigError("cluster.backend=ray needs Ray: pip install 'twinplane[cluster]'")
     preflight.check_ray_layout(cfg)
