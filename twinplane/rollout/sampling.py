@@ -79,8 +79,8 @@ def check_logprobs(logprobs: list[float], where: str) -> None:
     """Sampled tokens' log-probs as they reach the host: a NaN one means the logits were not finite."""
     if any(x != x for x in logprobs):
         raise NonFiniteLogits(f"{where}: the model's next-token log-probs are NaN (its logits are not finite): its "
-                              "weights or activations overflowed; a diverged run needs a lower train.lr, and "
-                              "model.dtype=float16 overflows where bfloat16 and float32 do not")
+                              "weights or activations overflowed; a diverged run needs a lower train.lr, and float16 "
+                              "weights overflow where bfloat16 and float32 do not")
 
 
 CDF_CHUNK = 4096  # `inverse_cdf` sums in chunks of this many tokens above it
