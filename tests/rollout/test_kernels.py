@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from conftest import EOS, PROMPTS, assert_same, on_device, paged_case, run_paged, static_case, tiny_model  # noqa: E402
 
+from twinplane.model import ModelConfig, Transformer  # noqa: E402
 from twinplane.rollout import (  # noqa: E402
     RolloutEngine,
     SamplingParams,
@@ -28,8 +29,9 @@ from twinplane.rollout.kernels.sampler import sample_tokens, sample_tokens_torch
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def brute_decode(q, k_cache, v_cache, tables, lens, window):
-    """Attention of each sequence's one query over its listed tokens, in float64, one head at a time."""
+def brute_decode(q, k_cache, v_cache, tables, lens, window, scale=None, softcap=None, sinks=None):
+    """Attention of each sequence's one query over its listed tokens, in float64, one head at a time (scores
+    scaled, tanh soft-capped, and a sink logit per head in the denominator, where given)."""
     B, H, D = q.shape
     _, bs, H_kv, _ = k_cache.shape
     keys, vals = k_cache.flatten(0, 1).double(), v_cache.flatten(0, 1).double()
@@ -40,7 +42,12 @@ def brute_decode(q, k_cache, v_cache, tables, lens, window):
         slots = [int(tables[b, p // bs]) * bs + p % bs for p in range(lo, ctx)]
         for h in range(H):
             kv = h // (H // H_kv)
-            w = torch.softmax(keys[slots, kv] @ q[b, h].double() / math.sqrt(D), 0)
+            scores = keys[slots, kv] @ q[b, h].double() * (scale or 1 / math.sqrt(D))
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h].double().view(1)])
+            w = torch.softmax(scores, 0)[:len(slots)]
             out[b, h] = w @ vals[slots, kv]
     return out
 
@@ -75,6 +82,24 @@ def test_paged_decode_equals_brute_force(group, kv_heads, bs, D, lens, window, s
     torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=0)
     torch.testing.assert_close(paged_decode_torch(q, k, v, tables, ctx, window).cpu().double(), want, atol=1e-5,
                                rtol=0)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(("scale", "softcap", "sinks"), [
+    (0.3, None, False),  # Gemma's query_pre_attn_scalar
+    (None, 2.0, False),  # Gemma 2's attention soft-cap (2: most scores are capped)
+    (None, None, True),  # GPT-OSS's sinks
+    (0.3, 2.0, True),
+])
+def test_paged_decode_scale_softcap_and_sinks_equal_brute_force(scale, softcap, sinks, splits):
+    q, k, v, tables, ctx = decode_case(7, 2, 16, 24, [1, 37, 16, 50], seed=4)
+    s = torch.randn(14, generator=torch.Generator().manual_seed(5)).to(DEV) * 3 if sinks else None
+    want = brute_decode(q.cpu(), k.cpu(), v.cpu(), tables.cpu(), ctx.cpu(), 20, scale, softcap,
+                        None if s is None else s.cpu())
+    got = paged_decode(q, k, v, tables, ctx, 20, splits=splits, scale=scale, softcap=softcap, sinks=s)
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(paged_decode_torch(q, k, v, tables, ctx, 20, scale, softcap, s).cpu().double(), want,
+                               atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("block_n, splits", [(16, 1), (64, 2), (128, 3)])
@@ -296,6 +321,33 @@ def test_engine_with_triton_kernels_equals_the_torch_path(mode, over, sp):
     assert type(tri.model.model.layers[0]).__name__ == "TritonDecoderLayer"
     assert_same(tri.generate(PROMPTS, sp), engines["torch"].generate(PROMPTS, sp), atol=1e-5)
     assert (tri.pop_metrics()["rollout/engine_steps_graphed"] > 0) == (mode == "static")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_soft_capped_and_sink_layers_decode_in_the_triton_kernel(family, mode, monkeypatch):
+    """Gemma 2 (score scale and soft-cap, alternating windows) and GPT-OSS (sinks, experts) decode through the
+    Triton paged decode and sample as the torch path does."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=5)
+    hf = (transformers.Gemma2Config(**sizes, attn_logit_softcapping=3.0, query_pre_attn_scalar=8)
+          if family == "gemma2" else transformers.GptOssConfig(**sizes, num_local_experts=4, num_experts_per_tok=2))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_hf(hf.to_dict()))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.15 if p.ndim >= 2 else 1.0) if p.ndim >= 2 or name.endswith("sinks") else None
+    calls = []
+    real = paged_decode_module.paged_decode
+    monkeypatch.setattr(paged_decode_module, "paged_decode", lambda *a, **k: calls.append(k) or real(*a, **k))
+    engines = {k: RolloutEngine(copy.deepcopy(model).to(DEV), eos_token_id=EOS, kernels=k) for k in ("triton", "torch")}
+    for e in engines.values():
+        e.graph_backend = mode
+    sp = SamplingParams(temperature=0.8, max_new_tokens=8, n=2, seed=1)
+    assert_same(engines["triton"].generate(PROMPTS, sp), engines["torch"].generate(PROMPTS, sp), atol=1e-5)
+    key = "softcap" if family == "gemma2" else "sinks"
+    assert calls and all(k[key] is not None for k in calls)  # (every layer caps, or has sinks)
 
 
 def test_stacked_projections_follow_weights_loaded_in_place():

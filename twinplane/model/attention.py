@@ -78,15 +78,14 @@ class AttentionMetadata:
         """This forward's metadata for a layer with its own window, score scale or soft-cap (Gemma's alternating
         sliding and global layers): itself when they are the forward's, else a view made once per forward (the
         layers of one kind share it and what backends derive from it). Soft-capped scores have no fused kernel
-        here: such a layer takes the portable path ("sdpa", explicit scores), as does a custom scale on the Triton
-        paged decode (fixed 1/sqrt(D))."""
+        here but the Triton paged decode: elsewhere such a layer takes the portable path ("sdpa", explicit
+        scores)."""
         if window == self.window and scale == self.scale and softcap == self.softcap:
             return self
         key = ("layer", window, scale, softcap)
         view = self.cache.get(key)
         if view is None:
-            backend = "sdpa" if softcap is not None or (scale is not None and self.backend == "triton") \
-                else self.backend
+            backend = "sdpa" if softcap is not None and self.backend != "triton" else self.backend
             mask = self.mask
             if window != self.window and not self.varlen and self.paged is None:
                 mask = self._dense_mask(window)
@@ -97,8 +96,10 @@ class AttentionMetadata:
     def with_sinks(self, sinks: torch.Tensor) -> AttentionMetadata:
         """This metadata for a layer whose softmax also counts a learned logit per head that takes no value
         (GPT-OSS's attention sinks, a parameter, so a view per layer and forward: it shares this one's derived
-        data). No fused kernel here adds sinks: such a layer takes the portable path ("sdpa", explicit scores)."""
-        return dataclasses.replace(self, sinks=sinks, backend="sdpa", cache=self.cache)
+        data). Of the fused kernels only the Triton paged decode adds sinks: elsewhere such a layer takes the
+        portable path ("sdpa", explicit scores)."""
+        backend = self.backend if self.backend == "triton" else "sdpa"
+        return dataclasses.replace(self, sinks=sinks, backend=backend, cache=self.cache)
 
     def _dense_mask(self, window: int | None) -> torch.Tensor | None:
         """The dense layout's mask with another window, from the key validity `Transformer.dense_metadata`
@@ -148,7 +149,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
               layer: int = 0) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, H_kv, S, D] (GQA when H_kv < H) -> [B, H, T, D]. `layer` picks the paged pool's
     layer (paged layout only)."""
-    if (meta.softcap is not None or meta.sinks is not None) and meta.backend != "sdpa":
+    if (meta.softcap is not None or meta.sinks is not None) and meta.backend != "sdpa" \
+            and not (meta.backend == "triton" and meta.paged is not None):  # (the Triton paged decode can)
         raise ValueError(f"the {meta.backend} attention backend cannot soft-cap scores or add sinks: use sdpa")
     if meta.paged is not None:
         return meta.paged.attend(q, k, v, meta, layer)

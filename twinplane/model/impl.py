@@ -115,10 +115,8 @@ def portable_paths(mc: ModelConfig) -> list[str]:
         out.append(f"{mc.model_type}'s own blocks are not swapped for the engine's Triton or CPU-prepacked variants "
                    "(written for the shared Llama-style blocks)")
     if mc.attn_logit_softcapping is not None:
-        out.append("soft-capped attention scores (attn_logit_softcapping): no flash/flex/Triton kernel caps scores")
-    if mc.query_pre_attn_scalar is not None:
-        out.append("a score scale other than 1/sqrt(head_dim) (query_pre_attn_scalar): the Triton paged decode's is "
-                   "fixed")
+        out.append("soft-capped attention scores (attn_logit_softcapping): no flash/flex kernel caps scores (the "
+                   "Triton paged decode does)")
     out += fam.portable
     if mc.kv_lora_rank:
         out.append("latent attention's compressed KV pool: wider than the fused kernels' head sizes")

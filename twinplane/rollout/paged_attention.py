@@ -296,8 +296,9 @@ def _triton_decodes(q: torch.Tensor, meta: AttentionMetadata, layer: int) -> tor
     from twinplane.rollout.kernels.paged_decode import paged_decode  # (imports Triton: only where it runs)
 
     p, d = meta.paged, meta.paged.num_decodes
-    y = paged_decode(q[0, :, :d].transpose(0, 1), *p.pools(layer), p.block_tables[:d],
-                     p.context_lens[:d], meta.window, p.max_context)  # [d, H, D]
+    y = paged_decode(q[0, :, :d].transpose(0, 1), *p.pools(layer), p.block_tables[:d], p.context_lens[:d],
+                     meta.window, p.max_context, scale=meta.scale, softcap=meta.softcap,
+                     sinks=meta.sinks)  # [d, H, D]
     return y.transpose(0, 1)
 
 

@@ -4,7 +4,8 @@ slides), tanh soft-capping of the attention scores (`attn_logit_softcapping`) an
 RMSNorms that scale by (1 + weight) in fp32, four of them per layer (around attention and around the GELU-tanh MLP).
 
 The per-layer windows, scale and soft-cap reach attention through `AttentionMetadata.for_layer`
-(`ModelConfig.layer_attention`); soft-capped layers take the portable attention path on both planes."""
+(`ModelConfig.layer_attention`); soft-capped layers take the portable attention path on both planes, except the
+engine's Triton paged decode, which caps scores itself."""
 
 from __future__ import annotations
 

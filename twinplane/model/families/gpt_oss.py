@@ -6,7 +6,8 @@ its logits, softmax over those k) and experts with biases and a clamped SwiGLU (
 (`gate_up_proj` [E, D, 2F] with gate and up interleaved, `down_proj` [E, F, D]), so checkpoints keep their names.
 
 The sinks reach attention through `AttentionMetadata.with_sinks`: sink layers take the portable explicit-scores
-path on both planes (the engine's fast attention paths fall back for them). transformers' reference is its eager
+path on both planes, except the engine's Triton paged decode, which adds them itself. transformers' reference is
+its eager
 attention. MXFP4 checkpoints (the experts' weights as `*_blocks` / `*_scales`) are dequantized on load."""
 
 from __future__ import annotations
@@ -195,4 +196,5 @@ def write(cfg) -> dict:
 
 FAMILY = Family("gpt_oss", "GptOssForCausalLM", read, write, mlp=mlp, decoder_layer=GptOssLayer,
                 unsupported=DROPOUT, activation_key=None, norm=GptOssRMSNorm, dequantize={"mxfp4": dequantize_mxfp4},
-                portable=("attention sinks: no flash/flex/Triton kernel adds them to the softmax",))
+                portable=("attention sinks: no flash/flex kernel adds them to the softmax (the Triton paged decode "
+                          "does)",))

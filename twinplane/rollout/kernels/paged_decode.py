@@ -29,6 +29,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from twinplane.model.attention import capped_attention
+
+LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))  # scores run in log2 units (exp2)
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many tokens (fewer: the merge costs more than it saves)
 MAX_SPLITS = 16
 PROGRAMS_PER_SM = 2  # stage 1 aims at this many programs per streaming multiprocessor (compute unit on AMD)
@@ -49,11 +52,12 @@ def num_splits(batch: int, kv_heads: int, tokens: int, device: torch.device) -> 
 
 
 @triton.jit
-def _decode_split(Q, K, V, Tables, Lens, Out, PartOut, PartLse, scale, num_splits,
+def _decode_split(Q, K, V, Tables, Lens, Out, PartOut, PartLse, Sinks, scale, softcap, num_splits,
                   stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh, stride_tb,
                   stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                   G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,7 +94,11 @@ def _decode_split(Q, K, V, Tables, Lens, Out, PartOut, PartLse, scale, num_split
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = tl.where(ok[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        if SOFTCAP:  # (scale: natural units here; tanh from exp, which every backend and the interpreter have)
+            s = softcap * LOG2E * (1.0 - 2.0 / (tl.exp(2.0 * s * scale / softcap) + 1.0))
+        else:  # (scale: log2 units)
+            s = s * scale
+        s = tl.where(ok[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -105,6 +113,8 @@ def _decode_split(Q, K, V, Tables, Lens, Out, PartOut, PartLse, scale, num_split
 
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if ONE_SPLIT:  # (split 0 always holds the query's own token: total > 0)
+        if SINKS:  # a logit per head in the denominator only
+            total += tl.exp2(tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E - m)
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                  (acc / total[:, None]).to(Out.dtype.element_ty), mask=out_mask)
     else:
@@ -117,9 +127,9 @@ def _decode_split(Q, K, V, Tables, Lens, Out, PartOut, PartLse, scale, num_split
 
 
 @triton.jit
-def _decode_merge(PartOut, PartLse, Out, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+def _decode_merge(PartOut, PartLse, Out, Sinks, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                   stride_ob, stride_oh, G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, BLOCK_H)
@@ -139,19 +149,23 @@ def _decode_merge(PartOut, PartLse, Out, num_splits, stride_pb, stride_ph, strid
         total = total * alpha + w
         acc = acc * alpha[:, None] + w[:, None] * part
         m = m_new
+    if SINKS:
+        total += tl.exp2(tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E - m)
     tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              (acc / total[:, None]).to(Out.dtype.element_ty), mask=mask)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, window: int | None = None, max_context: int | None = None,
-                 splits: int | None = None, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+                 splits: int | None = None, block_n: int = 32, num_warps: int = 4, scale: float | None = None,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, at position context_lens - 1), one layer's k/v_cache
     [N, block_size, H_kv, D], block_tables [B, M] int32, context_lens [B] int32 -> [B, H, D] in q's dtype.
 
     `max_context`: the most keys a sequence may have (default: the table width), which with the batch size sets
     the split count (`num_splits`) unless `splits` is given; `block_n` (tokens per tile, >= 16) and `num_warps`
-    tune stage 1's launch. Softmax scale 1 / sqrt(D), as SDPA's default.
+    tune stage 1's launch. Softmax `scale` (None: 1 / sqrt(D), as SDPA's default); `softcap`: scores tanh
+    soft-capped (Gemma 2); `sinks` [H]: a logit per head that joins the softmax and takes no value (GPT-OSS).
     The products run in the inputs' dtype with fp32 accumulation (bf16/fp16 on tensor cores), and in exact fp32
     for fp32 inputs and in Triton's CPU interpreter (whose `tl.dot` multiplies 16-bit floats as raw bits)."""
     B, H, D = q.shape
@@ -168,22 +182,30 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part_out = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
     part_lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if S > 1 else out
     hip = torch.version.hip is not None and q.device.type == "cuda"
+    # (scores in log2 units: the scale folds log2(e) in, except under a soft-cap, which takes natural units)
+    if softcap:
+        sm_scale = 1 / math.sqrt(D) if scale is None else scale
+    else:
+        sm_scale = math.log2(math.e) / math.sqrt(D) if scale is None else math.log2(math.e) * scale
     _decode_split[(B, H_kv, S)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, math.log2(math.e) / math.sqrt(D),
-        S, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, out if sinks is None else sinks,
+        sm_scale, softcap or 1.0, S, q.stride(0), q.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), *(part_out.stride()[:3] if S > 1 else (0, 0, 0)),
         *(part_lse.stride()[:2] if S > 1 else (0, 0)),
         G=G, D=D, BS=bs, WINDOW=window or 0, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, ONE_SPLIT=S == 1,
-        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, num_warps=num_warps, num_stages=1 if hip else 2)
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, SOFTCAP=bool(softcap), SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=1 if hip else 2)
     if S > 1:
-        _decode_merge[(B, H_kv)](part_out, part_lse, out, S, *part_out.stride()[:3], *part_lse.stride()[:2],
-                                 out.stride(0), out.stride(1), G=G, D=D, BLOCK_H=block_h, BLOCK_D=block_d,
-                                 num_warps=4)
+        _decode_merge[(B, H_kv)](part_out, part_lse, out, out if sinks is None else sinks, S,
+                                 *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), G=G,
+                                 D=D, BLOCK_H=block_h, BLOCK_D=block_d, SINKS=sinks is not None, num_warps=4)
     return out
 
 
 def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                       context_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+                       context_lens: torch.Tensor, window: int | None = None, scale: float | None = None,
+                       softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: every table slot gathered, masked to each sequence's keys, SDPA. Same arguments and
     result as `paged_decode`."""
     B, H, D = q.shape
@@ -195,6 +217,8 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     mask = pos < ctx
     if window is not None:
         mask &= (ctx - 1 - pos) < window
+    if softcap is not None or sinks is not None:
+        return capped_attention(q[:, :, None], keys, vals, mask[:, None, None], False, scale, softcap, sinks)[:, :, 0]
     y = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=mask[:, None, None],
-                                       enable_gqa=H != H_kv)
+                                       enable_gqa=H != H_kv, scale=scale)
     return y[:, :, 0]
