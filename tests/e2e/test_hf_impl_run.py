@@ -4,12 +4,10 @@ through PEFT, and what the hf path cannot do is refused in one line."""
 
 import pytest
 import torch
-from conftest import char_hf_folder, outcome, rows, train
+from conftest import NATIVE_RUN, char_hf_folder, outcome, rows, train
 
 transformers = pytest.importorskip("transformers")
-RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
-       "task.heldout_size=8", "eval.before=false", "eval.every=0", "log.progress=false", "checkpoint.every=1",
-       "train.micro_batch_size=8", "algo.kl_coef=0.05"]
+RUN = [*NATIVE_RUN, "checkpoint.every=1"]
 
 
 @pytest.fixture(scope="module")

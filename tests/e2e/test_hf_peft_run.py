@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import char_hf_folder, outcome, rows, train
+from conftest import NATIVE_RUN, char_hf_folder, outcome, rows, train
 from safetensors.torch import load_file
 
 from twinplane.cli import main
@@ -20,10 +20,7 @@ from twinplane.model.lora_io import load_adapter
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 # an entropy bonus: the random model's answers all score 0, and the adapters should still move
-RUN = ["warmstart.steps=0", "train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
-       "task.heldout_size=8", "eval.before=false", "eval.every=0", "log.progress=false", "checkpoint.every=1",
-       "train.micro_batch_size=8", "algo.kl_coef=0.05", "algo.entropy_coef=0.01", "train.lr=1e-2",
-       "train.lora.rank=4"]
+RUN = [*NATIVE_RUN, "checkpoint.every=1", "algo.entropy_coef=0.01", "train.lr=1e-2", "train.lora.rank=4"]
 PREFIX = "base_model.model."
 
 

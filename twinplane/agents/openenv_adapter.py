@@ -98,9 +98,8 @@ class _Local:
     """An Environment instance in this process. Plain methods run on a worker thread (the agents' event loop stays
     free), all on the loop's own thread for an environment that asks for a single thread."""
 
-    def __init__(self, env, base: type):
-        self.env, self.base = env, base
-        self.inline = bool(getattr(type(env), "REQUIRES_SINGLE_THREAD_EXECUTOR", False))
+    def __init__(self, env, base: type, inline: bool):
+        self.env, self.base, self.inline = env, base, inline
 
     def _method(self, name: str):
         """(the method, whether it is async): `name_async` where the class overrides it, as OpenEnv's server picks."""
@@ -130,9 +129,10 @@ class _Local:
 
 
 def _local_session(cls: type, base: type):
+    inline = bool(getattr(cls, "REQUIRES_SINGLE_THREAD_EXECUTOR", False))
+
     async def open_() -> _Local:
-        inline = bool(getattr(cls, "REQUIRES_SINGLE_THREAD_EXECUTOR", False))
-        return _Local(cls() if inline else await asyncio.to_thread(cls), base)
+        return _Local(cls() if inline else await asyncio.to_thread(cls), base, inline)
     return open_
 
 

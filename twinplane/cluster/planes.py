@@ -191,8 +191,7 @@ def reference_is_base(cfg: Config, algo: Algorithm | None = None) -> bool:
 
 def engine_model(cfg: Config, model: Transformer) -> Transformer:
     """The engine's copy of the policy in the rollout dtype (LoRA adapters and `precision.fp32_names` stay fp32): the
-    same adapted model, or
-    with `rollout.lora_merge` a plain model with the adapters folded in."""
+    same adapted model, or with `rollout.lora_merge` a plain model with the adapters folded in."""
     rollout_dtype = runtime.rollout_dtype(cfg.model, model.output_weight().device)
     model = copy.deepcopy(model)
     if cfg.rollout.lora_merge:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from twinplane.model.families import family
 from twinplane.model.params import counts
-from twinplane.model.rope import check_scaling, finite, read_rope
+from twinplane.model.rope import check_scaling, finite, read_rope, rope_limits
 
 # Sizes that must be positive integers (JSON lets them be strings or floats), as fields and as config.json keys.
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -170,15 +170,14 @@ class ModelConfig:
         """longrope's pretraining length (None: another rope): a token predicted from more tokens than this takes
         the long factors, with every position of its context rotated by them, as transformers' `generate` does (it
         re-encodes the whole sequence where it crosses); within it, the short ones."""
-        s = self.rope_scaling or {}
-        return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
+        return rope_limits(self.rope_scaling, self.max_position_embeddings)[0]
 
     @property
     def dynamic_rope_limit(self) -> int | None:
         """Dynamic NTK's length, max_position_embeddings (None: another rope). Within it the frequencies are plain
         rope's; past it transformers rescales them per forward from the longest sequence it has run so far, which
         depends on the batch and on earlier calls: neither plane follows that, so sequences past it are refused."""
-        return self.max_position_embeddings if (self.rope_scaling or {}).get("rope_type") == "dynamic" else None
+        return rope_limits(self.rope_scaling, self.max_position_embeddings)[1]
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: full causal attention)."""

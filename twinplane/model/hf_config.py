@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from twinplane.model.rope import read_rope, rope_limits
+
 
 def _get(hf, *names, default=None):
     """The first of `names` the HF config sets (families name the same size differently)."""
@@ -68,19 +70,12 @@ class HFConfig:
     @property
     def longrope_limit(self) -> int | None:
         """longrope's pretraining length, as transformers reads it (see `ModelConfig.longrope_limit`)."""
-        h = self.hf_dict
-        rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
-            return None
-        return (h.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-                or h.get("max_position_embeddings"))
+        return rope_limits(read_rope(self.hf_dict)[1], self.max_position_embeddings)[0]
 
     @property
     def dynamic_rope_limit(self) -> int | None:
         """Dynamic NTK's length, as transformers reads it (see `ModelConfig.dynamic_rope_limit`)."""
-        h = self.hf_dict
-        rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
-        return self.max_position_embeddings if rope.get("rope_type", rope.get("type")) == "dynamic" else None
+        return rope_limits(read_rope(self.hf_dict)[1], self.max_position_embeddings)[1]
 
     @property
     def attn_params(self) -> int:

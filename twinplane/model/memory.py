@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from twinplane.model.config import ModelConfig
-from twinplane.model.flops import attention_layer_count, mlp_width
+from twinplane.model.flops import DELTANET_CHUNK, attention_layer_count, mlp_width
 from twinplane.model.lora import TARGETS
 from twinplane.platform import devices
 
@@ -149,7 +149,7 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int) -> float:
     return float(4 * d + 5 * a + 6 * k + 4 * f) * act_bytes
 
 
-def linear_attention_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int, chunk: int = 64) -> float:
+def linear_attention_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int, chunk: int = DELTANET_CHUNK) -> float:
     """Saved-for-backward activations of one Gated DeltaNet layer (`gated_deltanet.py`), per token. In elements:
       5d + 4f + 2c  (norms, projections' inputs, the MLP; c = the convolution's channels, 2 H_k d_k + H d_v)
       + 13 H d_k + 9 H d_v + 5 H C + H d_k d_v / C  (the chunked delta rule, in fp32 whatever the dtype: its q/k/v
@@ -166,10 +166,10 @@ def linear_attention_bytes_per_token_layer(cfg: ModelConfig, act_bytes: int, chu
 def layers_activation_bytes_per_token(cfg: ModelConfig, act_bytes: int) -> tuple[float, float]:
     """(every layer's saved activations per token, summed; the largest one layer's): attention layers as
     `activation_bytes_per_token_layer`, a hybrid's linear-attention ones as `linear_attention_bytes_per_token_layer`."""
-    linear = len(getattr(cfg, "linear_layers", ()))
+    attending = attention_layer_count(cfg)
     attn = activation_bytes_per_token_layer(cfg, act_bytes)
-    lin = linear_attention_bytes_per_token_layer(cfg, act_bytes) if linear else 0.0
-    return attn * (cfg.num_layers - linear) + lin * linear, max(attn, lin)
+    lin = linear_attention_bytes_per_token_layer(cfg, act_bytes) if attending < cfg.num_layers else 0.0
+    return attn * attending + lin * (cfg.num_layers - attending), max(attn, lin)
 
 
 def lora_params(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = TARGETS) -> int:

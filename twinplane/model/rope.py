@@ -157,6 +157,14 @@ def longrope_inv_freq(cfg: ModelConfig, long: bool) -> torch.Tensor:
     return 1.0 / (ext * cfg.rope_theta ** shape)
 
 
+def rope_limits(scaling: dict | None, max_position_embeddings: int) -> tuple[int | None, int | None]:
+    """(longrope's pretraining length, dynamic NTK's length) of a `read_rope` scaling, None where it is of another
+    type (`ModelConfig.longrope_limit`, `ModelConfig.dynamic_rope_limit`)."""
+    kind = (scaling or {}).get("rope_type")
+    return (scaling["original_max_position_embeddings"] if kind == "longrope" else None,
+            max_position_embeddings if kind == "dynamic" else None)
+
+
 def longrope_pick(positions: torch.Tensor, short: torch.Tensor, long: torch.Tensor, old_ctx: int,
                   per_token: torch.Tensor | None = None) -> torch.Tensor:
     """The frequencies each token rotates by: with `per_token` [B, T] (True: long), the caller's choice per token

@@ -7,8 +7,7 @@ its logits, softmax over those k) and experts with biases and a clamped SwiGLU (
 
 The sinks reach attention through `AttentionMetadata.with_sinks`: sink layers take the portable explicit-scores
 path on both planes, except the engine's Triton paged decode, which adds them itself. transformers' reference is
-its eager
-attention. MXFP4 checkpoints (the experts' weights as `*_blocks` / `*_scales`) are dequantized on load."""
+its eager attention. MXFP4 checkpoints (the experts' weights as `*_blocks` / `*_scales`) are dequantized on load."""
 
 from __future__ import annotations
 
